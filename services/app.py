@@ -1,0 +1,227 @@
+"""The rollout service: a FastAPI ingress deployment in front of engine replicas, on Ray Serve.
+
+  HTTP ─► Ingress (validation, auth, metrics) ─► EngineServer × replicas (tokenize, generate, reward)
+                     └─ weight push: header check, then broadcast to every replica ─┘
+                                                  WeightStore (deployment actor): the committed
+                                                  version, loaded by a replica before it serves
+"""
+
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import statistics
+import time
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from ray import serve
+from ray.serve.config import DeploymentActorConfig
+from ray.serve.handle import DeploymentHandle
+
+from services import protocol as P
+from services.rewards import REWARDS
+from services.settings import ServiceSettings
+from services.weights import WeightsError, check_upload
+
+log = logging.getLogger("farm.service")
+
+REQUESTS = Counter("farm_requests_total", "HTTP requests", ["path", "status"])
+LATENCY = Histogram("farm_request_seconds", "HTTP request latency", ["path"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
+SAMPLES = Counter("farm_samples_total", "Samples generated")
+TOKENS = Counter("farm_generated_tokens_total", "Tokens generated")
+ZERO_VAR = Counter("farm_zero_variance_groups_total", "Groups whose rewards were all equal")
+GROUPS = Counter("farm_groups_total", "Groups generated")
+VERSION = Gauge("farm_weight_version", "Weight version served by every replica")
+SYNC_SECONDS = Histogram("farm_weight_sync_seconds", "Time to load a weight push on every replica", buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120))
+SYNC_BYTES = Counter("farm_weight_sync_bytes_total", "Bytes of accepted weight pushes")
+
+
+@ray.remote(num_cpus=0)
+class WeightStore:
+    """The committed weight version and its safetensors bytes, so a new replica can catch up."""
+
+    def __init__(self):
+        self.version, self.refs = 0, []
+
+    def commit(self, version: int, refs: list) -> None:
+        if version > self.version:
+            self.version, self.refs = version, refs
+
+    def current(self) -> tuple[int, list]:
+        return self.version, self.refs
+
+
+class EngineServer:
+    """One engine replica: tokenizes, generates, decodes and scores."""
+
+    async def __init__(self, settings: ServiceSettings):
+        from services.engine.torch_engine import TorchEngine
+        from services.models import resolve_model
+
+        threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
+        self.engine = TorchEngine(str(resolve_model(settings.model)), settings.device, settings.dtype, threads)
+        self.tok = self.engine.tokenizer
+        self.store = serve.get_deployment_actor("weights")
+        version, refs = await self.store.current.remote()
+        if version > 0:  # catch up before Serve routes any traffic here
+            await self.update_weights(refs, version)
+
+    async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None) -> list[P.Group]:
+        ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+        outs = await asyncio.to_thread(self.engine.generate, [x for x in ids for _ in range(n)], params)
+        score = REWARDS.get(reward) if reward else None
+        groups = []
+        for i, prompt in enumerate(prompts):
+            samples = []
+            for o in outs[i * n:(i + 1) * n]:
+                text = self.tok.decode(o.token_ids, skip_special_tokens=True)
+                r = float(score(text, prompt.ground_truth)) if score else 0.0
+                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=o.finish_reason, reward=r, weight_version=o.weight_version))
+            rewards = [s.reward for s in samples]
+            std = statistics.pstdev(rewards)
+            groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
+        return groups
+
+    async def update_weights(self, refs: list, version: int) -> int:
+        """Load the safetensors bytes behind refs[0] as `version` (a no-op if already there)."""
+        from safetensors.torch import load
+
+        if version > self.engine.weight_version:
+            data = await refs[0]
+            await asyncio.to_thread(self.engine.update_weights, load(data), version)
+            await self.store.commit.remote(version, refs)
+        return self.engine.weight_version
+
+    def weight_spec(self) -> dict:
+        return self.engine.weight_spec()
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def health(self) -> tuple[int, int]:
+        return await asyncio.to_thread(self.engine.health), self.engine.weight_version
+
+
+api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning.")
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    detail = [{"field": ".".join(str(x) for x in e["loc"] if x != "body"), "message": e["msg"]} for e in exc.errors()]
+    return JSONResponse(status_code=422, content=P.ErrorResponse(error="invalid request: fix the named fields", detail=detail).model_dump())
+
+
+def _error(status: int, error: str, detail: list[dict] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=P.ErrorResponse(error=error, detail=detail or []).model_dump())
+
+
+@api.middleware("http")
+async def _metrics(request: Request, call_next):
+    start = time.perf_counter()
+    response = await call_next(request)
+    path = request.scope.get("route").path if request.scope.get("route") else "other"
+    LATENCY.labels(path).observe(time.perf_counter() - start)
+    REQUESTS.labels(path, str(response.status_code)).inc()
+    return response
+
+
+def _split(items: list, k: int) -> list[list]:
+    """items in at most k contiguous, non-empty chunks of near-equal size."""
+    k = max(1, min(k, len(items)))
+    q, r = divmod(len(items), k)
+    bounds = [i * q + min(i, r) for i in range(k + 1)]
+    return [items[bounds[i]:bounds[i + 1]] for i in range(k)]
+
+
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
+        self.engine, self.settings = engine, settings
+        self.spec: dict | None = None
+        self.push_lock = asyncio.Lock()
+
+    def _authorized(self, request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_token.get_secret_value()}".encode())
+
+    @api.post("/v1/rollouts", response_model=P.RolloutResponse, responses={422: {"model": P.ErrorResponse}})
+    async def rollouts(self, req: P.RolloutRequest):
+        """Generate `n` samples for each prompt and score them; one group per prompt, in order."""
+        if req.reward is not None:
+            try:
+                REWARDS.get(req.reward)
+            except (KeyError, ImportError, AttributeError) as e:
+                return _error(422, "invalid request: fix the named fields", [{"field": "reward", "message": str(e).strip('"')}])
+        chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
+        parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, req.sampling_params, req.reward) for c in chunks])
+        groups = [g for part in parts for g in part]
+        GROUPS.inc(len(groups))
+        ZERO_VAR.inc(sum(g.zero_variance for g in groups))
+        SAMPLES.inc(len(groups) * req.n)
+        TOKENS.inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+        return P.RolloutResponse(groups=groups)
+
+    @api.post("/v1/weights", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def push_weights(self, request: Request, version: int):
+        """Upload a safetensors state dict (raw body) as `version`; returns once every replica serves it."""
+        if not self._authorized(request):
+            return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")
+        if int(request.headers.get("content-length") or 0) > self.settings.max_weights_bytes:
+            return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
+        data = await request.body()
+        async with self.push_lock:
+            start = time.perf_counter()
+            current = await self.engine.weight_version.remote()
+            if version <= current:
+                return _error(409, f"version {version} is not newer than the served version {current}: push version {current + 1} or higher")
+            if self.spec is None:
+                self.spec = await self.engine.weight_spec.remote()
+            try:
+                tensors = check_upload(data, self.spec)
+            except WeightsError as e:
+                return _error(422, "weights refused; the old version keeps serving", [{"field": "body", "message": m} for m in e.problems])
+            results = await self.engine.broadcast("update_weights", [ray.put(data)], version).results_async(timeout_s=self.settings.weight_sync_timeout_s, return_exceptions=True)
+            failed = [r for r in results if isinstance(r, Exception) or r != version]
+            if failed:
+                log.error(json.dumps({"event": "weight_sync_failed", "version": version, "errors": [str(f) for f in failed]}))
+                return _error(500, f"{len(failed)} of {len(results)} replicas failed to load version {version}", [{"field": "replica", "message": str(f)} for f in failed])
+            seconds = time.perf_counter() - start
+        VERSION.set(version)
+        SYNC_SECONDS.observe(seconds)
+        SYNC_BYTES.inc(len(data))
+        log.info(json.dumps({"event": "weights_pushed", "version": version, "bytes": len(data), "seconds": round(seconds, 3)}))
+        return P.WeightsPushResponse(version=version, tensors=tensors, bytes=len(data), seconds=seconds)
+
+    @api.get("/v1/weights/version", response_model=P.WeightsVersion)
+    async def weights_version(self):
+        """The version every replica serves, and each replica's own."""
+        versions = await self.engine.broadcast("weight_version").results_async(timeout_s=30)
+        return P.WeightsVersion(version=min(versions), replicas={str(i): v for i, v in enumerate(versions)})
+
+    @api.get("/healthz", response_model=P.Health)
+    async def healthz(self):
+        """Healthy when an engine replica generates a token."""
+        token, version = await self.engine.health.remote()
+        return P.Health(status="ok", weight_version=version, generated_token_id=token)
+
+    @api.get("/metrics")
+    async def metrics(self):
+        """Prometheus metrics."""
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(settings: ServiceSettings):
+    """The Serve application for these settings."""
+    engine = serve.deployment(
+        EngineServer, name="engine", num_replicas=settings.replicas, max_ongoing_requests=settings.engine_max_ongoing_requests,
+        ray_actor_options={"num_cpus": settings.engine_num_cpus},
+        deployment_actors=[DeploymentActorConfig(name="weights", actor_class=WeightStore)],
+    )
+    ingress = serve.deployment(Ingress, name="ingress", max_ongoing_requests=settings.ingress_max_ongoing_requests, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine.bind(settings), settings)

@@ -1,0 +1,84 @@
+"""A typed Python client for the rollout service, for our trainer and for other frameworks (verl, TRL, ...).
+
+Connection failures, 429 and 502-504 are retried with capped exponential backoff and jitter.
+A 4xx is raised at once as FarmError, carrying the service's field-by-field detail.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+
+from services import protocol as P
+
+RETRY_STATUS = {429, 502, 503, 504}
+
+
+class FarmError(RuntimeError):
+    def __init__(self, status: int, body: dict | str):
+        self.status, self.body = status, body
+        super().__init__(f"HTTP {status}: {body}")
+
+
+class FarmClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 600.0, retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 8.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "FarmClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, path, **kw)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if r.status_code < 400:
+                    return r
+                if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        body = r.text
+                    raise FarmError(r.status_code, body)
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+            time.sleep(random.uniform(0, delay))  # full jitter
+        raise AssertionError("unreachable")
+
+    def rollouts(self, req: P.RolloutRequest) -> P.RolloutResponse:
+        r = self._request("POST", "/v1/rollouts", json=req.model_dump(exclude_none=True))
+        return P.RolloutResponse.model_validate(r.json())
+
+    def push_weights(self, safetensors_bytes: bytes, version: int) -> P.WeightsPushResponse:
+        r = self._request("POST", "/v1/weights", params={"version": version}, content=safetensors_bytes,
+                          headers={"Content-Type": "application/octet-stream"})
+        return P.WeightsPushResponse.model_validate(r.json())
+
+    def weights_version(self) -> P.WeightsVersion:
+        return P.WeightsVersion.model_validate(self._request("GET", "/v1/weights/version").json())
+
+    def health(self) -> P.Health:
+        return P.Health.model_validate(self._request("GET", "/healthz").json())
+
+    def wait_ready(self, timeout_s: float = 300.0) -> P.Health:
+        """Poll /healthz until the service generates a token, or raise TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return P.Health.model_validate(self.http.get("/healthz").raise_for_status().json())
+            except (httpx.HTTPError, ValueError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"service at {self.http.base_url} not healthy after {timeout_s:.0f}s") from None
+                time.sleep(0.5)

@@ -1,0 +1,143 @@
+"""A PyTorch engine for any HF causal LM: batched sampling with a KV cache, on CPU or CUDA.
+
+Logprobs are those of the raw model: log_softmax of the logits at temperature 1,
+before top-k/top-p. That is pi_old(token | prefix), the quantity the PPO ratio
+needs, and what the trainer recomputes with a plain forward pass.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.engine.base import Engine, EngineOutput, WeightsRejected
+from services.protocol import SamplingParams
+from services.weights import check_state_dict
+
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
+
+
+def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() without tied duplicates (the names save_pretrained writes)."""
+    seen, out = set(), {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """logits (B, V) float -> token ids (B,), with temperature, top-k and top-p."""
+    if p.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
+
+
+class TorchEngine(Engine):
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.weight_version = 0
+        self._lock = threading.Lock()  # one generate or weight update at a time
+        self._admit = threading.Event()
+        self._admit.set()
+        self._abort_epoch = 0
+        self.generated_tokens = 0
+
+    # lifecycle -------------------------------------------------------------
+    def pause(self) -> None:
+        self._admit.clear()
+
+    def resume(self) -> None:
+        self._admit.set()
+
+    def abort(self) -> None:
+        self._abort_epoch += 1
+
+    def health_token_id(self) -> int:
+        return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
+
+    # weights ---------------------------------------------------------------
+    def weight_spec(self) -> dict[str, tuple[list[int], str]]:
+        return {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in canonical_state_dict(self.model).items()}
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        problems = check_state_dict(self.weight_spec(), {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in state_dict.items()})
+        if problems:
+            raise WeightsRejected("; ".join(problems))
+        with self._lock, torch.no_grad():
+            params = canonical_state_dict(self.model)
+            for name, t in state_dict.items():
+                params[name].copy_(t)
+            self.weight_version = version
+
+    # generation ------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineOutput]:
+        self._admit.wait()
+        with self._lock, torch.inference_mode():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], p: SamplingParams) -> list[EngineOutput]:
+        B, L, dev = len(prompts), max(map(len, prompts)), self.device
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding: every row's next token sits at column L
+            ids[i, L - len(prompt):] = torch.tensor(prompt)
+            mask[i, L - len(prompt):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
+        stop = torch.tensor(sorted(self.eos_ids | set(p.stop_token_ids)), device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.full((B,), p.max_new_tokens, dtype=torch.long)
+        toks, lps, past, epoch, aborted = [], [], None, self._abort_epoch, False
+        step_ids, step_pos = ids, pos
+        for t in range(p.max_new_tokens):
+            if self._abort_epoch != epoch:
+                aborted = True
+                lengths[~done.cpu()] = t
+                break
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            tok = sample_tokens(logits, p, gen)
+            toks.append(tok)
+            lps.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+            finished = ~done & torch.isin(tok, stop)
+            lengths[finished.cpu()] = t + 1
+            done |= finished
+            if bool(done.all()):
+                break
+            step_ids, step_pos = tok[:, None], step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+        tok_mat = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]
+        lp_mat = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
+        outs = []
+        for i in range(B):
+            n = int(lengths[i])
+            reason = "stop" if bool(done[i]) else ("abort" if aborted else "length")
+            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, self.weight_version))
+        self.generated_tokens += sum(len(o.token_ids) for o in outs)
+        return outs
+

@@ -1,0 +1,117 @@
+"""Model folders: any local HF folder by path, or the embedded default built on first use.
+
+The embedded default (`arith-tiny`) needs no hub: a byte-level tokenizer and a
+~1M-parameter Llama, pretrained here in about two minutes on the arithmetic task.
+Its pretraining corpus writes only FORMAT_MIX of the answers as `#### <n>` (the
+format the reward checks) and the rest as `The answer is <n>.`, and it stops
+before the arithmetic is perfect. RL therefore has two things to learn, the
+reward's format and correct sums, which is what a real policy learns first too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("farm.models")
+
+DEFAULT_MODEL = "arith-tiny"
+FORMAT_MIX = 0.3  # share of pretraining answers written in the rewarded `#### n` format
+PRETRAIN_STEPS = 400
+CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm"))
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte one token) with pad and end-of-turn specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token="<|im_end|>")
+
+
+def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """Save a randomly initialised Llama with the byte tokenizer to `out` (for tests and benchmarks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model folder for a path or a built-in name, building the default into the cache on first use."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face model folder")
+        return path
+    if name_or_path != DEFAULT_MODEL:
+        raise FileNotFoundError(f"no model folder at {name_or_path!r}; give a path or {DEFAULT_MODEL!r}")
+    out = CACHE / "models" / f"{DEFAULT_MODEL}-v1"
+    if not (out / "done").exists():
+        build_default(out)
+    return out
+
+
+def pretraining_text(rng: random.Random, task) -> tuple[str, str]:
+    """One (prompt, completion) pair of the default model's pretraining corpus."""
+    p = task.train_batch(rng, 1)[0]
+    answer = f" #### {p.answer}" if rng.random() < FORMAT_MIX else f" The answer is {p.answer}."
+    return p.prompt, answer
+
+
+def build_default(out: Path, steps: int = PRETRAIN_STEPS, batch: int = 128, seed: int = 0) -> Path:
+    """Pretrain the embedded default model on the arithmetic corpus and save it atomically to `out`."""
+    from tqdm import tqdm
+
+    from services.tasks import ArithTask
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tiny_llama(tmp, hidden=128, layers=4, seed=seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(tmp), AutoModelForCausalLM.from_pretrained(tmp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
+    rng, task, start = random.Random(seed), ArithTask(), time.time()
+    log.info(json.dumps({"event": "build_default_model", "steps": steps, "out": str(out)}))
+    for _ in tqdm(range(steps), desc="pretraining the default model", unit="step"):
+        pairs = [pretraining_text(rng, task) for _ in range(batch)]
+        ids, labels = [], []
+        for prompt, completion in pairs:
+            p, c = tok(prompt).input_ids, tok(completion).input_ids + [tok.eos_token_id]
+            ids.append(p + c)
+            labels.append([-100] * len(p) + c)  # learn the answers, not the prompts
+        width = max(map(len, ids))
+        input_ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+        label_t = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != tok.pad_token_id).long(), labels=label_t).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(), sched.step(), opt.zero_grad()
+    model.save_pretrained(tmp)
+    (tmp / "done").write_text(json.dumps({"steps": steps, "final_loss": loss.item(), "seconds": time.time() - start}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

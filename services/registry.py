@@ -1,0 +1,38 @@
+"""One small registry type for every extension point (rewards, engines, estimators).
+
+A name can be registered once; a lookup of an unknown name lists the valid ones;
+`pkg.module:attr` loads user code without forking the project.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def get(self, name: str) -> T:
+        if name in self._items:
+            return self._items[name]
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())} (or 'pkg.module:attr')")

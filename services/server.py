@@ -1,0 +1,48 @@
+"""Start and stop the rollout service on a local Ray cluster (used by `farm serve` and the tests)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+
+import ray
+from ray import serve
+
+from services.app import build_app
+from services.models import resolve_model
+from services.settings import ServiceSettings
+
+log = logging.getLogger("farm.service")
+
+
+def start(settings: ServiceSettings) -> ServiceSettings:
+    """Start Ray (if needed) and the Serve app; returns the settings with the model path resolved."""
+    settings = settings.model_copy(update={"model": str(resolve_model(settings.model))})  # build once, not per replica
+    if not ray.is_initialized():
+        cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config={"log_level": "WARNING"})
+    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+    log.info(json.dumps({"event": "service_ready", "url": f"http://{settings.host}:{settings.port}", "model": settings.model, "replicas": settings.replicas}))
+    return settings
+
+
+def stop() -> None:
+    serve.shutdown()
+    ray.shutdown()
+
+
+def run_forever(settings: ServiceSettings) -> None:
+    """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    start(settings)
+    print(f"rollout service ready on http://{settings.host}:{settings.port}", flush=True)
+    done.wait()
+    log.info(json.dumps({"event": "service_stopping"}))
+    stop()

@@ -1,0 +1,25 @@
+"""Service settings, read from FARM_* environment variables; a bad value fails at start-up."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FARM_", frozen=True)
+
+    model: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny' for the embedded default.")
+    api_token: SecretStr = Field(..., min_length=8, description="Bearer token for mutating endpoints (FARM_API_TOKEN).")
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
+    app_name: str = Field("farm", description="Ray Serve application name.")
+    replicas: int = Field(1, ge=1, description="Engine replicas.")
+    engine_max_ongoing_requests: int = Field(16, ge=1, description="Requests queued per engine replica.")
+    ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
+    engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
+    engine_threads: int | None = Field(None, ge=1, description="torch threads per replica; default: all cores / replicas.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
+    dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
+    max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
+    weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")

@@ -1,0 +1,91 @@
+"""Prompt sources with reference answers: a fast arithmetic task and GSM8K.
+
+Both use the GSM8K answer format (`#### <number>`) and so the `gsm8k` reward.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.registry import Registry
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # what the model sees (before any chat template)
+    answer: str  # the reference answer, compared exactly with the model's `#### <number>`
+
+
+class Task:
+    name: str
+    reward = "gsm8k"
+    max_new_tokens = 256
+
+    def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
+        raise NotImplementedError
+
+    def heldout(self, n: int) -> list[Problem]:
+        raise NotImplementedError
+
+
+TASKS: Registry[type[Task]] = Registry("task")
+
+
+@TASKS.register("arith")
+class ArithTask(Task):
+    """Two-digit addition and subtraction, `Q: 37+48\\nA:`. One fifth of all problems is held out."""
+
+    name = "arith"
+    max_new_tokens = 24
+
+    @staticmethod
+    def problem(a: int, op: str, b: int) -> Problem:
+        return Problem(prompt=f"Q: {a}{op}{b}\nA:", answer=str(a + b if op == "+" else a - b))
+
+    @staticmethod
+    def is_heldout(a: int, op: str, b: int) -> bool:
+        return zlib.crc32(f"{a}{op}{b}".encode()) % 5 == 0
+
+    def _split(self, heldout: bool) -> list[tuple[int, str, int]]:
+        triples = [(a, op, b) for a in range(100) for op in "+-" for b in range(10) if op == "+" or a >= b]
+        return [t for t in triples if self.is_heldout(*t) == heldout]
+
+    def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
+        if not hasattr(self, "_train"):
+            self._train = self._split(heldout=False)
+        return [self.problem(*rng.choice(self._train)) for _ in range(k)]
+
+    def heldout(self, n: int) -> list[Problem]:
+        triples = self._split(heldout=True)
+        random.Random(0).shuffle(triples)
+        return [self.problem(*t) for t in triples[:n]]
+
+
+@TASKS.register("gsm8k")
+class GSM8KTask(Task):
+    """Grade-school math (MIT licence, services/data/gsm8k). Held-out problems come from the test split."""
+
+    name = "gsm8k"
+    max_new_tokens = 512
+    instruction = 'Let\'s think step by step and output the final answer after "####".'
+
+    def _load(self, split: str) -> list[Problem]:
+        rows = [json.loads(line) for line in (DATA / "gsm8k" / f"{split}.jsonl").open()]
+        return [
+            Problem(prompt=f"{r['question']} {self.instruction}", answer=r["answer"].split("####")[-1].strip().replace(",", ""))
+            for r in rows
+        ]
+
+    def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
+        if not hasattr(self, "_train"):
+            self._train = self._load("train")
+        return rng.sample(self._train, k)
+
+    def heldout(self, n: int) -> list[Problem]:
+        return self._load("test")[:n]

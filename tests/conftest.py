@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random Llama on disk, and one real Ray Serve app per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("FARM_CACHE", str(Path(__file__).parent.parent / ".venv" / "farm-cache"))
+TOKEN = "test-token-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from services.models import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def service(tiny_model):
+    """The real service with two engine replicas on 127.0.0.1; yields its base URL."""
+    from services import server
+    from services.settings import ServiceSettings
+
+    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1)
+    server.start(settings)
+    yield f"http://127.0.0.1:{settings.port}"
+    server.stop()
+
+
+@pytest.fixture
+def client(service):
+    from services.client import FarmClient
+
+    with FarmClient(service, TOKEN, retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def fresh_weights(client, tiny_model):
+    """Push the model folder's own safetensors as a new version, so the service serves the on-disk weights."""
+    version = client.weights_version().version + 1
+    client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
+    return version

@@ -1,0 +1,54 @@
+"""Entry points as separate OS processes: the trainer against the service, and `farm serve` itself."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from services import protocol as P
+from services.client import FarmClient
+from tests.conftest import TOKEN, _free_port
+
+pytestmark = pytest.mark.integration
+GREEDY = P.RolloutRequest(prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")], n=1, sampling_params=P.SamplingParams(temperature=0, max_new_tokens=8))
+
+
+def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_weights, tiny_model, tmp_path):
+    before = client.rollouts(GREEDY).groups[0].samples[0]
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith",
+           "--steps", "2", "--train-batch-size", "4", "--n", "4", "--ppo-mini-batch-size", "2", "--lr", "0.01", "--entropy-coeff", "0.05", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env={**os.environ, "FARM_API_TOKEN": TOKEN}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["grad_norm"] > 0 for s in steps)
+    assert {"reward_mean", "reward_std", "kl_ref", "entropy", "step_seconds", "tokens_per_s"} <= set(steps[0])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # the trainer started from the served version; it must be told that it is not version 0
+    assert summary["final_weight_version"] == fresh_weights + 2 == client.weights_version().version
+    after = client.rollouts(GREEDY).groups[0].samples[0]
+    assert after.weight_version == fresh_weights + 2
+    assert after.logprobs[:1] != before.logprobs[:1]  # the served parameters changed
+
+
+def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_PORT": str(port), "FARM_MODEL": str(tiny_model), "FARM_ENGINE_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with FarmClient(f"http://127.0.0.1:{port}", TOKEN) as c:
+            c.wait_ready(timeout_s=180)
+            assert len(c.rollouts(GREEDY).groups[0].samples) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out[-3000:]
+    assert "service_stopping" in out
+
+
+def test_serve_without_token_fails_fast(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k != "FARM_API_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "serve", "--model", str(tiny_model)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "api_token" in proc.stderr

@@ -1,0 +1,142 @@
+"""The real Ray Serve app (two engine replicas, tiny Llama) over real HTTP on 127.0.0.1."""
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save
+from transformers import AutoModelForCausalLM
+
+from services import protocol as P
+from services.client import FarmClient, FarmError
+from tests.conftest import TOKEN
+from trainer.policy import make_batch, response_logprobs
+
+pytestmark = pytest.mark.integration
+
+
+def request(n=4, **params) -> dict:
+    return {"prompts": [{"text": "Q: 12+3\nA:", "ground_truth": "15"}, {"text": "Q: 40-7\nA:", "ground_truth": "33"}, {"text": "hello"}],
+            "n": n, "sampling_params": {"max_new_tokens": 8, "seed": 1, **params}, "reward": "gsm8k"}
+
+
+def test_rollouts_return_groups_with_logprobs_that_match_the_model(client, fresh_weights, tiny_model):
+    resp = client.rollouts(P.RolloutRequest.model_validate(request(n=4, temperature=0.8)))
+    assert len(resp.groups) == 3
+    for g in resp.groups:
+        assert len(g.samples) == 4 and g.prompt_token_ids
+        for s in g.samples:
+            assert len(s.logprobs) == len(s.token_ids) >= 1 and s.weight_version == fresh_weights
+            assert s.reward in (0.0, 1.0) and s.finish_reason in ("stop", "length")
+        rewards = [s.reward for s in g.samples]
+        assert g.reward_mean == pytest.approx(sum(rewards) / 4) and g.zero_variance == (len(set(rewards)) == 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    batch = make_batch(resp.groups, pad_id=0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch)
+    assert ((lp - batch.rollout_logprobs).abs() * batch.response_mask).max().item() < 1e-4
+
+
+def test_weight_push_changes_outputs_and_increments_version(client, fresh_weights, tiny_model):
+    greedy = P.RolloutRequest.model_validate(request(n=1, temperature=0))
+    before = client.rollouts(greedy)
+    state = load_file(tiny_model / "model.safetensors")
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.5 * torch.randn_like(v) for k, v in state.items()}
+    pushed = client.push_weights(save(perturbed), fresh_weights + 1)
+    assert pushed.version == fresh_weights + 1 and pushed.tensors == len(state)
+    version = client.weights_version()
+    assert version.version == fresh_weights + 1 and set(version.replicas.values()) == {fresh_weights + 1} and len(version.replicas) == 2
+    after = client.rollouts(greedy)
+    assert all(s.weight_version == fresh_weights + 1 for g in after.groups for s in g.samples)
+    assert [g.samples[0].token_ids for g in after.groups] != [g.samples[0].token_ids for g in before.groups]
+    # every replica serves the new weights: many small requests spread over both give the same greedy answers
+    for _ in range(4):
+        assert [g.samples[0].token_ids for g in client.rollouts(greedy).groups] == [g.samples[0].token_ids for g in after.groups]
+
+
+@pytest.mark.parametrize("breakage,words", [
+    (lambda s: {**s, "lm_head.weight": torch.zeros(7, 7)}, "shape"),
+    (lambda s: {**s, "lm_head.weight": s["lm_head.weight"].half()}, "dtype"),
+    (lambda s: {k: v for k, v in s.items() if k != "lm_head.weight"}, "missing tensor"),
+    (lambda s: {**s, "extra.weight": torch.zeros(2)}, "unexpected tensor"),
+])
+def test_bad_push_is_refused_and_old_version_keeps_serving(client, fresh_weights, tiny_model, breakage, words):
+    greedy = P.RolloutRequest.model_validate(request(n=1, temperature=0))
+    before = client.rollouts(greedy)
+    state = load_file(tiny_model / "model.safetensors")
+    with pytest.raises(FarmError) as e:
+        client.push_weights(save(breakage(state)), fresh_weights + 1)
+    assert e.value.status == 422 and words in str(e.value.body)
+    assert client.weights_version().version == fresh_weights
+    after = client.rollouts(greedy)
+    assert [g.samples[0].token_ids for g in after.groups] == [g.samples[0].token_ids for g in before.groups]
+    assert all(s.weight_version == fresh_weights for g in after.groups for s in g.samples)
+
+
+def test_cut_upload_and_stale_version_are_refused(client, fresh_weights, tiny_model):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    with pytest.raises(FarmError) as e:
+        client.push_weights(data[: len(data) // 2], fresh_weights + 1)
+    assert e.value.status == 422 and "cut" in str(e.value.body)
+    with pytest.raises(FarmError) as e:
+        client.push_weights(data, fresh_weights)
+    assert e.value.status == 409
+    assert client.weights_version().version == fresh_weights
+
+
+def test_push_needs_the_token(service, tiny_model):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    for headers in ({}, {"Authorization": "Bearer wrong-token-123"}):
+        r = httpx.post(f"{service}/v1/weights", params={"version": 10**6}, content=data, headers=headers)
+        assert r.status_code == 401 and "Bearer" in r.json()["error"]
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"sampling_params": {"temperature": -0.5}}, "sampling_params.temperature"),
+    ({"sampling_params": {"top_p": 0.0}}, "sampling_params.top_p"),
+    ({"sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
+    ({"sampling_params": {"top_k": 0}}, "sampling_params"),
+    ({"sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"n": P.MAX_N + 1}, "n"),
+    ({"n": 0}, "n"),
+    ({"prompts": []}, "prompts"),
+    ({"prompts": [{"text": ""}]}, "prompts.0"),
+    ({"prompts": [{"token_ids": []}]}, "prompts.0"),
+    ({"prompts": [{"text": "a", "token_ids": [1]}]}, "prompts.0"),
+])
+def test_invalid_requests_get_422_naming_the_field(service, patch, field):
+    body = request()
+    for k, v in patch.items():
+        body[k] = {**body[k], **v} if isinstance(v, dict) else v
+    r = httpx.post(f"{service}/v1/rollouts", json=body)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert any(d["field"] == field for d in detail), detail
+    assert all(d["message"] for d in detail)
+
+
+def test_unknown_reward_lists_valid_names(service):
+    r = httpx.post(f"{service}/v1/rollouts", json={**request(), "reward": "nope"})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["field"] == "reward" and "gsm8k" in r.json()["detail"][0]["message"]
+
+
+def test_token_id_prompts(client):
+    resp = client.rollouts(P.RolloutRequest(prompts=[P.Prompt(token_ids=[40, 41, 42])], n=2, sampling_params=P.SamplingParams(max_new_tokens=3)))
+    assert resp.groups[0].prompt_token_ids == [40, 41, 42] and len(resp.groups[0].samples) == 2
+
+
+def test_health_metrics_and_docs(service, client):
+    h = client.health()
+    assert h.status == "ok" and h.generated_token_id >= 0
+    client.rollouts(P.RolloutRequest.model_validate(request(n=2)))
+    text = httpx.get(f"{service}/metrics").text
+    assert "farm_samples_total" in text and "farm_request_seconds_bucket" in text and "farm_weight_version" in text
+    assert httpx.get(f"{service}/docs").status_code == 200
+    spec = httpx.get(f"{service}/openapi.json").json()
+    assert {"/v1/rollouts", "/v1/weights", "/v1/weights/version", "/healthz", "/metrics"} <= set(spec["paths"])
+
+
+def test_client_retries_then_raises_on_a_dead_port():
+    with FarmClient("http://127.0.0.1:9", retries=2, backoff_s=0.01) as c, pytest.raises(httpx.TransportError):
+        c.health()

@@ -1,0 +1,1 @@
+"""The trainer: pulls trajectories over HTTP, computes advantages, runs PPO, pushes weights."""

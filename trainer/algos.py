@@ -1,0 +1,52 @@
+"""RL math as pure tensor functions. verl's core_algos does the estimators and losses; this wraps shapes.
+
+Shapes: B samples, R response tokens (right-padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+from verl.trainer.ppo import core_algos
+from verl.workers.config import ActorConfig
+
+
+def outcome_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """rewards (B,), response_mask (B, R) -> (B, R) with each reward on its sample's last response token."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    out[torch.arange(len(rewards)), last] = rewards.float() * (response_mask.sum(-1) > 0)
+    return out
+
+
+def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO outcome advantages (B, R): (r - group mean) / (group std + 1e-6), through verl."""
+    adv, _ = core_algos.compute_grpo_outcome_advantage(
+        outcome_to_token_rewards(rewards, response_mask), response_mask.float(), group_ids, epsilon=1e-6, norm_adv_by_std_in_grpo=norm_by_std
+    )
+    return adv
+
+
+@lru_cache(maxsize=8)
+def _actor_config(clip_ratio: float, clip_ratio_c: float, loss_agg_mode: str) -> ActorConfig:
+    return ActorConfig(strategy="fsdp", clip_ratio=clip_ratio, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio, clip_ratio_c=clip_ratio_c,
+                       loss_agg_mode=loss_agg_mode, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+
+
+def ppo_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+             clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict]:
+    """verl's dual-clip PPO policy loss over (B, R) tensors; returns (scalar loss, metrics)."""
+    cfg = _actor_config(clip_ratio, clip_ratio_c, loss_agg_mode)
+    return core_algos.compute_policy_loss_vanilla(old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimate (B, R) of the policy from the reference: k1 'kl', k2 'mse', k3 'low_var_kl'."""
+    return core_algos.kl_penalty(logprobs, ref_logprobs, kind)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.float()
+    return (x * mask).sum() / mask.sum().clamp(min=1)

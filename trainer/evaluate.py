@@ -1,0 +1,59 @@
+"""Held-out accuracy through the service (greedy, one sample per problem), with 95% intervals."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from services import protocol as P
+from services.client import FarmClient
+from services.tasks import Problem, Task
+
+Z95 = 1.959964
+
+
+@dataclass
+class Accuracy:
+    correct: list[bool]  # one per held-out problem, in a fixed order
+
+    @property
+    def n(self) -> int:
+        return len(self.correct)
+
+    @property
+    def value(self) -> float:
+        return sum(self.correct) / max(1, self.n)
+
+    def wilson(self) -> tuple[float, float]:
+        """95% Wilson score interval of the accuracy."""
+        n, p = self.n, self.value
+        if n == 0:
+            return 0.0, 1.0
+        centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+        half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+        return max(0.0, centre - half), min(1.0, centre + half)
+
+    def as_dict(self) -> dict:
+        lo, hi = self.wilson()
+        return {"accuracy": self.value, "n": self.n, "ci95": [lo, hi], "correct": self.correct}
+
+
+def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
+    """Gain in accuracy on the same problems and the half-width of its 95% interval (paired normal approximation)."""
+    n = len(before)
+    d = [int(a) - int(b) for a, b in zip(after, before)]
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / max(1, n - 1)
+    return mean, Z95 * math.sqrt(var / n)
+
+
+def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:
+    problems = task.heldout(n)
+    params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
+    correct: list[bool] = []
+    for i in range(0, len(problems), chunk):
+        part = problems[i:i + chunk]
+        req = P.RolloutRequest(prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part], n=1, sampling_params=params, reward=task.reward)
+        correct += [g.samples[0].reward > 0.5 for g in client.rollouts(req).groups]
+    return Accuracy(correct)

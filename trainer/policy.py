@@ -1,0 +1,65 @@
+"""Trajectories to tensors, and per-token logprobs of a HF causal LM on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.protocol import Group
+
+
+@dataclass
+class Batch:
+    """B samples. T = longest prompt+response, R = longest response."""
+
+    input_ids: torch.Tensor  # (B, T) prompt then response, right-padded
+    attention_mask: torch.Tensor  # (B, T)
+    response_pos: torch.Tensor  # (B, R) index into logits of the position that predicts response token j
+    response_ids: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) 1 on real response tokens
+    rollout_logprobs: torch.Tensor  # (B, R) raw-model logprobs reported by the service
+    rewards: torch.Tensor  # (B,)
+    group_ids: np.ndarray  # (B,) which prompt each sample answers
+    weight_versions: list[int]  # (B,) version that generated each sample
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Batch":
+        return Batch(self.input_ids[idx], self.attention_mask[idx], self.response_pos[idx], self.response_ids[idx], self.response_mask[idx],
+                     self.rollout_logprobs[idx], self.rewards[idx], self.group_ids[idx.numpy()], [self.weight_versions[i] for i in idx.tolist()])
+
+
+def make_batch(groups: list[Group], pad_id: int) -> Batch:
+    rows = [(g.prompt_token_ids, s, gi) for gi, g in enumerate(groups) for s in g.samples]
+    T = max(len(p) + len(s.token_ids) for p, s, _ in rows)
+    R = max(1, max(len(s.token_ids) for _, s, _ in rows))
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    pos = torch.zeros((B, R), dtype=torch.long)
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.long)
+    old = torch.zeros((B, R))
+    for i, (p, s, _) in enumerate(rows):
+        n, m = len(p), len(s.token_ids)
+        input_ids[i, :n + m] = torch.tensor(p + s.token_ids)
+        attention[i, :n + m] = 1
+        pos[i] = torch.arange(n - 1, n - 1 + R).clamp(max=T - 1)
+        resp[i, :m] = torch.tensor(s.token_ids, dtype=torch.long)
+        mask[i, :m] = 1
+        old[i, :m] = torch.tensor(s.logprobs)
+    return Batch(input_ids, attention, pos, resp, mask, old, torch.tensor([s.reward for _, s, _ in rows]),
+                 np.array([gi for _, _, gi in rows]), [s.weight_version for _, s, _ in rows])
+
+
+def response_logprobs(model: torch.nn.Module, b: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw-model logprobs (B, R) of the response tokens, and their entropy (B, R) if asked."""
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()  # (B, T, V)
+    logits = logits.gather(1, b.response_pos[..., None].expand(-1, -1, logits.shape[-1]))  # (B, R, V)
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, b.response_ids[..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return lp, entropy
