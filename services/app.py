@@ -81,8 +81,13 @@ class EngineServer:
             samples = []
             for o in outs[i * n:(i + 1) * n]:
                 text = self.tok.decode(o.token_ids, skip_special_tokens=True)
-                r = float(score(text, prompt.ground_truth)) if score else 0.0
-                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=o.finish_reason, reward=r, weight_version=o.weight_version))
+                reason, r = o.finish_reason, 0.0
+                try:
+                    r = float(score(text, prompt.ground_truth)) if score else 0.0
+                except Exception as e:  # one bad score marks its sample, not the batch
+                    log.warning(json.dumps({"event": "reward_failed", "reward": reward, "error": repr(e)}))
+                    reason = "error"
+                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r, weight_version=o.weight_version))
             rewards = [s.reward for s in samples]
             std = statistics.pstdev(rewards)
             groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
@@ -101,8 +106,12 @@ class EngineServer:
     def weight_spec(self) -> dict:
         return self.engine.weight_spec()
 
-    def weight_version(self) -> int:
-        return self.engine.weight_version
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def weight_version(self) -> tuple[str, int]:
+        """(this replica's id, the version it serves)."""
+        return serve.get_replica_context().replica_id.unique_id, self.engine.weight_version
 
     async def health(self) -> tuple[int, int]:
         return await asyncio.to_thread(self.engine.health), self.engine.weight_version
@@ -144,6 +153,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
         self.engine, self.settings = engine, settings
         self.spec: dict | None = None
+        self.vocab: int | None = None
         self.push_lock = asyncio.Lock()
 
     def _authorized(self, request: Request) -> bool:
@@ -158,6 +168,12 @@ class Ingress:
                 REWARDS.get(req.reward)
             except (KeyError, ImportError, AttributeError) as e:
                 return _error(422, "invalid request: fix the named fields", [{"field": "reward", "message": str(e).strip('"')}])
+        if self.vocab is None:
+            self.vocab = await self.engine.vocab_size.remote()
+        bad = [{"field": f"prompts.{i}.token_ids", "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary"}
+               for i, p in enumerate(req.prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
+        if bad:
+            return _error(422, "invalid request: fix the named fields", bad)
         chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
         parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, req.sampling_params, req.reward) for c in chunks])
         groups = [g for part in parts for g in part]
@@ -177,7 +193,7 @@ class Ingress:
         data = await request.body()
         async with self.push_lock:
             start = time.perf_counter()
-            current = await self.engine.weight_version.remote()
+            _, current = await self.engine.weight_version.remote()
             if version <= current:
                 return _error(409, f"version {version} is not newer than the served version {current}: push version {current + 1} or higher")
             if self.spec is None:
@@ -201,8 +217,8 @@ class Ingress:
     @api.get("/v1/weights/version", response_model=P.WeightsVersion)
     async def weights_version(self):
         """The version every replica serves, and each replica's own."""
-        versions = await self.engine.broadcast("weight_version").results_async(timeout_s=30)
-        return P.WeightsVersion(version=min(versions), replicas={str(i): v for i, v in enumerate(versions)})
+        replicas = dict(await self.engine.broadcast("weight_version").results_async(timeout_s=30))
+        return P.WeightsVersion(version=min(replicas.values()), replicas=replicas)
 
     @api.get("/healthz", response_model=P.Health)
     async def healthz(self):

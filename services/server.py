@@ -18,15 +18,16 @@ from services.settings import ServiceSettings
 log = logging.getLogger("farm.service")
 
 
-def start(settings: ServiceSettings) -> ServiceSettings:
+def start(settings: ServiceSettings, on_ray_started=lambda: None) -> ServiceSettings:
     """Start Ray (if needed) and the Serve app; returns the settings with the model path resolved."""
     settings = settings.model_copy(update={"model": str(resolve_model(settings.model))})  # build once, not per replica
     if not ray.is_initialized():
         cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        on_ray_started()
     serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config={"log_level": "WARNING"})
-    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+    serve.run(build_app(settings), name=settings.app_name, route_prefix="/", logging_config={"log_level": "WARNING"})
     log.info(json.dumps({"event": "service_ready", "url": f"http://{settings.host}:{settings.port}", "model": settings.model, "replicas": settings.replicas}))
     return settings
 
@@ -39,9 +40,13 @@ def stop() -> None:
 def run_forever(settings: ServiceSettings) -> None:
     """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    start(settings)
+
+    def handle_signals() -> None:  # again after ray.init, whose C++ handler would turn SIGTERM into an abort
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+
+    handle_signals()
+    settings = start(settings, on_ray_started=handle_signals)
     print(f"rollout service ready on http://{settings.host}:{settings.port}", flush=True)
     done.wait()
     log.info(json.dumps({"event": "service_stopping"}))

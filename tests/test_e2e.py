@@ -27,9 +27,9 @@ def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_w
     assert {"reward_mean", "reward_std", "kl_ref", "entropy", "step_seconds", "tokens_per_s"} <= set(steps[0])
     summary = json.loads((tmp_path / "summary.json").read_text())
     # the trainer started from the served version; it must be told that it is not version 0
-    assert summary["final_weight_version"] == fresh_weights + 2 == client.weights_version().version
+    assert summary["final_weight_version"] == fresh_weights + 3 == client.weights_version().version  # initial sync + 2 steps
     after = client.rollouts(GREEDY).groups[0].samples[0]
-    assert after.weight_version == fresh_weights + 2
+    assert after.weight_version == fresh_weights + 3
     assert after.logprobs[:1] != before.logprobs[:1]  # the served parameters changed
 
 

@@ -140,3 +140,8 @@ def test_health_metrics_and_docs(service, client):
 def test_client_retries_then_raises_on_a_dead_port():
     with FarmClient("http://127.0.0.1:9", retries=2, backoff_s=0.01) as c, pytest.raises(httpx.TransportError):
         c.health()
+
+
+def test_out_of_vocabulary_token_ids_get_422(service):
+    r = httpx.post(f"{service}/v1/rollouts", json={"prompts": [{"text": "ok"}, {"token_ids": [1, 10**6]}], "n": 1})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "prompts.1.token_ids"

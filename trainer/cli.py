@@ -10,7 +10,7 @@ import sys
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     for noisy in ("httpx", "urllib3", "ray", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -46,8 +46,14 @@ def main(argv: list[str] | None = None) -> None:
         from services.server import run_forever
         from services.settings import ServiceSettings
 
+        from pydantic import ValidationError
+
         overrides = {k: v for k, v in {"model": args.model, "port": args.port, "replicas": args.replicas}.items() if v is not None}
-        run_forever(ServiceSettings(**overrides))
+        try:
+            settings = ServiceSettings(**overrides)
+        except ValidationError as e:
+            sys.exit(f"invalid service settings; set the FARM_<FIELD> environment variables named below:\n{e}")
+        run_forever(settings)
     elif args.cmd == "train":
         from trainer.loop import TrainConfig, Trainer
 

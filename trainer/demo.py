@@ -21,8 +21,8 @@ from services.client import FarmClient
 from services.models import resolve_model
 from trainer.evaluate import paired_gain
 
-DEMO_STEPS = 30
-DEMO_EVAL_SIZE = 1000
+DEMO_STEPS = 80
+DEMO_EVAL_SIZE = 1000  # capped by the task's held-out split
 
 
 def free_port() -> int:

@@ -45,7 +45,7 @@ class TrainConfig:
     temperature: float = 1.0  # actor_rollout_ref.rollout.temperature
     top_p: float = 1.0  # actor_rollout_ref.rollout.top_p
     max_new_tokens: int | None = None  # data.max_response_length; None: the task's default
-    lr: float = 1e-3  # actor_rollout_ref.actor.optim.lr
+    lr: float = 1e-4  # actor_rollout_ref.actor.optim.lr
     weight_decay: float = 0.0  # actor_rollout_ref.actor.optim.weight_decay
     ppo_epochs: int = 1  # actor_rollout_ref.actor.ppo_epochs
     ppo_mini_batch_size: int = 32  # actor_rollout_ref.actor.ppo_mini_batch_size, in prompts
@@ -74,6 +74,7 @@ class Trainer:
         self.task = TASKS.get(cfg.task)()
         self.client = FarmClient(cfg.service_url, cfg.token)
         self.version = self.client.weights_version().version
+        self.push()  # the service may serve anything; start it on exactly our weights
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.out = Path(cfg.out) if cfg.out else None
         if self.out:
