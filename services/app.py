@@ -9,6 +9,7 @@
 
 import asyncio
 import hmac
+import importlib
 import json
 import logging
 import os
@@ -19,11 +20,13 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.handle import DeploymentHandle
 
+from services import metrics
 from services import protocol as P
 from services.rewards import REWARDS
 from services.settings import ServiceSettings
@@ -31,15 +34,6 @@ from services.weights import WeightsError, check_upload
 
 log = logging.getLogger("farm.service")
 
-REQUESTS = Counter("farm_requests_total", "HTTP requests", ["path", "status"])
-LATENCY = Histogram("farm_request_seconds", "HTTP request latency", ["path"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
-SAMPLES = Counter("farm_samples_total", "Samples generated")
-TOKENS = Counter("farm_generated_tokens_total", "Tokens generated")
-ZERO_VAR = Counter("farm_zero_variance_groups_total", "Groups whose rewards were all equal")
-GROUPS = Counter("farm_groups_total", "Groups generated")
-VERSION = Gauge("farm_weight_version", "Weight version served by every replica")
-SYNC_SECONDS = Histogram("farm_weight_sync_seconds", "Time to load a weight push on every replica", buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120))
-SYNC_BYTES = Counter("farm_weight_sync_bytes_total", "Bytes of accepted weight pushes")
 
 
 @ray.remote(num_cpus=0)
@@ -49,12 +43,18 @@ class WeightStore:
     def __init__(self):
         self.version, self.refs = 0, []
 
-    def commit(self, version: int, refs: list) -> None:
-        if version > self.version:
-            self.version, self.refs = version, refs
+    def commit(self, version: int, data: bytes) -> None:
+        if version > self.version:  # ray.put here, so the store owns the copy and it outlives the sender
+            self.version, self.refs = version, [ray.put(data)]
 
     def current(self) -> tuple[int, list]:
         return self.version, self.refs
+
+
+def load_plugins(settings: ServiceSettings) -> None:
+    """Import the modules named in FARM_PLUGINS so that their registrations run."""
+    for module in settings.plugins:
+        importlib.import_module(module)
 
 
 class EngineServer:
@@ -64,11 +64,11 @@ class EngineServer:
         from services.engine.torch_engine import TorchEngine
         from services.models import resolve_model
 
+        load_plugins(settings)
         threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
         self.engine = TorchEngine(str(resolve_model(settings.model)), settings.device, settings.dtype, threads)
         self.tok = self.engine.tokenizer
-        self.store = serve.get_deployment_actor("weights")
-        version, refs = await self.store.current.remote()
+        version, refs = await serve.get_deployment_actor("weights").current.remote()
         if version > 0:  # catch up before Serve routes any traffic here
             await self.update_weights(refs, version)
 
@@ -100,14 +100,17 @@ class EngineServer:
         if version > self.engine.weight_version:
             data = await refs[0]
             await asyncio.to_thread(self.engine.update_weights, load(data), version)
-            await self.store.commit.remote(version, refs)
+            store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
+            stored, _ = await store.current.remote()
+            if stored < version:
+                await store.commit.remote(version, data)
         return self.engine.weight_version
 
     def weight_spec(self) -> dict:
         return self.engine.weight_spec()
 
     def vocab_size(self) -> int:
-        return len(self.tok)
+        return max(len(self.tok), self.engine.model.config.vocab_size)
 
     def weight_version(self) -> tuple[str, int]:
         """(this replica's id, the version it serves)."""
@@ -126,6 +129,17 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
     return JSONResponse(status_code=422, content=P.ErrorResponse(error="invalid request: fix the named fields", detail=detail).model_dump())
 
 
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail))
+
+
+@api.exception_handler(Exception)
+async def _crash(request: Request, exc: Exception) -> JSONResponse:
+    log.error(json.dumps({"event": "unhandled_error", "path": request.url.path, "error": repr(exc)}))
+    return _error(500, f"internal error: {type(exc).__name__}; see the service log")
+
+
 def _error(status: int, error: str, detail: list[dict] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=P.ErrorResponse(error=error, detail=detail or []).model_dump())
 
@@ -135,8 +149,8 @@ async def _metrics(request: Request, call_next):
     start = time.perf_counter()
     response = await call_next(request)
     path = request.scope.get("route").path if request.scope.get("route") else "other"
-    LATENCY.labels(path).observe(time.perf_counter() - start)
-    REQUESTS.labels(path, str(response.status_code)).inc()
+    metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
+    metrics.REQUESTS.labels(path, str(response.status_code)).inc()
     return response
 
 
@@ -148,12 +162,18 @@ def _split(items: list, k: int) -> list[list]:
     return [items[bounds[i]:bounds[i + 1]] for i in range(k)]
 
 
+def _chunk_params(params: P.SamplingParams, i: int) -> P.SamplingParams:
+    """Params for chunk i: its own seed, so that chunks on different replicas do not repeat each other's draws."""
+    return params if params.seed is None else params.model_copy(update={"seed": (params.seed + i) % 2**63})
+
+
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
         self.engine, self.settings = engine, settings
         self.spec: dict | None = None
         self.vocab: int | None = None
+        load_plugins(settings)
         self.push_lock = asyncio.Lock()
 
     def _authorized(self, request: Request) -> bool:
@@ -163,11 +183,9 @@ class Ingress:
     @api.post("/v1/rollouts", response_model=P.RolloutResponse, responses={422: {"model": P.ErrorResponse}})
     async def rollouts(self, req: P.RolloutRequest):
         """Generate `n` samples for each prompt and score them; one group per prompt, in order."""
-        if req.reward is not None:
-            try:
-                REWARDS.get(req.reward)
-            except (KeyError, ImportError, AttributeError) as e:
-                return _error(422, "invalid request: fix the named fields", [{"field": "reward", "message": str(e).strip('"')}])
+        if req.reward is not None and req.reward not in REWARDS.names():  # registered names only: no imports from requests
+            return _error(422, "invalid request: fix the named fields",
+                          [{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])
         if self.vocab is None:
             self.vocab = await self.engine.vocab_size.remote()
         bad = [{"field": f"prompts.{i}.token_ids", "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary"}
@@ -175,12 +193,12 @@ class Ingress:
         if bad:
             return _error(422, "invalid request: fix the named fields", bad)
         chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
-        parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, req.sampling_params, req.reward) for c in chunks])
+        parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, _chunk_params(req.sampling_params, i), req.reward) for i, c in enumerate(chunks)])
         groups = [g for part in parts for g in part]
-        GROUPS.inc(len(groups))
-        ZERO_VAR.inc(sum(g.zero_variance for g in groups))
-        SAMPLES.inc(len(groups) * req.n)
-        TOKENS.inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+        metrics.GROUPS.inc(len(groups))
+        metrics.ZERO_VAR.inc(sum(g.zero_variance for g in groups))
+        metrics.SAMPLES.inc(len(groups) * req.n)
+        metrics.TOKENS.inc(sum(len(s.token_ids) for g in groups for s in g.samples))
         return P.RolloutResponse(groups=groups)
 
     @api.post("/v1/weights", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
@@ -191,6 +209,8 @@ class Ingress:
         if int(request.headers.get("content-length") or 0) > self.settings.max_weights_bytes:
             return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
         data = await request.body()
+        if len(data) > self.settings.max_weights_bytes:
+            return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
         async with self.push_lock:
             start = time.perf_counter()
             _, current = await self.engine.weight_version.remote()
@@ -202,15 +222,19 @@ class Ingress:
                 tensors = check_upload(data, self.spec)
             except WeightsError as e:
                 return _error(422, "weights refused; the old version keeps serving", [{"field": "body", "message": m} for m in e.problems])
-            results = await self.engine.broadcast("update_weights", [ray.put(data)], version).results_async(timeout_s=self.settings.weight_sync_timeout_s, return_exceptions=True)
-            failed = [r for r in results if isinstance(r, Exception) or r != version]
+            try:
+                results = await self.engine.broadcast("update_weights", [ray.put(data)], version).results_async(
+                    timeout_s=self.settings.weight_sync_timeout_s, return_exceptions=True)
+            except TimeoutError:
+                return _error(504, f"replicas did not load version {version} within FARM_WEIGHT_SYNC_TIMEOUT_S={self.settings.weight_sync_timeout_s}")
+            failed = [str(r).strip().splitlines()[-1] if isinstance(r, Exception) else f"replica serves version {r}" for r in results if r != version]
             if failed:
                 log.error(json.dumps({"event": "weight_sync_failed", "version": version, "errors": [str(f) for f in failed]}))
-                return _error(500, f"{len(failed)} of {len(results)} replicas failed to load version {version}", [{"field": "replica", "message": str(f)} for f in failed])
+                return _error(500, f"{len(failed)} of {len(results)} replicas failed to load version {version}", [{"field": "replica", "message": f} for f in failed])
             seconds = time.perf_counter() - start
-        VERSION.set(version)
-        SYNC_SECONDS.observe(seconds)
-        SYNC_BYTES.inc(len(data))
+        metrics.VERSION.set(version)
+        metrics.SYNC_SECONDS.observe(seconds)
+        metrics.SYNC_BYTES.inc(len(data))
         log.info(json.dumps({"event": "weights_pushed", "version": version, "bytes": len(data), "seconds": round(seconds, 3)}))
         return P.WeightsPushResponse(version=version, tensors=tensors, bytes=len(data), seconds=seconds)
 
@@ -227,7 +251,7 @@ class Ingress:
         return P.Health(status="ok", weight_version=version, generated_token_id=token)
 
     @api.get("/metrics")
-    async def metrics(self):
+    async def prometheus(self):
         """Prometheus metrics."""
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 

@@ -27,7 +27,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
     max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS, description="Most tokens to generate per sample.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a sample (EOS always does).")
-    seed: int | None = Field(None, description="Seed for reproducible sampling of an identical request.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling of an identical request.")
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "SamplingParams":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class WeightsError(ValueError):
@@ -22,15 +25,21 @@ def read_header(data: bytes) -> dict[str, tuple[list[int], str]]:
         header = json.loads(data[8:8 + n])
     except ValueError as e:
         raise WeightsError([f"safetensors header is not JSON ({e})"]) from None
-    payload = len(data) - 8 - n
-    spec = {}
+    if not isinstance(header, dict):
+        raise WeightsError(["safetensors header is not a JSON object"])
+    payload, spec = len(data) - 8 - n, {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        end = info.get("data_offsets", [0, 0])[1]
+        try:
+            shape, dtype, (begin, end) = [int(x) for x in info["shape"]], str(info["dtype"]), map(int, info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightsError([f"tensor {name!r} has a malformed header entry: need shape, dtype and data_offsets"]) from None
         if end > payload:
             raise WeightsError([f"tensor {name!r} ends at byte {end} of a {payload}-byte payload: the upload was cut"])
-        spec[name] = (list(info["shape"]), info["dtype"])
+        if dtype in DTYPE_BYTES and end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise WeightsError([f"tensor {name!r} holds {end - begin} bytes, but shape {shape} of {dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]}"])
+        spec[name] = (shape, dtype)
     return spec
 
 

@@ -10,6 +10,7 @@ import pytest
 
 os.environ.setdefault("FARM_CACHE", str(Path(__file__).parent.parent / ".venv" / "farm-cache"))
 TOKEN = "test-token-0123456789"
+MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def service(tiny_model):
     from services import server
     from services.settings import ServiceSettings
 
-    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1)
+    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES)
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()

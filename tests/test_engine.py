@@ -78,6 +78,8 @@ def test_update_weights_checks_names_shapes_dtypes(engine, tiny_model):
     engine.update_weights({k: v + 0.01 for k, v in state.items()}, before + 1)
     assert engine.weight_version == before + 1
     assert torch.allclose(canonical_state_dict(engine.model)["lm_head.weight"], state["lm_head.weight"] + 0.01)
+    with pytest.raises(WeightsRejected, match="not newer"):
+        engine.update_weights(state, before + 1)
     engine.update_weights(state, before + 2)  # back to the file's weights for other tests
 
 
@@ -99,9 +101,10 @@ def test_pause_resume_abort(engine):
     try:
         t = threading.Thread(target=lambda: result.append(engine.generate(ids * 4, long)))
         t.start()
-        time.sleep(0.5)
-        engine.abort()
-        t.join(30)
+        while t.is_alive():  # abort until it lands inside the running call
+            time.sleep(0.2)
+            engine.abort()
+        t.join(60)
     finally:
         engine.eos_ids = eos
     aborted = result[-1]

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from services import protocol as P
 from services.client import FarmClient, FarmError
-from tests.conftest import TOKEN
+from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
 from trainer.policy import make_batch, response_logprobs
 
 pytestmark = pytest.mark.integration
@@ -126,20 +126,61 @@ def test_token_id_prompts(client):
     assert resp.groups[0].prompt_token_ids == [40, 41, 42] and len(resp.groups[0].samples) == 2
 
 
-def test_health_metrics_and_docs(service, client):
+def metric(service: str, name: str) -> float:
+    """The value of one unlabelled Prometheus sample."""
+    for line in httpx.get(f"{service}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_health_metrics_and_docs(service, client, fresh_weights):
     h = client.health()
     assert h.status == "ok" and h.generated_token_id >= 0
+    samples, groups = metric(service, "farm_samples_total"), metric(service, "farm_groups_total")
     client.rollouts(P.RolloutRequest.model_validate(request(n=2)))
-    text = httpx.get(f"{service}/metrics").text
-    assert "farm_samples_total" in text and "farm_request_seconds_bucket" in text and "farm_weight_version" in text
+    assert metric(service, "farm_samples_total") == samples + 6 and metric(service, "farm_groups_total") == groups + 3
+    assert metric(service, "farm_weight_version") == fresh_weights
+    assert metric(service, "farm_generated_tokens_total") > 0 and metric(service, "farm_weight_sync_bytes_total") > 0
+    assert 'farm_request_seconds_bucket{le="0.01",path="/v1/rollouts"}' in httpx.get(f"{service}/metrics").text
     assert httpx.get(f"{service}/docs").status_code == 200
     spec = httpx.get(f"{service}/openapi.json").json()
     assert {"/v1/rollouts", "/v1/weights", "/v1/weights/version", "/healthz", "/metrics"} <= set(spec["paths"])
 
 
 def test_client_retries_then_raises_on_a_dead_port():
-    with FarmClient("http://127.0.0.1:9", retries=2, backoff_s=0.01) as c, pytest.raises(httpx.TransportError):
-        c.health()
+    with FarmClient("http://127.0.0.1:9", retries=2, backoff_s=0.01) as c:
+        calls, send = [], c.http.request
+        c.http.request = lambda *a, **kw: calls.append(a) or send(*a, **kw)
+        with pytest.raises(httpx.TransportError):
+            c.weights_version()
+    assert len(calls) == 3  # the first try and two retries
+
+
+def test_oversized_and_malformed_pushes_are_refused(service, client, fresh_weights, tiny_model):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{service}/v1/weights", params={"version": fresh_weights + 1}, content=b"\0" * (MAX_WEIGHTS_BYTES + 1), headers=headers)
+    assert r.status_code == 413 and "FARM_MAX_WEIGHTS_BYTES" in r.json()["error"]
+    data = bytearray((tiny_model / "model.safetensors").read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].replace(b'"data_offsets":[0,', b'"data_offsets":[4,', 1)  # first tensor four bytes short
+    for body in (bytes(data[:8] + header + data[8 + n:]), b"\x02\0\0\0\0\0\0\0[]" + b"\0" * 16):
+        with pytest.raises(FarmError) as e:
+            client.push_weights(body, fresh_weights + 1)
+        assert e.value.status == 422
+    assert client.weights_version().version == fresh_weights
+
+
+def test_rewards_cannot_be_imported_by_a_request_and_seeds_are_bounded(service):
+    r = httpx.post(f"{service}/v1/rollouts", json={**request(), "reward": "builtins:eval"})
+    assert r.status_code == 422 and "FARM_PLUGINS" in r.json()["detail"][0]["message"]
+    r = httpx.post(f"{service}/v1/rollouts", json=request(seed=2**64))
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "sampling_params.seed"
+
+
+def test_unknown_paths_get_the_error_shape(service):
+    r = httpx.get(f"{service}/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]
 
 
 def test_out_of_vocabulary_token_ids_get_422(service):

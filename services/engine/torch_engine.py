@@ -88,6 +88,8 @@ class TorchEngine(Engine):
         if problems:
             raise WeightsRejected("; ".join(problems))
         with self._lock, torch.no_grad():
+            if version <= self.weight_version:  # versions only move forward, even if pushes race
+                raise WeightsRejected(f"version {version} is not newer than the served version {self.weight_version}")
             params = canonical_state_dict(self.model)
             for name, t in state_dict.items():
                 params[name].copy_(t)
