@@ -52,3 +52,13 @@ def fresh_weights(client, tiny_model):
     version = client.weights_version().version + 1
     client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
     return version
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -113,3 +113,14 @@ def test_pause_resume_abort(engine):
 
 def test_health_generates_a_token(engine):
     assert 0 <= engine.health() < len(engine.tokenizer)
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_matches_cpu_greedy(engine, tiny_model):
+    gpu = TorchEngine(str(tiny_model), device="cuda")
+    ids = prompts(engine, ["Q: 12+3\nA:", "hello there"])
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    cpu_out, gpu_out = engine.generate(ids, params), gpu.generate(ids, params)
+    assert [o.token_ids for o in gpu_out] == [o.token_ids for o in cpu_out]
+    for a, b in zip(cpu_out, gpu_out):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3

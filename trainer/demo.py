@@ -69,4 +69,6 @@ def report(summary: dict, wall_s: float) -> None:
     print(f"  before RL : {fmt(before)}")
     print(f"  after RL  : {fmt(after)}   weight version {summary['final_weight_version']}")
     print(f"  gain      : {gain:+.3f} ± {half:.3f} (paired 95% CI) -> {'beyond noise' if gain - half > 0 else 'NOT beyond noise'}")
+    if "number_accuracy" in before:
+        print(f"  right number in any format (not rewarded): {before['number_accuracy']:.3f} -> {after['number_accuracy']:.3f}")
     print(f"  wall time : {wall_s:.0f} s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,7 +16,8 @@ Z95 = 1.959964
 
 @dataclass
 class Accuracy:
-    correct: list[bool]  # one per held-out problem, in a fixed order
+    correct: list[bool]  # reward > 0.5, one per held-out problem, in a fixed order
+    number_correct: list[bool] | None = None  # the last number in the output is right, whatever the format
 
     @property
     def n(self) -> int:
@@ -36,7 +38,15 @@ class Accuracy:
 
     def as_dict(self) -> dict:
         lo, hi = self.wilson()
-        return {"accuracy": self.value, "n": self.n, "ci95": [lo, hi], "correct": self.correct}
+        out = {"accuracy": self.value, "n": self.n, "ci95": [lo, hi], "correct": self.correct}
+        if self.number_correct is not None:
+            out["number_accuracy"] = sum(self.number_correct) / max(1, self.n)
+        return out
+
+
+def last_number(text: str) -> str | None:
+    found = re.findall(r"-?\d+", text.replace(",", ""))
+    return found[-1] if found else None
 
 
 def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
@@ -52,8 +62,11 @@ def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n
     problems = task.heldout(n)
     params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
     correct: list[bool] = []
+    number: list[bool] = []
     for i in range(0, len(problems), chunk):
         part = problems[i:i + chunk]
         req = P.RolloutRequest(prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part], n=1, sampling_params=params, reward=task.reward)
-        correct += [g.samples[0].reward > 0.5 for g in client.rollouts(req).groups]
-    return Accuracy(correct)
+        groups = client.rollouts(req).groups
+        correct += [g.samples[0].reward > 0.5 for g in groups]
+        number += [last_number(g.samples[0].text) == p.answer for g, p in zip(groups, part)]
+    return Accuracy(correct, number)

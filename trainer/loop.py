@@ -45,7 +45,7 @@ class TrainConfig:
     temperature: float = 1.0  # actor_rollout_ref.rollout.temperature
     top_p: float = 1.0  # actor_rollout_ref.rollout.top_p
     max_new_tokens: int | None = None  # data.max_response_length; None: the task's default
-    lr: float = 1e-4  # actor_rollout_ref.actor.optim.lr
+    lr: float = 5e-5  # actor_rollout_ref.actor.optim.lr
     weight_decay: float = 0.0  # actor_rollout_ref.actor.optim.weight_decay
     ppo_epochs: int = 1  # actor_rollout_ref.actor.ppo_epochs
     ppo_mini_batch_size: int = 32  # actor_rollout_ref.actor.ppo_mini_batch_size, in prompts
