@@ -6,7 +6,6 @@
                                                   version, loaded by a replica before it serves
 """
 
-
 import asyncio
 import hmac
 import importlib
@@ -20,11 +19,11 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from services import metrics
 from services import protocol as P
@@ -33,7 +32,6 @@ from services.settings import ServiceSettings
 from services.weights import WeightsError, check_upload
 
 log = logging.getLogger("farm.service")
-
 
 
 @ray.remote(num_cpus=0)
@@ -213,7 +211,7 @@ class Ingress:
             return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
         async with self.push_lock:
             start = time.perf_counter()
-            _, current = await self.engine.weight_version.remote()
+            current = max(v for _, v in await self.engine.broadcast("weight_version").results_async(timeout_s=30))
             if version <= current:
                 return _error(409, f"version {version} is not newer than the served version {current}: push version {current + 1} or higher")
             if self.spec is None:

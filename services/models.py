@@ -1,11 +1,11 @@
 """Model folders: any local HF folder by path, or the embedded default built on first use.
 
 The embedded default (`arith-tiny`) needs no hub: a byte-level tokenizer and a
-~1M-parameter Llama, pretrained here in about two minutes on the arithmetic task.
+1.1M-parameter Llama, pretrained here in about two minutes on the arithmetic task.
 Its pretraining corpus writes only FORMAT_MIX of the answers as `#### <n>` (the
 format the reward checks) and the rest as `The answer is <n>.`, and it stops
-before the arithmetic is perfect. RL therefore has two things to learn, the
-reward's format and correct sums, which is what a real policy learns first too.
+before the arithmetic is perfect. Greedy decoding therefore starts at zero reward,
+and RL can gain by learning the reward's format and by getting sums right.
 """
 
 from __future__ import annotations
