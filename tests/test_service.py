@@ -186,3 +186,28 @@ def test_unknown_paths_get_the_error_shape(service):
 def test_out_of_vocabulary_token_ids_get_422(service):
     r = httpx.post(f"{service}/v1/rollouts", json={"prompts": [{"text": "ok"}, {"token_ids": [1, 10**6]}], "n": 1})
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "prompts.1.token_ids"
+
+
+def test_restarted_replica_catches_up_before_serving(client, fresh_weights, tiny_model):
+    """Kill an engine replica; Serve starts a new one, which loads the committed version before taking traffic."""
+    import time
+
+    import ray
+
+    state = load_file(tiny_model / "model.safetensors")
+    client.push_weights(save({k: v * 1.01 for k, v in state.items()}), fresh_weights + 1)
+    old = client.weights_version().replicas
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "engine" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 2
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            now = client.weights_version().replicas
+        except FarmError:
+            now = {}
+        if len(now) == 2 and set(now) != set(old):
+            break
+        assert time.monotonic() < deadline, f"no replacement replica: {now}"
+        time.sleep(0.5)
+    assert set(now.values()) == {fresh_weights + 1}  # the new replica serves the committed version, not version 0
