@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
@@ -114,8 +115,16 @@ class EngineServer:
         """(this replica's id, the version it serves)."""
         return serve.get_replica_context().replica_id.unique_id, self.engine.weight_version
 
-    async def health(self) -> tuple[int, int]:
-        return await asyncio.to_thread(self.engine.health), self.engine.weight_version
+    async def health(self) -> P.Health:
+        if self.engine.paused:
+            return P.Health(status="paused", weight_version=self.engine.weight_version)
+        token = await asyncio.to_thread(self.engine.health)
+        return P.Health(status="ok", weight_version=self.engine.weight_version, generated_token_id=token)
+
+    def control(self, action: str) -> P.ReplicaState:
+        """Pause or resume admitting generate calls, or abort the one in flight."""
+        {"pause": self.engine.pause, "resume": self.engine.resume, "abort": self.engine.abort, "none": lambda: None}[action]()
+        return P.ReplicaState(replica=serve.get_replica_context().replica_id.unique_id, weight_version=self.engine.weight_version, paused=self.engine.paused)
 
 
 api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning.")
@@ -174,9 +183,12 @@ class Ingress:
         load_plugins(settings)
         self.push_lock = asyncio.Lock()
 
-    def _authorized(self, request: Request) -> bool:
+    def _auth_error(self, request: Request) -> JSONResponse | None:
+        """None when the request carries the bearer token (compared in constant time), else the 401 to return."""
         given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_token.get_secret_value()}".encode())
+        if hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_token.get_secret_value()}".encode()):
+            return None
+        return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")
 
     @api.post("/v1/rollouts", response_model=P.RolloutResponse, responses={422: {"model": P.ErrorResponse}})
     async def rollouts(self, req: P.RolloutRequest):
@@ -191,7 +203,11 @@ class Ingress:
         if bad:
             return _error(422, "invalid request: fix the named fields", bad)
         chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
-        parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, _chunk_params(req.sampling_params, i), req.reward) for i, c in enumerate(chunks)])
+        try:
+            parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, _chunk_params(req.sampling_params, i), req.reward) for i, c in enumerate(chunks)])
+        except BackPressureError:
+            return JSONResponse(status_code=429, headers={"Retry-After": "1"},
+                                content=P.ErrorResponse(error="engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s").model_dump())
         groups = [g for part in parts for g in part]
         metrics.GROUPS.inc(len(groups))
         metrics.ZERO_VAR.inc(sum(g.zero_variance for g in groups))
@@ -202,8 +218,8 @@ class Ingress:
     @api.post("/v1/weights", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
     async def push_weights(self, request: Request, version: int):
         """Upload a safetensors state dict (raw body) as `version`; returns once every replica serves it."""
-        if not self._authorized(request):
-            return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")
+        if denied := self._auth_error(request):
+            return denied
         if int(request.headers.get("content-length") or 0) > self.settings.max_weights_bytes:
             return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
         data = await request.body()
@@ -244,9 +260,42 @@ class Ingress:
 
     @api.get("/healthz", response_model=P.Health)
     async def healthz(self):
-        """Healthy when an engine replica generates a token."""
-        token, version = await self.engine.health.remote()
-        return P.Health(status="ok", weight_version=version, generated_token_id=token)
+        """Alive: an engine replica generates a token (or reports that sampling is paused)."""
+        return await self.engine.health.remote()
+
+    @api.get("/readyz", response_model=P.Readiness, responses={503: {"model": P.ErrorResponse}})
+    async def readyz(self):
+        """Ready for rollouts: no replica is paused and every replica serves the same weight version."""
+        states = await self.engine.broadcast("control", "none").results_async(timeout_s=30, return_exceptions=True)
+        problems = [str(s) for s in states if isinstance(s, Exception)]
+        problems += [f"replica {s.replica} is paused" for s in states if not isinstance(s, Exception) and s.paused]
+        if len({s.weight_version for s in states if not isinstance(s, Exception)}) > 1:
+            problems.append("replicas serve different weight versions")
+        if problems:
+            return _error(503, "not ready", [{"field": "replica", "message": m} for m in problems])
+        return P.Readiness(ready=True, replicas=states)
+
+    @api.post("/v1/pause", response_model=P.ControlResponse, responses={401: {"model": P.ErrorResponse}})
+    async def pause(self, request: Request):
+        """Stop admitting generation on every replica; calls already running finish (or see /v1/abort)."""
+        return await self._control(request, "pause")
+
+    @api.post("/v1/resume", response_model=P.ControlResponse, responses={401: {"model": P.ErrorResponse}})
+    async def resume(self, request: Request):
+        """Admit generation again on every replica."""
+        return await self._control(request, "resume")
+
+    @api.post("/v1/abort", response_model=P.ControlResponse, responses={401: {"model": P.ErrorResponse}})
+    async def abort(self, request: Request):
+        """End the generation each replica is running at its next token; its samples finish with 'abort'."""
+        return await self._control(request, "abort")
+
+    async def _control(self, request: Request, action: str):
+        if denied := self._auth_error(request):
+            return denied
+        states = await self.engine.broadcast("control", action).results_async(timeout_s=30)
+        log.info(json.dumps({"event": "control", "action": action, "replicas": len(states)}))
+        return P.ControlResponse(action=action, replicas=states)
 
     @api.get("/metrics")
     async def prometheus(self):
@@ -258,6 +307,7 @@ def build_app(settings: ServiceSettings):
     """The Serve application for these settings."""
     engine = serve.deployment(
         EngineServer, name="engine", num_replicas=settings.replicas, max_ongoing_requests=settings.engine_max_ongoing_requests,
+        max_queued_requests=settings.engine_max_queued_requests,
         ray_actor_options={"num_cpus": settings.engine_num_cpus},
         deployment_actors=[DeploymentActorConfig(name="weights", actor_class=WeightStore)],
     )

@@ -69,6 +69,10 @@ class FarmClient:
     def weights_version(self) -> P.WeightsVersion:
         return P.WeightsVersion.model_validate(self._request("GET", "/v1/weights/version").json())
 
+    def control(self, action: str) -> P.ControlResponse:
+        """'pause', 'resume' or 'abort' on every replica (needs the token)."""
+        return P.ControlResponse.model_validate(self._request("POST", f"/v1/{action}").json())
+
     def health(self) -> P.Health:
         return P.Health.model_validate(self._request("GET", "/healthz").json())
 

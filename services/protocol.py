@@ -27,6 +27,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
     max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS, description="Most tokens to generate per sample.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a sample (EOS always does).")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS, up to max_new_tokens (stop_token_ids still stop).")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling of an identical request.")
 
     @model_validator(mode="after")
@@ -101,9 +102,29 @@ class WeightsPushResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "paused"] = Field(..., description="'paused' while sampling is paused; nothing is generated then.")
     weight_version: int
-    generated_token_id: int = Field(..., description="The token the engine generated to prove it works.")
+    generated_token_id: int | None = Field(None, description="The token the engine generated to prove it works.")
+
+
+class ReplicaState(BaseModel):
+    replica: str = Field(..., description="Ray Serve replica id.")
+    weight_version: int
+    paused: bool
+
+
+class ControlResponse(BaseModel):
+    """POST /v1/pause, /v1/resume, /v1/abort: the state of every replica after the action."""
+
+    action: Literal["pause", "resume", "abort"]
+    replicas: list[ReplicaState]
+
+
+class Readiness(BaseModel):
+    """GET /readyz: ready when no replica is paused and all serve one weight version."""
+
+    ready: bool
+    replicas: list[ReplicaState]
 
 
 class ErrorResponse(BaseModel):

@@ -16,6 +16,7 @@ class ServiceSettings(BaseSettings):
     app_name: str = Field("farm", description="Ray Serve application name.")
     replicas: int = Field(1, ge=1, description="Engine replicas.")
     engine_max_ongoing_requests: int = Field(16, ge=1, description="Requests queued per engine replica.")
+    engine_max_queued_requests: int = Field(64, ge=1, description="Requests waiting for an engine replica before new ones get 429.")
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
     engine_threads: int | None = Field(None, ge=1, description="torch threads per replica; default: all cores / replicas.")

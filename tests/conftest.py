@@ -32,7 +32,8 @@ def service(tiny_model):
     from services import server
     from services.settings import ServiceSettings
 
-    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES)
+    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
+                               engine_max_ongoing_requests=2, engine_max_queued_requests=2)  # small, so 429 is reachable
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()

@@ -76,6 +76,10 @@ class TorchEngine(Engine):
     def abort(self) -> None:
         self._abort_epoch += 1
 
+    @property
+    def paused(self) -> bool:
+        return not self._admit.is_set()
+
     def health_token_id(self) -> int:
         return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
 
@@ -111,7 +115,7 @@ class TorchEngine(Engine):
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-        stop = torch.tensor(sorted(self.eos_ids | set(p.stop_token_ids)), device=dev)
+        stop = torch.tensor(sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)), dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), p.max_new_tokens, dtype=torch.long)
         toks, lps, past, epoch, aborted = [], [], None, self._abort_epoch, False
