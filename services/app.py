@@ -7,6 +7,7 @@
 """
 
 import asyncio
+import hashlib
 import hmac
 import importlib
 import json
@@ -14,6 +15,7 @@ import logging
 import os
 import statistics
 import time
+from collections import OrderedDict
 
 import ray
 from fastapi import FastAPI, Request
@@ -182,6 +184,7 @@ class Ingress:
         self.vocab: int | None = None
         load_plugins(settings)
         self.push_lock = asyncio.Lock()
+        self.done: OrderedDict[str, tuple[str, asyncio.Future]] = OrderedDict()  # request_id -> (body hash, result)
 
     def _auth_error(self, request: Request) -> JSONResponse | None:
         """None when the request carries the bearer token (compared in constant time), else the 401 to return."""
@@ -190,9 +193,39 @@ class Ingress:
             return None
         return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")
 
-    @api.post("/v1/rollouts", response_model=P.RolloutResponse, responses={422: {"model": P.ErrorResponse}})
+    @api.post("/v1/rollouts", response_model=P.RolloutResponse, responses={409: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse}})
     async def rollouts(self, req: P.RolloutRequest):
-        """Generate `n` samples for each prompt and score them; one group per prompt, in order."""
+        """Generate `n` samples for each prompt and score them; one group per prompt, in order.
+
+        With a `request_id`, a repeat of the same request (also one still running) gets the first
+        result back and generates nothing; the same id with a different body gets 409.
+        """
+        if req.request_id is None:
+            return await self._rollouts(req)
+        fingerprint = hashlib.sha256(req.model_dump_json(exclude={"request_id"}).encode()).hexdigest()
+        if req.request_id in self.done:
+            seen, result = self.done[req.request_id]
+            if seen != fingerprint:
+                return _error(409, f"request_id {req.request_id!r} was used for a different request: use a new id")
+            metrics.REPLAYS.inc()
+            return await asyncio.shield(result)
+        result = asyncio.get_running_loop().create_future()
+        self.done[req.request_id] = (fingerprint, result)
+        while len(self.done) > self.settings.idempotency_cache_size:
+            self.done.popitem(last=False)
+        try:
+            response = await self._rollouts(req)
+        except BaseException as e:
+            self.done.pop(req.request_id, None)  # a failure is not remembered: a retry generates again
+            result.set_exception(e)
+            result.exception()  # retrieved, even if nobody else waits
+            raise
+        if not isinstance(response, P.RolloutResponse):
+            self.done.pop(req.request_id, None)
+        result.set_result(response)
+        return response
+
+    async def _rollouts(self, req: P.RolloutRequest):
         if req.reward is not None and req.reward not in REWARDS.names():  # registered names only: no imports from requests
             return _error(422, "invalid request: fix the named fields",
                           [{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])

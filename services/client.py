@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 
 import httpx
 
@@ -58,6 +59,9 @@ class FarmClient:
         raise AssertionError("unreachable")
 
     def rollouts(self, req: P.RolloutRequest) -> P.RolloutResponse:
+        """Rollouts under a request_id (a fresh one unless given), so that every retry is safe."""
+        if req.request_id is None:
+            req = req.model_copy(update={"request_id": uuid.uuid4().hex})
         r = self._request("POST", "/v1/rollouts", json=req.model_dump(exclude_none=True))
         return P.RolloutResponse.model_validate(r.json())
 

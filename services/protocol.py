@@ -62,6 +62,8 @@ class RolloutRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N, description=f"Samples per prompt, 1..{MAX_N}.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="Shared by every sample.")
     reward: str | None = Field(None, description="Registered reward function name, or none for reward 0.")
+    request_id: str | None = Field(None, min_length=1, max_length=128,
+                                   description="Idempotency key: a retry with the same id returns the first result and generates nothing.")
 
 
 class Sample(BaseModel):

@@ -23,5 +23,6 @@ class ServiceSettings(BaseSettings):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
     dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
     plugins: list[str] = Field(default_factory=list, description='Modules imported at start-up to register rewards, e.g. ["my_pkg.rewards"].')
+    idempotency_cache_size: int = Field(1024, ge=1, description="Rollout results kept per ingress replica for request_id replays.")
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")

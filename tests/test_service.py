@@ -1,5 +1,7 @@
 """The real Ray Serve app (two engine replicas, tiny Llama) over real HTTP on 127.0.0.1."""
 
+import asyncio
+
 import httpx
 import pytest
 import torch
@@ -211,3 +213,33 @@ def test_restarted_replica_catches_up_before_serving(client, fresh_weights, tiny
         assert time.monotonic() < deadline, f"no replacement replica: {now}"
         time.sleep(0.5)
     assert set(now.values()) == {fresh_weights + 1}  # the new replica serves the committed version, not version 0
+
+
+async def test_request_id_replays_the_first_result_and_generates_nothing(service):
+    body = {**request(n=3, temperature=1.0, seed=None), "request_id": "idem-1"}
+    samples = metric(service, "farm_samples_total")
+    async with httpx.AsyncClient(timeout=120) as http:
+        first, *repeats = await asyncio.gather(*[http.post(f"{service}/v1/rollouts", json=body) for _ in range(3)])  # concurrent duplicates
+        later = await http.post(f"{service}/v1/rollouts", json=body)
+        other = await http.post(f"{service}/v1/rollouts", json={**body, "n": 2})
+    assert first.status_code == 200 and all(r.json() == first.json() for r in [*repeats, later])
+    assert metric(service, "farm_samples_total") == samples + 9  # generated and counted once (3 prompts x 3)
+    assert metric(service, "farm_idempotent_replays_total") >= 3
+    assert other.status_code == 409 and "different request" in other.json()["error"]
+
+
+def test_client_sends_a_request_id_and_reuses_it_on_retry(service):
+    with FarmClient(service, TOKEN, retries=2, backoff_s=0.01) as c:
+        sent, send = [], c.http.request
+
+        def flaky(*a, **kw):  # the first attempt of each call loses its connection
+            sent.append(kw.get("json"))
+            if len(sent) % 2 == 1:
+                raise httpx.ConnectError("connection dropped")
+            return send(*a, **kw)
+
+        c.http.request = flaky
+        c.rollouts(P.RolloutRequest.model_validate(request(n=1)))
+        c.rollouts(P.RolloutRequest.model_validate(request(n=1)))
+    ids = [b["request_id"] for b in sent]
+    assert len(ids) == 4 and ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
