@@ -22,13 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from services import metrics
+from services import metrics, openai_compat
 from services import protocol as P
 from services.rewards import REWARDS
 from services.settings import ServiceSettings
@@ -109,6 +110,12 @@ class EngineServer:
 
     def weight_spec(self) -> dict:
         return self.engine.weight_spec()
+
+    def render_chat(self, messages: list[dict]) -> str | None:
+        """Messages through the model's chat template, ready for generation; None without a template."""
+        if not self.tok.chat_template:
+            return None
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def vocab_size(self) -> int:
         return max(len(self.tok), self.engine.model.config.vocab_size)
@@ -247,6 +254,31 @@ class Ingress:
         metrics.SAMPLES.inc(len(groups) * req.n)
         metrics.TOKENS.inc(sum(len(s.token_ids) for g in groups for s in g.samples))
         return P.RolloutResponse(groups=groups)
+
+    @api.post("/v1/completions", responses={422: {"model": P.ErrorResponse}})
+    async def completions(self, req: P.CompletionRequest):
+        """OpenAI-compatible text completion by the current policy (for lm-eval and similar tools)."""
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        return await self._openai("text_completion", prompts, req.n, openai_compat.sampling(req.max_tokens, req.temperature, req.top_p, req.seed), req.stop)
+
+    @api.post("/v1/chat/completions", responses={422: {"model": P.ErrorResponse}})
+    async def chat_completions(self, req: P.ChatCompletionRequest):
+        """OpenAI-compatible chat completion; the messages go through the model's chat template."""
+        text = await self.engine.render_chat.remote([m.model_dump() for m in req.messages])
+        if text is None:
+            return _error(422, "the served model has no chat template: use /v1/completions", [{"field": "messages", "message": "no chat template"}])
+        params = openai_compat.sampling(req.max_completion_tokens or req.max_tokens or 256, req.temperature, req.top_p, req.seed)
+        return await self._openai("chat.completion", [text], req.n, params, req.stop)
+
+    async def _openai(self, kind: str, prompts: list[str], n: int, params: P.SamplingParams, stop):
+        try:
+            rollout = P.RolloutRequest(prompts=[P.Prompt(text=p) for p in prompts], n=n, sampling_params=params)
+        except ValidationError as e:
+            return _error(422, "invalid request: fix the named fields", [{"field": "prompt", "message": err["msg"]} for err in e.errors()])
+        result = await self._rollouts(rollout)
+        if not isinstance(result, P.RolloutResponse):
+            return result
+        return openai_compat.response(kind, os.path.basename(self.settings.model.rstrip("/")), result.groups, stop, chat=kind == "chat.completion")
 
     @api.post("/v1/weights", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
     async def push_weights(self, request: Request, version: int):

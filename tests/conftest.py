@@ -15,9 +15,15 @@ MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
     from services.models import tiny_llama
 
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+    path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+    tok = AutoTokenizer.from_pretrained(path)  # a plain-text chat template, for the chat endpoint
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    tok.save_pretrained(path)
+    return path
 
 
 def _free_port() -> int:
