@@ -52,3 +52,31 @@ def test_serve_without_token_fails_fast(tiny_model):
     env = {k: v for k, v in os.environ.items() if k != "FARM_API_TOKEN"}
     proc = subprocess.run([sys.executable, "-m", "trainer.cli", "serve", "--model", str(tiny_model)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "api_token" in proc.stderr
+
+
+def farm(*args: str, service: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_URL": service}
+    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_rollout_weights_and_control(service, client, fresh_weights, tiny_model):
+    out = farm("rollout", "--prompt", "Q: 1+2\nA:", "--ground-truth", "3", "--n", "2", "--max-new-tokens", "5", "--reward", "gsm8k", service=service)
+    assert out.returncode == 0, out.stderr
+    groups = json.loads(out.stdout)["groups"]
+    assert len(groups) == 1 and len(groups[0]["samples"]) == 2
+    out = farm("weights", "push", str(tiny_model / "model.safetensors"), service=service)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["version"] == fresh_weights + 1 == client.weights_version().version
+    assert json.loads(farm("weights", "version", service=service).stdout)["version"] == fresh_weights + 1
+    bad = farm("weights", "push", str(tiny_model / "config.json"), service=service)  # not safetensors
+    assert bad.returncode == 1 and "safetensors" in bad.stderr
+    assert all(not r["paused"] for r in json.loads(farm("control", "resume", service=service).stdout)["replicas"])
+
+
+async def test_async_client(service, fresh_weights):
+    from services.client import AsyncFarmClient
+
+    async with AsyncFarmClient(service, TOKEN) as c:
+        assert (await c.weights_version()).version == fresh_weights
+        resp = await c.rollouts(P.RolloutRequest(prompts=[P.Prompt(text="hi")], n=3, sampling_params=P.SamplingParams(max_new_tokens=4)))
+        assert len(resp.groups[0].samples) == 3 and (await c.health()).status == "ok"
