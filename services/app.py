@@ -224,8 +224,11 @@ class Ingress:
             response = await self._rollouts(req)
         except BaseException as e:
             self.done.pop(req.request_id, None)  # a failure is not remembered: a retry generates again
-            result.set_exception(e)
-            result.exception()  # retrieved, even if nobody else waits
+            if isinstance(e, asyncio.CancelledError):
+                result.cancel()
+            else:
+                result.set_exception(e)
+                result.exception()  # retrieved, even if nobody else waits
             raise
         if not isinstance(response, P.RolloutResponse):
             self.done.pop(req.request_id, None)
