@@ -38,9 +38,15 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_PORT": str(port), "FARM_MODEL": str(tiny_model), "FARM_ENGINE_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with FarmClient(f"http://127.0.0.1:{port}", TOKEN) as c:
+        url = f"http://127.0.0.1:{port}"
+        with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
-            assert len(c.rollouts(GREEDY).groups[0].samples) == 1
+            assert len(c.rollouts(GREEDY).groups[0].samples) == 1 and c.weights_version().version == 0
+            cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", url, "--model", str(tiny_model), "--steps", "2",
+                   "--train-batch-size", "4", "--n", "4", "--entropy-coeff", "0.05", "--lr", "0.01", "--out", str(tmp_path)]
+            train = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            assert train.returncode == 0, train.stderr[-3000:]
+            assert c.weights_version().version == 2  # a fresh service: two steps, two versions
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)

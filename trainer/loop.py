@@ -74,7 +74,8 @@ class Trainer:
         self.task = TASKS.get(cfg.task)()
         self.client = FarmClient(cfg.service_url, cfg.token)
         self.version = self.client.weights_version().version
-        self.push()  # the service may serve anything; start it on exactly our weights
+        if self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
+            self.push()
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.out = Path(cfg.out) if cfg.out else None
         if self.out:
