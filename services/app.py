@@ -140,9 +140,9 @@ api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout 
 
 
 @api.exception_handler(RequestValidationError)
-async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     detail = [{"field": ".".join(str(x) for x in e["loc"] if x != "body"), "message": e["msg"]} for e in exc.errors()]
-    return JSONResponse(status_code=422, content=P.ErrorResponse(error="invalid request: fix the named fields", detail=detail).model_dump())
+    return _invalid(detail)
 
 
 @api.exception_handler(HTTPException)
@@ -154,6 +154,11 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 async def _crash(request: Request, exc: Exception) -> JSONResponse:
     log.error(json.dumps({"event": "unhandled_error", "path": request.url.path, "error": repr(exc)}))
     return _error(500, f"internal error: {type(exc).__name__}; see the service log")
+
+
+def _invalid(detail: list[dict]) -> JSONResponse:
+    """422 naming each bad field."""
+    return _error(422, "invalid request: fix the named fields", detail)
 
 
 def _error(status: int, error: str, detail: list[dict] | None = None) -> JSONResponse:
@@ -237,14 +242,13 @@ class Ingress:
 
     async def _rollouts(self, req: P.RolloutRequest):
         if req.reward is not None and req.reward not in REWARDS.names():  # registered names only: no imports from requests
-            return _error(422, "invalid request: fix the named fields",
-                          [{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])
+            return _invalid([{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])
         if self.vocab is None:
             self.vocab = await self.engine.vocab_size.remote()
         bad = [{"field": f"prompts.{i}.token_ids", "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary"}
                for i, p in enumerate(req.prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
         if bad:
-            return _error(422, "invalid request: fix the named fields", bad)
+            return _invalid(bad)
         chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
         try:
             parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, _chunk_params(req.sampling_params, i), req.reward) for i, c in enumerate(chunks)])
@@ -277,7 +281,7 @@ class Ingress:
         try:
             rollout = P.RolloutRequest(prompts=[P.Prompt(text=p) for p in prompts], n=n, sampling_params=params)
         except ValidationError as e:
-            return _error(422, "invalid request: fix the named fields", [{"field": "prompt", "message": err["msg"]} for err in e.errors()])
+            return _invalid([{"field": "prompt", "message": err["msg"]} for err in e.errors()])
         result = await self._rollouts(rollout)
         if not isinstance(result, P.RolloutResponse):
             return result
