@@ -1,7 +1,12 @@
 """The engine boundary, shaped after SGLang's lifecycle verbs.
 
-generate        token ids in; token ids, raw-model logprobs and a finish reason out
-update_weights  load a safetensors state dict as a new, higher version
+generate        token ids in; token ids, raw-model logprobs, per-token weight versions and a finish reason out
+stage_weights   check a state dict against the model and hold it, next to the served weights
+commit_weights  serve the staged weights as the new version; `policy` says what happens to in-flight samples:
+                  finish   they end on the old weights; the commit waits for them
+                  abort    they end with finish_reason "abort" at their next token (the caller retries them)
+                  partial  they go on with the new weights from their next token (see token_versions)
+discard_weights drop what was staged (another replica refused it)
 pause / resume  stop and restart admitting new generate calls
 abort           end every in-flight generate call at its next token ("abort")
 health          prove the engine can generate one token
@@ -10,7 +15,9 @@ health          prove the engine can generate one token
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -26,23 +33,41 @@ class EngineOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    weight_version: int
+    weight_version: int  # the version of the first token (the oldest one)
+    token_versions: list[int] = field(default_factory=list)  # one per token; differ only under the "partial" policy
+
+
+InFlightPolicy = Literal["finish", "abort", "partial"]
 
 
 class Engine(abc.ABC):
     weight_version: int = 0
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineOutput]:
-        """One output per prompt, in order. Logprobs are of the raw model (temperature 1, no top-p/k)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+        """One output per prompt, in order. Logprobs are of the raw model (temperature 1, no top-p/k).
+        Setting `cancel` ends the call at its next token, with finish_reason "abort"."""
 
     @abc.abstractmethod
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
         """The tensors an update must carry: name -> (shape, safetensors dtype)."""
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the weights and set the version, or raise WeightsRejected and change nothing."""
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Check and hold `state_dict` as `version`, or raise WeightsRejected; the served weights do not change."""
+
+    @abc.abstractmethod
+    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+        """Serve the weights staged as `version`."""
+
+    @abc.abstractmethod
+    def discard_weights(self, version: int) -> None:
+        """Drop the weights staged as `version`, if any."""
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: InFlightPolicy = "finish") -> None:
+        """Stage and commit in one go (one replica, no one to agree with)."""
+        self.stage_weights(state_dict, version)
+        self.commit_weights(version, policy)
 
     @abc.abstractmethod
     def pause(self) -> None: ...

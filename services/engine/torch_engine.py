@@ -13,7 +13,7 @@ import threading
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import Engine, EngineOutput, WeightsRejected
+from services.engine.base import Engine, EngineOutput, InFlightPolicy, WeightsRejected
 from services.protocol import SamplingParams
 from services.weights import check_state_dict
 
@@ -63,8 +63,11 @@ class TorchEngine(Engine):
         self._lock = threading.Lock()  # one generate or weight update at a time
         self._admit = threading.Event()
         self._admit.set()
-        self._abort_epoch = 0
+        self._abort_epoch = 0  # bumped by abort() and by an "abort" commit: generate calls compare at each token
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._commit: InFlightPolicy | None = None  # the policy of a commit waiting to be applied
         self.generated_tokens = 0
+        self.busy = False
 
     # lifecycle -------------------------------------------------------------
     def pause(self) -> None:
@@ -87,25 +90,62 @@ class TorchEngine(Engine):
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
         return {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in canonical_state_dict(self.model).items()}
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         problems = check_state_dict(self.weight_spec(), {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in state_dict.items()})
+        if version <= self.weight_version:
+            problems.append(f"version {version} is not newer than the served version {self.weight_version}")
         if problems:
             raise WeightsRejected("; ".join(problems))
-        with self._lock, torch.no_grad():
-            if version <= self.weight_version:  # versions only move forward, even if pushes race
-                raise WeightsRejected(f"version {version} is not newer than the served version {self.weight_version}")
+        self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
+
+    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+        if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
+            return
+        if self._staged is None or self._staged[0] != version:
+            raise WeightsRejected(f"version {version} is not staged on this replica")
+        self._commit = policy
+        if policy == "abort":
+            self._abort_epoch += 1
+        while not self._lock.acquire(timeout=0.005):  # "partial": the running generate call applies it at its next token
+            if self.weight_version >= version:
+                return
+        try:
+            self._apply_staged()
+        finally:
+            self._lock.release()
+
+    def discard_weights(self, version: int) -> None:
+        if self._staged is not None and self._staged[0] == version:
+            self._staged = None
+
+    def _apply_staged(self) -> None:
+        """Copy the staged tensors into the model; the caller holds self._lock."""
+        if self._staged is None or self._commit is None:
+            return
+        version, tensors = self._staged
+        with torch.no_grad():
             params = canonical_state_dict(self.model)
-            for name, t in state_dict.items():
+            for name, t in tensors.items():
                 params[name].copy_(t)
-            self.weight_version = version
+        self.weight_version, self._staged, self._commit = version, None, None
 
     # generation ------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineOutput]:
-        self._admit.wait()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+        cancel = cancel or threading.Event()
+        while not self._admit.wait(0.05):
+            if cancel.is_set():
+                return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
         with self._lock, torch.inference_mode():
-            return self._generate(prompts, params)
+            self._apply_staged()  # a commit waiting for the lock goes first: this call is not in flight yet
+            self.busy = True
+            try:
+                return self._generate(prompts, params, cancel)
+            finally:
+                self.busy = False
+                if self._commit == "abort":  # the commit that cut this call is served before the caller sees its outputs (and reruns them)
+                    self._apply_staged()
 
-    def _generate(self, prompts: list[list[int]], p: SamplingParams) -> list[EngineOutput]:
+    def _generate(self, prompts: list[list[int]], p: SamplingParams, cancel: threading.Event) -> list[EngineOutput]:
         B, L, dev = len(prompts), max(map(len, prompts)), self.device
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, L), dtype=torch.long)
@@ -118,10 +158,12 @@ class TorchEngine(Engine):
         stop = torch.tensor(sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)), dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), p.max_new_tokens, dtype=torch.long)
-        toks, lps, past, epoch, aborted = [], [], None, self._abort_epoch, False
+        toks, lps, versions, past, epoch, aborted = [], [], [], None, self._abort_epoch, False
         step_ids, step_pos = ids, pos
         for t in range(p.max_new_tokens):
-            if self._abort_epoch != epoch:
+            if self._commit == "partial":
+                self._apply_staged()
+            if self._abort_epoch != epoch or cancel.is_set():
                 aborted = True
                 lengths[~done.cpu()] = t
                 break
@@ -129,6 +171,7 @@ class TorchEngine(Engine):
             past, logits = out.past_key_values, out.logits[:, -1, :].float()
             tok = sample_tokens(logits, p, gen)
             toks.append(tok)
+            versions.append(self.weight_version)
             lps.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
             finished = ~done & torch.isin(tok, stop)
             lengths[finished.cpu()] = t + 1
@@ -143,7 +186,7 @@ class TorchEngine(Engine):
         for i in range(B):
             n = int(lengths[i])
             reason = "stop" if bool(done[i]) else ("abort" if aborted else "length")
-            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, self.weight_version))
+            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, versions[0] if n else self.weight_version, versions[:n]))
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
 

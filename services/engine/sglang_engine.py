@@ -1,0 +1,237 @@
+"""SGLang's offline engine (`sglang.Engine`) behind the engine interface, for GPUs (the `sglang` extra).
+
+Written against sglang 0.5.14 (what `rollout-farm[sglang]` resolves to under transformers<5.11; 0.5.15
+and later pin newer transformers) and read against 0.5.23; it needs >= 0.5.6.
+
+Logprobs: generate asks for return_logprob=True and reads meta_info["output_token_logprobs"], a list of
+(logprob, token_id, text). By default SGLang returns them after temperature (log of the tempered
+softmax, before top-p/k). With SGLANG_RETURN_ORIGINAL_LOGPROB=1, which this module sets for the scheduler
+process that the engine spawns, they are log_softmax of the raw logits: temperature 1, no top-p/k.
+Greedy batches (temperature 0) always return raw logprobs.
+
+Weight commits. SGLang's own update (update_weights_from_tensor/_disk/_distributed) takes a writer lock
+that waits for every running request and holds new ones back, so in-flight samples finish on the old
+weights. This adapter does the same, with its own gate, so that it knows each sample's version:
+  finish   wait for in-flight calls, then update (SGLang's default behaviour)
+  abort    abort_request(abort_all=True) on in-flight calls, wait for them to return, then update
+  partial  the same as finish: every sample keeps one version. A mid-sample switch would need
+           pause_generation(mode="retract"), but in 0.5.14 the cache flush after the update then fails on
+           the retracted requests and asserts in the scheduler (and without the flush the prefix cache
+           keeps old-weight KV); per-token versions (meta_info["weight_versions"]) come only in 0.5.19.
+stage_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
+
+Unmapped: `seed` becomes SGLang's sampling_seed, which is honoured only by an engine launched with
+enable_deterministic_inference (not set here). SGLang's ignore_eos also ignores stop_token_ids, so with
+both set the output is cut after the first stop token here. `threads` is unused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from services.engine.base import Engine, EngineOutput, InFlightPolicy, WeightsRejected
+from services.engine.torch_engine import ST_DTYPES
+from services.protocol import SamplingParams
+from services.weights import WeightsError, check_state_dict, read_header_file
+
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # SGLang's distributed update wants torch names
+
+
+class _LoopThread:
+    """Stands in for sglang.Engine.loop. Engine's synchronous methods call loop.run_until_complete, which only
+    one thread can enter, and generate comes from many worker threads: so every call runs on one event loop
+    in a background thread instead, where SGLang's tokenizer manager (and its zmq sockets) then lives."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True).start()
+
+    def submit(self, awaitable):
+        async def run():
+            return await awaitable
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+    def run_until_complete(self, awaitable):
+        return self.submit(awaitable).result()
+
+    def call(self, fn, *args, **kwargs):
+        self.loop.call_soon_threadsafe(lambda: fn(*args, **kwargs))
+
+
+class SGLangEngine(Engine):
+    def __init__(self, model_path: str, device: str = "cuda", dtype: str = "bfloat16", threads: int | None = None):
+        try:
+            import sglang
+        except ImportError as e:
+            raise RuntimeError("the sglang engine needs the GPU extra: pip install 'rollout-farm[sglang]'") from e
+        from packaging.version import Version
+
+        if Version(sglang.__version__) < Version("0.5.6"):  # older ones return logprobs after temperature
+            raise RuntimeError(f"the sglang engine needs sglang>=0.5.6, found {sglang.__version__}")
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read by the spawned scheduler: logprobs before temperature
+        self.model_path, self.dtype = model_path, getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.llm = sglang.Engine(model_path=model_path, device=device, dtype=dtype)
+        self.llm.loop = self._loop = _LoopThread()
+        self.weight_version, self.generated_tokens = 0, 0
+        self._cv = threading.Condition()  # guards the three below
+        self._inflight, self._paused, self._committing = 0, False, False
+        self._staged: tuple[int, dict[str, torch.Tensor] | str] | None = None
+        self._spec: dict[str, tuple[list[int], str]] | None = None
+
+    # lifecycle -------------------------------------------------------------
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def abort(self) -> None:
+        self._loop.call(self.llm.tokenizer_manager.abort_request, abort_all=True)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight > 0
+
+    def health_token_id(self) -> int:
+        t = self.tokenizer
+        return next(i for i in (t.bos_token_id, t.pad_token_id, t.eos_token_id, 0) if i is not None)
+
+    # generation ------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+        cancel = cancel or threading.Event()
+        with self._cv:
+            while self._paused or self._committing:
+                if cancel.is_set():
+                    return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
+                self._cv.wait(0.05)
+            self._inflight += 1
+            version = self.weight_version
+        try:
+            rids = [uuid.uuid4().hex for _ in prompts]
+            sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "max_new_tokens": params.max_new_tokens,
+                        "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos, "sampling_seed": params.seed}
+            done = self._loop.submit(self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids))
+            while True:
+                try:
+                    results = done.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if cancel.is_set():  # again at each tick: a request still being tokenized ignores its abort
+                        for rid in rids:
+                            self._loop.call(self.llm.tokenizer_manager.abort_request, rid)
+        finally:
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+        outs = [self._output(r, params, version) for r in results]
+        self.generated_tokens += sum(len(o.token_ids) for o in outs)
+        return outs
+
+    @staticmethod
+    def _output(result: dict, p: SamplingParams, version: int) -> EngineOutput:
+        meta = result["meta_info"]
+        ids, lps, reason = list(result["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], meta["finish_reason"]["type"]
+        if p.ignore_eos and p.stop_token_ids:
+            cut = next((i + 1 for i, t in enumerate(ids) if t in p.stop_token_ids), None)
+            if cut is not None:
+                ids, lps, reason = ids[:cut], lps[:cut], "stop"
+        return EngineOutput(ids, lps, reason, version, [version] * len(ids))
+
+    # weights ---------------------------------------------------------------
+    def weight_spec(self) -> dict[str, tuple[list[int], str]]:
+        if self._spec is None:  # from the config on the meta device: SGLang holds the only real copy
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
+            self._spec = {n: (list(p.shape), ST_DTYPES.get(p.dtype, str(p.dtype))) for n, p in model.named_parameters()}
+        return self._spec
+
+    def _check(self, got: dict[str, tuple[list[int], str]], version: int) -> None:
+        problems = check_state_dict(self.weight_spec(), got)
+        if version <= self.weight_version:
+            problems.append(f"version {version} is not newer than the served version {self.weight_version}")
+        if problems:
+            raise WeightsRejected("; ".join(problems))
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._check({n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in state_dict.items()}, version)
+        self._staged = (version, state_dict)
+
+    def stage_from_path(self, path: str, version: int) -> None:
+        got = {}
+        try:
+            for f in sorted(Path(path).glob("*.safetensors")):
+                got.update(read_header_file(f))
+        except WeightsError as e:
+            raise WeightsRejected(str(e)) from None
+        self._check(got, version)
+        self._staged = (version, str(path))
+
+    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+        if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
+            return
+        if self._staged is None or self._staged[0] != version:
+            raise WeightsRejected(f"version {version} is not staged on this replica")
+        staged = self._staged[1]
+        with self._exclusive(abort=policy == "abort"):
+            if isinstance(staged, str):
+                ok, message = self.llm.update_weights_from_disk(staged)[:2]
+            else:
+                ok, message = self.llm.update_weights_from_tensor(list(staged.items()))
+            if not ok:
+                raise WeightsRejected(message)
+            self.weight_version, self._staged = version, None
+
+    def discard_weights(self, version: int) -> None:
+        if self._staged is not None and self._staged[0] == version:
+            self._staged = None
+
+    @contextmanager
+    def _exclusive(self, abort: bool = False):
+        """Hold new generate calls back and wait for the in-flight ones (aborting them first if asked)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._committing)
+            self._committing = True
+            while self._inflight:
+                if abort:
+                    self.abort()
+                self._cv.wait(0.05)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._committing = False
+                self._cv.notify_all()
+
+    # NCCL transport: the trainer is rank 0 of the group and broadcasts each tensor ----------------
+    ranks_per_engine = 1  # one GPU (tp_size 1) per engine: replica i is rank rank_offset + i
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                                  backend: str = "nccl") -> None:
+        ok, message = self.llm.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        if not ok:
+            raise RuntimeError(message)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                                        group_name: str = "weight_update_group") -> None:
+        with self._exclusive():
+            ok, message = self.llm.update_weights_from_distributed(names, [TORCH_DTYPE_NAMES.get(d, d) for d in dtypes], shapes, group_name)
+            if not ok:
+                raise WeightsRejected(message)
+            self.weight_version = version
