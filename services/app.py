@@ -13,14 +13,17 @@ import importlib
 import json
 import logging
 import os
+import pathlib
 import statistics
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
@@ -31,26 +34,50 @@ from starlette.exceptions import HTTPException
 
 from services import metrics, openai_compat
 from services import protocol as P
+from services.engine.base import WeightsRejected
 from services.rewards import REWARDS
+from services.queue import NoSource, SourceExists, TrajectoryQueue
+from services.samplers import SAMPLERS
 from services.settings import ServiceSettings
-from services.weights import WeightsError, check_upload
+from services.weights import WeightsError, check_state_dict, check_upload, read_header_file
 
 log = logging.getLogger("farm.service")
 
 
 @ray.remote(num_cpus=0)
 class WeightStore:
-    """The committed weight version and its safetensors bytes, so a new replica can catch up."""
+    """The committed weight version and where its weights are, so a new replica can catch up.
+
+    The source is ("bytes", [ref]) for an HTTP push (ray.put here, so the store owns a copy that
+    outlives the sender) or ("path", folder) for a push from shared storage.
+    """
 
     def __init__(self):
-        self.version, self.refs = 0, []
+        self.version, self.source = 0, None
 
-    def commit(self, version: int, data: bytes) -> None:
-        if version > self.version:  # ray.put here, so the store owns the copy and it outlives the sender
-            self.version, self.refs = version, [ray.put(data)]
+    def commit(self, version: int, source: tuple) -> None:
+        if version > self.version:
+            if source[0] == "bytes":
+                source = ("bytes", [ray.put(ray.get(source[1][0]))])
+            self.version, self.source = version, source
 
-    def current(self) -> tuple[int, list]:
-        return self.version, self.refs
+    def current(self) -> tuple[int, tuple | None]:
+        return self.version, self.source
+
+
+class VersionNotReached(Exception):
+    """A rollout asked for a weight version that no push has committed in time."""
+
+
+class RolloutCancelled(Exception):
+    """The rollout was cancelled (DELETE /v1/rollouts/{request_id}, or its first caller went away)."""
+
+
+CONTROL_SLOTS = 4  # Serve request slots per engine replica that rollouts leave free: pushes, control and scrapes get through a full replica
+
+
+class ReplicaFull(Exception):
+    """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has CONTROL_SLOTS // 2 waiting."""
 
 
 def load_plugins(settings: ServiceSettings) -> None:
@@ -59,24 +86,79 @@ def load_plugins(settings: ServiceSettings) -> None:
         importlib.import_module(module)
 
 
+def read_safetensors_folder(path: str) -> dict:
+    """Every tensor of the *.safetensors files in a folder (sharded checkpoints included)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
 class EngineServer:
     """One engine replica: tokenizes, generates, decodes and scores."""
 
     async def __init__(self, settings: ServiceSettings):
-        from services.engine.torch_engine import TorchEngine
+        from services.engine import make_engine
         from services.models import resolve_model
 
         load_plugins(settings)
+        self.settings = settings
         threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
-        self.engine = TorchEngine(str(resolve_model(settings.model)), settings.device, settings.dtype, threads)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")  # torch runs fastest when one thread makes every model call
+        self.engine = await self._on_engine_thread(make_engine, settings.engine, str(resolve_model(settings.model)), settings.device, settings.dtype,
+                                                   threads, settings.bench_token_latency_s)
         self.tok = self.engine.tokenizer
-        version, refs = await serve.get_deployment_actor("weights").current.remote()
-        if version > 0:  # catch up before Serve routes any traffic here
-            await self.update_weights(refs, version)
+        self.catch_up_lock = asyncio.Lock()
+        self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
+        await self.catch_up(0)  # before Serve routes any traffic here
 
-    async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None) -> list[P.Group]:
+    async def catch_up(self, min_version: int) -> None:
+        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for min_version."""
+        deadline = time.monotonic() + self.settings.min_version_wait_s
+        while True:
+            async with self.catch_up_lock:
+                store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
+                version, source = await store.current.remote()
+                if version > self.engine.weight_version:
+                    await self.commit(version, "finish", source)
+                    log.info(json.dumps({"event": "caught_up", "version": version}))
+            if self.engine.weight_version >= min_version:
+                return
+            if time.monotonic() > deadline:
+                raise VersionNotReached(f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S={self.settings.min_version_wait_s}; "
+                                        f"this replica serves {self.engine.weight_version}")
+            await asyncio.sleep(0.05)
+
+    async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int = 0,
+                      sampler: str = "plain") -> list[P.Group]:
+        """The groups of these prompts, n samples each, in one engine batch. Serve gives this replica
+        FARM_ENGINE_MAX_ONGOING_REQUESTS + CONTROL_SLOTS calls at once; rollouts take at most all but two of them."""
+        if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
+            raise ReplicaFull()
+        self.rollouts_waiting += 1
+        try:
+            await self.rollout_slots.acquire()
+        finally:
+            self.rollouts_waiting -= 1
+        try:
+            return await self._rollout(prompts, n, params, reward, min_version, sampler)
+        finally:
+            self.rollout_slots.release()
+
+    async def _rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int, sampler: str) -> list[P.Group]:
+        if self.engine.weight_version < min_version:
+            await self.catch_up(min_version)
         ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
-        outs = await asyncio.to_thread(self.engine.generate, [x for x in ids for _ in range(n)], params)
+        flat = [x for x in ids for _ in range(n)]
+        outs = await self._generate(flat, params)
+        for _ in range(3):  # samples cut by an "abort" weight commit run again on the new weights
+            redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < self.engine.weight_version]
+            if not redo:
+                break
+            for i, o in zip(redo, await self._generate([flat[i] for i in redo], params)):
+                outs[i] = o
         score = REWARDS.get(reward) if reward else None
         groups = []
         for i, prompt in enumerate(prompts):
@@ -89,24 +171,76 @@ class EngineServer:
                 except Exception as e:  # one bad score marks its sample, not the batch
                     log.warning(json.dumps({"event": "reward_failed", "reward": reward, "error": repr(e)}))
                     reason = "error"
-                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r, weight_version=o.weight_version))
+                mixed = o.token_versions if len(set(o.token_versions)) > 1 else None
+                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r,
+                                        weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta={"sampler": sampler}))
             rewards = [s.reward for s in samples]
             std = statistics.pstdev(rewards)
             groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
         return groups
 
-    async def update_weights(self, refs: list, version: int) -> int:
-        """Load the safetensors bytes behind refs[0] as `version` (a no-op if already there)."""
+    def _on_engine_thread(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _generate(self, prompts: list[list[int]], params: P.SamplingParams) -> list:
+        """engine.generate on the engine thread; if this call is cancelled, so is the engine work."""
+        cancel = threading.Event()
+        try:
+            return await asyncio.shield(self._on_engine_thread(self.engine.generate, prompts, params, cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    async def stage(self, source: tuple, version: int) -> int:
+        """Phase one of a push: check and hold the weights next to the served ones."""
+        if source[0] == "path" and hasattr(self.engine, "stage_from_path"):  # SGLang reads the folder itself
+            return await asyncio.to_thread(self.engine.stage_from_path, source[1], version) or version
+        tensors = await asyncio.to_thread(self._read, source)
+        await asyncio.to_thread(self.engine.stage_weights, tensors, version)
+        return version
+
+    async def commit(self, version: int, policy: str, source: tuple) -> int:
+        """Phase two: record the version in the store (for replicas that start later), then serve it.
+        A replica that joined after phase one stages from `source` first."""
+        if version <= self.engine.weight_version:
+            return self.engine.weight_version
+        store = serve.get_deployment_actor("weights")
+        stored, _ = await store.current.remote()
+        if stored < version:
+            await store.commit.remote(version, source)
+        try:
+            await asyncio.to_thread(self.engine.commit_weights, version, policy)
+        except WeightsRejected:  # nothing staged here: this replica started after phase one
+            await self.stage(source, version)
+            await asyncio.to_thread(self.engine.commit_weights, version, policy)
+        return self.engine.weight_version
+
+    def discard(self, version: int) -> None:
+        self.engine.discard_weights(version)
+
+    @staticmethod
+    def _read(source: tuple) -> dict:
         from safetensors.torch import load
 
-        if version > self.engine.weight_version:
-            data = await refs[0]
-            await asyncio.to_thread(self.engine.update_weights, load(data), version)
-            store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
-            stored, _ = await store.current.remote()
-            if stored < version:
-                await store.commit.remote(version, data)
+        kind, where = source
+        return load(ray.get(where[0])) if kind == "bytes" else read_safetensors_folder(where)
+
+    async def init_weights_update_group(self, group: P.DistributedGroup, replica_ids: list[str]) -> int:
+        """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
+        Blocks (off the event loop) until the trainer and every replica have joined."""
+        engine = self._distributed()
+        rank = group.rank_offset + replica_ids.index(serve.get_replica_context().replica_id.unique_id) * engine.ranks_per_engine
+        await asyncio.to_thread(engine.init_weights_update_group, group.master_address, group.master_port, rank, group.world_size, group.group_name, group.backend)
+        return rank
+
+    async def update_weights_from_distributed(self, update: P.DistributedUpdate, replica_ids: list[str]) -> int:
+        await asyncio.to_thread(self._distributed().update_weights_from_distributed, update.names, update.dtypes, update.shapes, update.version, update.group_name)
         return self.engine.weight_version
+
+    def _distributed(self):
+        if not hasattr(self.engine, "update_weights_from_distributed"):
+            raise NotImplementedError(f"the {self.settings.engine!r} engine has no NCCL weight transport: run FARM_ENGINE=sglang on GPUs")
+        return self.engine
 
     def weight_spec(self) -> dict:
         return self.engine.weight_spec()
@@ -117,8 +251,26 @@ class EngineServer:
             return None
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
+        """The text each token adds, so that the pieces of a sample join to its text. Decoded in a short
+        window of context (as vLLM does): a token that ends inside a multi-byte character adds "" and the
+        token that completes it adds the character; a lone token would lose a SentencePiece leading space."""
+        out = []
+        for ids in samples:
+            pieces, prefix, read = [], 0, 0
+            for i in range(len(ids)):
+                before = self.tok.decode(ids[prefix:read], skip_special_tokens=True)
+                text = self.tok.decode(ids[prefix:i + 1], skip_special_tokens=True)
+                if len(text) > len(before) and (not text.endswith("\ufffd") or i + 1 == len(ids)):
+                    pieces.append(text[len(before):])
+                    prefix, read = read, i + 1
+                else:
+                    pieces.append("")
+            out.append(pieces)
+        return out
+
     def vocab_size(self) -> int:
-        return max(len(self.tok), self.engine.model.config.vocab_size)
+        return max(len(self.tok), getattr(getattr(self.engine, "model", None), "config", self.tok).vocab_size)
 
     def weight_version(self) -> tuple[str, int]:
         """(this replica's id, the version it serves)."""
@@ -127,13 +279,14 @@ class EngineServer:
     async def health(self) -> P.Health:
         if self.engine.paused:
             return P.Health(status="paused", weight_version=self.engine.weight_version)
-        token = await asyncio.to_thread(self.engine.health)
+        token = await self._on_engine_thread(self.engine.health)
         return P.Health(status="ok", weight_version=self.engine.weight_version, generated_token_id=token)
 
     def control(self, action: str) -> P.ReplicaState:
         """Pause or resume admitting generate calls, or abort the one in flight."""
         {"pause": self.engine.pause, "resume": self.engine.resume, "abort": self.engine.abort, "none": lambda: None}[action]()
-        return P.ReplicaState(replica=serve.get_replica_context().replica_id.unique_id, weight_version=self.engine.weight_version, paused=self.engine.paused)
+        return P.ReplicaState(replica=serve.get_replica_context().replica_id.unique_id, weight_version=self.engine.weight_version, paused=self.engine.paused,
+                              busy=self.engine.busy, generated_tokens=self.engine.generated_tokens)
 
 
 api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning.")
@@ -141,8 +294,7 @@ api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    detail = [{"field": ".".join(str(x) for x in e["loc"] if x != "body"), "message": e["msg"]} for e in exc.errors()]
-    return _invalid(detail)
+    return _invalid(_fields(exc.errors()))
 
 
 @api.exception_handler(HTTPException)
@@ -163,6 +315,37 @@ def _invalid(detail: list[dict]) -> JSONResponse:
 
 def _error(status: int, error: str, detail: list[dict] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=P.ErrorResponse(error=error, detail=detail or []).model_dump())
+
+
+MAX_REQUEST_BYTES = 32 << 20  # JSON bodies; weight pushes and prompt uploads have their own FARM_ limits
+
+
+class BodyLimit:
+    """413 for a body over MAX_REQUEST_BYTES, declared or (chunked) counted as it arrives."""
+
+    def __init__(self, app, limit: int = MAX_REQUEST_BYTES, own_limits: tuple[str, ...] = ("/v1/weights", "/v1/queue/sources/")):
+        self.app, self.limit, self.own_limits = app, limit, own_limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].startswith(self.own_limits):
+            return await self.app(scope, receive, send)
+        too_large = HTTPException(413, f"request body over {self.limit} bytes: send fewer prompts per request")
+        if int(dict(scope["headers"]).get(b"content-length", 0)) > self.limit:
+            return await _error(413, too_large.detail)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise too_large
+            return message
+
+        await self.app(scope, counted, send)
+
+
+api.add_middleware(BodyLimit)
 
 
 @api.middleware("http")
@@ -188,6 +371,70 @@ def _chunk_params(params: P.SamplingParams, i: int) -> P.SamplingParams:
     return params if params.seed is None else params.model_copy(update={"seed": (params.seed + i) % 2**63})
 
 
+def _fields(errors: list[dict], *prefix: str) -> list[dict]:
+    """pydantic errors as 422 detail: the dotted field and the message."""
+    return [{"field": ".".join([*prefix, *(str(x) for x in e["loc"] if x != "body")]), "message": e["msg"]} for e in errors]
+
+
+def _jsonl_prompts(body: bytes) -> tuple[list[P.Prompt], list[dict]]:
+    """Prompts from JSONL, one per non-empty line, and the errors (fields named 'line N....')."""
+    prompts, errors = [], []
+    for i, line in enumerate(body.decode("utf-8", "replace").splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(P.Prompt.model_validate_json(line))
+            except ValidationError as e:
+                errors += _fields(e.errors(), f"line {i}")
+    if not prompts and not errors:
+        errors = [{"field": "body", "message": "no prompts: send one JSON Prompt per line"}]
+    return prompts, errors
+
+
+class Job:
+    """One rollout request at the ingress: its groups in the order they finished, and the task making them."""
+
+    def __init__(self, fingerprint: str, size: int):
+        self.fingerprint, self.size = fingerprint, size
+        self.groups: dict[int, P.Group] = {}  # prompt index -> group, in finishing order
+        self.task: asyncio.Task | None = None
+        self.cancelled_by_client = False
+        self._tick = asyncio.Event()
+
+    def add(self, index: int, group: P.Group) -> None:
+        self.groups[index] = group
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
+
+    async def events(self):
+        """(index, group) as each group finishes, replaying those already done; then the task's exception, if any."""
+        sent = 0
+        while True:
+            tick = self._tick
+            items = list(self.groups.items())
+            for item in items[sent:]:
+                yield item
+            sent = len(items)
+            if self.task.done() and sent == len(self.groups):
+                break
+            waiter = asyncio.ensure_future(tick.wait())
+            await asyncio.wait({self.task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        if self.task.cancelled():
+            raise RolloutCancelled()
+        self.task.result()
+
+
+def _rollout_error(job: Job, e: BaseException) -> JSONResponse:
+    if isinstance(e, (asyncio.CancelledError, RolloutCancelled)):
+        return _error(409, "request cancelled (DELETE /v1/rollouts/{request_id}); send it again to generate anew")
+    if isinstance(e, (BackPressureError, ReplicaFull)):
+        return JSONResponse(status_code=429, headers={"Retry-After": "1"},
+                            content=P.ErrorResponse(error="engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s").model_dump())
+    if isinstance(e, VersionNotReached):
+        return _error(409, str(e), [{"field": "min_weight_version", "message": "push that version first, or ask for one that is committed"}])
+    raise e
+
+
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
@@ -196,7 +443,9 @@ class Ingress:
         self.vocab: int | None = None
         load_plugins(settings)
         self.push_lock = asyncio.Lock()
-        self.done: OrderedDict[str, tuple[str, asyncio.Future]] = OrderedDict()  # request_id -> (body hash, result)
+        self.committed = 0  # the newest version this ingress has seen committed: no rollout runs on older weights
+        self.jobs: OrderedDict[str, Job] = OrderedDict()  # request_id -> job, for replays and cancellation
+        self.queue = TrajectoryQueue(self._generate_for_queue, lambda: self.committed, batch_groups=4 * settings.replicas)
 
     def _auth_error(self, request: Request) -> JSONResponse | None:
         """None when the request carries the bearer token (compared in constant time), else the 401 to return."""
@@ -209,64 +458,206 @@ class Ingress:
     async def rollouts(self, req: P.RolloutRequest):
         """Generate `n` samples for each prompt and score them; one group per prompt, in order.
 
+        With `stream`, the answer is NDJSON: a GroupEvent line per group as it finishes, then a StreamEnd line.
         With a `request_id`, a repeat of the same request (also one still running) gets the first
         result back and generates nothing; the same id with a different body gets 409.
+        DELETE /v1/rollouts/{request_id} cancels it, and so does closing the connection of its first caller.
         """
-        if req.request_id is None:
-            return await self._rollouts(req)
-        fingerprint = hashlib.sha256(req.model_dump_json(exclude={"request_id"}).encode()).hexdigest()
-        if req.request_id in self.done:
-            seen, result = self.done[req.request_id]
-            if seen != fingerprint:
-                return _error(409, f"request_id {req.request_id!r} was used for a different request: use a new id")
+        if bad := await self._check(req):
+            return bad
+        fingerprint = hashlib.sha256(req.model_dump_json(exclude={"request_id", "stream"}).encode()).hexdigest()
+        job, owner = self.jobs.get(req.request_id) if req.request_id else None, False
+        if job is not None and job.fingerprint != fingerprint:
+            return _error(409, f"request_id {req.request_id!r} was used for a different request: use a new id")
+        if job is not None:
             metrics.REPLAYS.inc()
-            return await asyncio.shield(result)
-        result = asyncio.get_running_loop().create_future()
-        self.done[req.request_id] = (fingerprint, result)
-        while len(self.done) > self.settings.idempotency_cache_size:
-            self.done.popitem(last=False)
+        else:
+            job, owner = Job(fingerprint, len(req.prompts)), True
+            job.task = asyncio.create_task(self._produce(job, req))
+            if req.request_id:
+                self.jobs[req.request_id] = job
+                while len(self.jobs) > self.settings.idempotency_cache_size:
+                    self.jobs.popitem(last=False)
+                job.task.add_done_callback(lambda t, rid=req.request_id, job=job: self._forget_failed(rid, job))
+        if req.stream:
+            return StreamingResponse(self._stream(job, owner), media_type="application/x-ndjson")
         try:
-            response = await self._rollouts(req)
-        except BaseException as e:
-            self.done.pop(req.request_id, None)  # a failure is not remembered: a retry generates again
-            if isinstance(e, asyncio.CancelledError):
-                result.cancel()
-            else:
-                result.set_exception(e)
-                result.exception()  # retrieved, even if nobody else waits
+            await asyncio.wait({job.task})
+        except asyncio.CancelledError:  # our caller went away: its engine work goes too, unless another caller waits
+            if owner:
+                job.task.cancel()
             raise
-        if not isinstance(response, P.RolloutResponse):
-            self.done.pop(req.request_id, None)
-        result.set_result(response)
-        return response
+        if job.task.cancelled() or job.task.exception():
+            return _rollout_error(job, job.task.exception() if not job.task.cancelled() else asyncio.CancelledError())
+        return job.task.result()
 
-    async def _rollouts(self, req: P.RolloutRequest):
+    def _forget_failed(self, request_id: str, job: Job) -> None:
+        """A failed or cancelled request is not remembered: a retry generates again."""
+        if (job.task.cancelled() or job.task.exception() is not None) and self.jobs.get(request_id) is job:
+            del self.jobs[request_id]
+
+    async def _stream(self, job: Job, owner: bool):
+        try:
+            async for index, group in job.events():
+                yield P.GroupEvent(index=index, group=group).model_dump_json() + "\n"
+            yield P.StreamEnd(groups=len(job.groups)).model_dump_json() + "\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            if owner:
+                job.task.cancel()
+            raise
+        except Exception as e:
+            try:
+                answer = _rollout_error(job, e)
+                status, message = answer.status_code, json.loads(answer.body)["error"]
+            except Exception:
+                status, message = 500, f"internal error: {type(e).__name__}; see the service log"
+            yield P.StreamEnd(groups=len(job.groups), error=message, status=status).model_dump_json() + "\n"
+
+    @api.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse)
+    async def cancel_rollout(self, request_id: str):
+        """Cancel a running rollout by its request_id; its engine work stops at the next token."""
+        job = self.jobs.get(request_id)
+        if job is None or job.task.done():
+            return P.CancelResponse(request_id=request_id, cancelled=False)
+        self.jobs.pop(request_id, None)
+        job.task.cancel()
+        log.info(json.dumps({"event": "rollout_cancelled", "request_id": request_id}))
+        return P.CancelResponse(request_id=request_id, cancelled=True)
+
+    async def _check(self, req: P.RolloutRequest | P.QueueSource) -> JSONResponse | None:
+        """A 422 for what pydantic cannot know: unknown names, out-of-vocabulary tokens, bad sampler params."""
         if req.reward is not None and req.reward not in REWARDS.names():  # registered names only: no imports from requests
             return _invalid([{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])
+        if req.sampler.name not in SAMPLERS.names():
+            return _invalid([{"field": "sampler.name", "message": f"unknown sampler {req.sampler.name!r}; valid names: {', '.join(SAMPLERS.names())} (add your own with FARM_PLUGINS)"}])
+        try:
+            SAMPLERS.get(req.sampler.name).Params.model_validate(req.sampler.params)
+        except ValidationError as e:
+            return _invalid(_fields(e.errors(), "sampler", "params"))
+        return await self._check_tokens(req.prompts)
+
+    async def _check_tokens(self, prompts: list[P.Prompt]) -> JSONResponse | None:
         if self.vocab is None:
             self.vocab = await self.engine.vocab_size.remote()
         bad = [{"field": f"prompts.{i}.token_ids", "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary"}
-               for i, p in enumerate(req.prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
-        if bad:
-            return _invalid(bad)
-        chunks = _split(req.prompts, self.settings.replicas)  # spread groups over replicas; a group stays together
+               for i, p in enumerate(prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
+        return _invalid(bad) if bad else None
+
+    async def _produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:
+        """Spread the groups over the replicas (a group stays on one), recording each part as it finishes."""
+        k = self.settings.replicas * (2 if req.stream else 1)  # finer parts when streaming, so groups arrive sooner
+        chunks = _split(list(range(len(req.prompts))), k)
+        min_version = max(req.min_weight_version, self.committed)
+        calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(req.sampling_params, j), req.reward, min_version,
+                                          req.sampler.name)
+                 for j, c in enumerate(chunks)]
+
+        async def part(chunk, call):
+            for i, group in zip(chunk, await call):
+                job.add(i, group)
+
         try:
-            parts = await asyncio.gather(*[self.engine.rollout.remote(c, req.n, _chunk_params(req.sampling_params, i), req.reward) for i, c in enumerate(chunks)])
-        except BackPressureError:
-            return JSONResponse(status_code=429, headers={"Retry-After": "1"},
-                                content=P.ErrorResponse(error="engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s").model_dump())
-        groups = [g for part in parts for g in part]
-        metrics.GROUPS.inc(len(groups))
-        metrics.ZERO_VAR.inc(sum(g.zero_variance for g in groups))
-        metrics.SAMPLES.inc(len(groups) * req.n)
-        metrics.TOKENS.inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+            await asyncio.gather(*[part(c, call) for c, call in zip(chunks, calls)])
+        except BaseException:
+            for call in calls:  # frees the engine work of every part still running
+                call.cancel()
+            raise
+        groups = [job.groups[i] for i in range(job.size)]
+        self._count(req.sampler.name, groups, delivered)
         return P.RolloutResponse(groups=groups)
+
+    async def _generate_for_queue(self, req: P.RolloutRequest) -> list[P.Group]:
+        return (await self._produce(Job("", len(req.prompts)), req, delivered=False)).groups
+
+    def _count(self, sampler: str, groups: list[P.Group], delivered: bool) -> None:
+        metrics.GROUPS.labels(sampler).inc(len(groups))
+        metrics.ZERO_VAR.labels(sampler).inc(sum(g.zero_variance for g in groups))
+        metrics.SAMPLES.labels(sampler).inc(sum(len(g.samples) for g in groups))
+        metrics.TOKENS.labels(sampler).inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+        for s in (s for g in groups for s in g.samples) if delivered else ():  # queued groups count when pulled
+            metrics.STALENESS.observe(max(0, self.committed - s.weight_version))
+
+    @api.post("/v1/queue/sources", response_model=P.QueueSourceState, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def queue_add_source(self, request: Request, spec: P.QueueSource):
+        """Register a prompt source; the service starts generating groups from it in the background."""
+        if denied := self._auth_error(request):
+            return denied
+        if bad := await self._check(spec):
+            return bad
+        try:
+            return self.queue.add_source(spec)
+        except SourceExists as e:
+            return _error(409, str(e))
+
+    @api.get("/v1/queue/sources", response_model=list[P.QueueSourceState])
+    async def queue_sources(self):
+        """Every source: queued prompts, ready and leased groups, acks, redeliveries and stale drops."""
+        return self.queue.states()
+
+    @api.delete("/v1/queue/sources/{name}", response_model=P.QueueSourceState, responses={401: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse}})
+    async def queue_remove_source(self, request: Request, name: str):
+        """Stop a source and forget its groups (leased ones included)."""
+        if denied := self._auth_error(request):
+            return denied
+        try:
+            return self.queue.remove(name)
+        except NoSource as e:
+            return _error(404, str(e))
+
+    @api.post("/v1/queue/sources/{name}/prompts", response_model=P.QueueSourceState,
+              responses={401: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}},
+              openapi_extra={"requestBody": {"content": {"application/json": {"schema": P.QueuePrompts.model_json_schema()},
+                                                         "application/x-ndjson": {"schema": {"type": "string", "description": "One Prompt per line (JSONL)"}}}}})
+    async def queue_add_prompts(self, request: Request, name: str):
+        """Add prompts to a source: a JSON QueuePrompts body, or an uploaded JSONL file (Content-Type application/x-ndjson), one Prompt per line."""
+        if denied := self._auth_error(request):
+            return denied
+        limit = self.settings.max_upload_bytes
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return _error(413, f"body larger than FARM_MAX_UPLOAD_BYTES={limit}: send the prompts in parts")
+        if request.headers.get("content-type", "application/json").split(";")[0].strip() == "application/json":
+            try:
+                prompts, errors = P.QueuePrompts.model_validate_json(bytes(body)).prompts, []
+            except ValidationError as e:
+                prompts, errors = [], _fields(e.errors())
+        else:
+            prompts, errors = _jsonl_prompts(bytes(body))
+        if errors:
+            return _invalid(errors)
+        if bad := await self._check_tokens(prompts):
+            return bad
+        try:
+            return self.queue.add_prompts(name, prompts)
+        except NoSource as e:
+            return _error(404, str(e))
+
+    @api.post("/v1/queue/pull", response_model=P.PullResponse, responses={404: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def queue_pull(self, req: P.PullRequest):
+        """Lease up to max_groups ready groups (waiting up to wait_s for one). Ack them before lease_s runs out,
+        or they are delivered again (same item_id). Groups older than max_staleness versions are dropped and generated again."""
+        try:
+            return await self.queue.pull(req)
+        except NoSource as e:
+            return _error(404, str(e))
+
+    @api.post("/v1/queue/ack", response_model=P.AckResponse)
+    async def queue_ack(self, req: P.AckRequest):
+        """Settle groups the trainer has used; they are never delivered again. Acking twice is harmless."""
+        return self.queue.ack(req.item_ids)
+
+    @api.get("/v1/samplers")
+    async def samplers(self) -> dict[str, str]:
+        """Registered samplers and what each does."""
+        return {name: (SAMPLERS.get(name).__doc__ or "").strip() for name in SAMPLERS.names()}
 
     @api.post("/v1/completions", responses={422: {"model": P.ErrorResponse}})
     async def completions(self, req: P.CompletionRequest):
         """OpenAI-compatible text completion by the current policy (for lm-eval and similar tools)."""
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        return await self._openai("text_completion", prompts, req.n, openai_compat.sampling(req.max_tokens, req.temperature, req.top_p, req.seed), req.stop)
+        return await self._openai("text_completion", prompts, req.n, openai_compat.sampling(req.max_tokens, req.temperature, req.top_p, req.seed), req.stop, req.logprobs is not None)
 
     @api.post("/v1/chat/completions", responses={422: {"model": P.ErrorResponse}})
     async def chat_completions(self, req: P.ChatCompletionRequest):
@@ -275,28 +666,72 @@ class Ingress:
         if text is None:
             return _error(422, "the served model has no chat template: use /v1/completions", [{"field": "messages", "message": "no chat template"}])
         params = openai_compat.sampling(req.max_completion_tokens or req.max_tokens or 256, req.temperature, req.top_p, req.seed)
-        return await self._openai("chat.completion", [text], req.n, params, req.stop)
+        return await self._openai("chat.completion", [text], req.n, params, req.stop, req.logprobs)
 
-    async def _openai(self, kind: str, prompts: list[str], n: int, params: P.SamplingParams, stop):
+    async def _openai(self, kind: str, prompts: list[str], n: int, params: P.SamplingParams, stop, logprobs: bool):
         try:
             rollout = P.RolloutRequest(prompts=[P.Prompt(text=p) for p in prompts], n=n, sampling_params=params)
         except ValidationError as e:
             return _invalid([{"field": "prompt", "message": err["msg"]} for err in e.errors()])
-        result = await self._rollouts(rollout)
-        if not isinstance(result, P.RolloutResponse):
-            return result
-        return openai_compat.response(kind, os.path.basename(self.settings.model.rstrip("/")), result.groups, stop, chat=kind == "chat.completion")
+        job = Job("", len(prompts))
+        try:
+            result = await self._produce(job, rollout)
+        except Exception as e:
+            return _rollout_error(job, e)
+        pieces = await self.engine.token_pieces.remote([s.token_ids for g in result.groups for s in g.samples]) if logprobs else None
+        return openai_compat.response(kind, os.path.basename(self.settings.model.rstrip("/")), result.groups, stop, kind == "chat.completion", pieces)
 
     @api.post("/v1/weights", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
-    async def push_weights(self, request: Request, version: int):
-        """Upload a safetensors state dict (raw body) as `version`; returns once every replica serves it."""
+    async def push_weights(self, request: Request, version: int = Query(..., ge=1, description="The new version; higher than the served one."),
+                           policy: P.InFlightPolicy = Query("finish", description="In-flight samples: finish on the old weights, abort and rerun, or go on (partial)."),
+                           x_content_sha256: str | None = Header(None, description="Hex SHA-256 of the body; a mismatch is refused.")):
+        """Upload a safetensors state dict (raw body, streamed) as `version`. Two phases: every replica
+        stages it, then all commit; if any replica refuses, none changes. Returns once all serve it."""
         if denied := self._auth_error(request):
             return denied
-        if int(request.headers.get("content-length") or 0) > self.settings.max_weights_bytes:
-            return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
-        data = await request.body()
-        if len(data) > self.settings.max_weights_bytes:
-            return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}")
+        limit = self.settings.max_weights_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={limit}")
+        data, digest = bytearray(), hashlib.sha256()
+        async for chunk in request.stream():
+            data += chunk
+            digest.update(chunk)
+            if len(data) > limit:
+                return _error(413, f"upload larger than FARM_MAX_WEIGHTS_BYTES={limit}")
+        if x_content_sha256 and not hmac.compare_digest(x_content_sha256.lower(), digest.hexdigest()):
+            return _invalid([{"field": "x-content-sha256", "message": f"body has SHA-256 {digest.hexdigest()}, not {x_content_sha256}: the upload was damaged; send it again"}])
+        data = bytes(data)
+
+        async def check(spec):
+            return check_upload(data, spec)
+
+        return await self._push(version, policy, check, lambda: ("bytes", [ray.put(data)]), len(data))
+
+    @api.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def push_weights_path(self, request: Request, body: P.WeightsFromPath):
+        """Load a folder of safetensors files from storage every replica can read (no upload), in the same two phases.
+        Keep the folder until a newer version is committed: replicas that start later load it from there."""
+        if denied := self._auth_error(request):
+            return denied
+        folder = pathlib.Path(body.path).resolve()
+        root = self.settings.weights_dir
+        if root and not folder.is_relative_to(pathlib.Path(root).resolve()):
+            return _invalid([{"field": "path", "message": f"{body.path} is outside FARM_WEIGHTS_DIR={root}"}])
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            return _invalid([{"field": "path", "message": f"no *.safetensors files in {body.path}: give a folder the service can read"}])
+
+        async def check(spec):
+            got = {}
+            for f in files:
+                got.update(await asyncio.to_thread(read_header_file, f))
+            if problems := check_state_dict(spec, got):
+                raise WeightsError(problems)
+            return len(got)
+
+        return await self._push(body.version, body.policy, check, lambda: ("path", str(folder)), sum(f.stat().st_size for f in files))
+
+    async def _push(self, version: int, policy: str, check, source, size: int):
         async with self.push_lock:
             start = time.perf_counter()
             current = max(v for _, v in await self.engine.broadcast("weight_version").results_async(timeout_s=30))
@@ -305,29 +740,66 @@ class Ingress:
             if self.spec is None:
                 self.spec = await self.engine.weight_spec.remote()
             try:
-                tensors = check_upload(data, self.spec)
+                tensors = await check(self.spec)
             except WeightsError as e:
                 return _error(422, "weights refused; the old version keeps serving", [{"field": "body", "message": m} for m in e.problems])
-            try:
-                results = await self.engine.broadcast("update_weights", [ray.put(data)], version).results_async(
-                    timeout_s=self.settings.weight_sync_timeout_s, return_exceptions=True)
-            except TimeoutError:
-                return _error(504, f"replicas did not load version {version} within FARM_WEIGHT_SYNC_TIMEOUT_S={self.settings.weight_sync_timeout_s}")
-            failed = [str(r).strip().splitlines()[-1] if isinstance(r, Exception) else f"replica serves version {r}" for r in results if r != version]
+            source, timeout = source(), self.settings.weight_sync_timeout_s
+            failed = await self._broadcast("stage", timeout, source, version)
             if failed:
-                log.error(json.dumps({"event": "weight_sync_failed", "version": version, "errors": [str(f) for f in failed]}))
-                return _error(500, f"{len(failed)} of {len(results)} replicas failed to load version {version}", [{"field": "replica", "message": f} for f in failed])
+                await self.engine.broadcast("discard", version).results_async(timeout_s=30, return_exceptions=True)
+                log.error(json.dumps({"event": "weight_stage_failed", "version": version, "errors": failed}))
+                return _error(500, f"{len(failed)} replicas failed to stage version {version}; every replica stays on version {current}",
+                              [{"field": "replica", "message": f} for f in failed])
+            if failed := await self._broadcast("commit", timeout, version, policy, source):
+                log.error(json.dumps({"event": "weight_commit_failed", "version": version, "errors": failed}))
+                return _error(500, f"{len(failed)} replicas failed to commit version {version}", [{"field": "replica", "message": f} for f in failed])
+            self.committed = version
             seconds = time.perf_counter() - start
         metrics.VERSION.set(version)
         metrics.SYNC_SECONDS.observe(seconds)
-        metrics.SYNC_BYTES.inc(len(data))
-        log.info(json.dumps({"event": "weights_pushed", "version": version, "bytes": len(data), "seconds": round(seconds, 3)}))
-        return P.WeightsPushResponse(version=version, tensors=tensors, bytes=len(data), seconds=seconds)
+        metrics.SYNC_BYTES.inc(size)
+        log.info(json.dumps({"event": "weights_pushed", "version": version, "bytes": size, "policy": policy, "seconds": round(seconds, 3)}))
+        return P.WeightsPushResponse(version=version, tensors=tensors, bytes=size, seconds=seconds)
+
+    async def _broadcast(self, method: str, timeout: float, *args) -> list[str]:
+        """Call `method` on every replica; the failures, one line each ([] when all succeed)."""
+        try:
+            results = await self.engine.broadcast(method, *args).results_async(timeout_s=timeout, return_exceptions=True)
+        except TimeoutError:
+            return [f"replicas did not finish {method} within FARM_WEIGHT_SYNC_TIMEOUT_S={timeout}"]
+        return [str(r).strip().splitlines()[-1] for r in results if isinstance(r, Exception)]
+
+    @api.post("/v1/weights/distributed/init", responses={401: {"model": P.ErrorResponse}, 501: {"model": P.ErrorResponse}})
+    async def init_distributed(self, request: Request, body: P.DistributedGroup):
+        """Join every replica to the trainer's NCCL group (SGLang's init_weights_update_group); replica i takes rank rank_offset + i."""
+        if denied := self._auth_error(request):
+            return denied
+        return await self._distributed("init_weights_update_group", body)
+
+    @api.post("/v1/weights/distributed", responses={401: {"model": P.ErrorResponse}, 501: {"model": P.ErrorResponse}})
+    async def push_distributed(self, request: Request, body: P.DistributedUpdate):
+        """Receive tensors the trainer broadcasts over NCCL (SGLang's update_weights_from_distributed) as `version`."""
+        if denied := self._auth_error(request):
+            return denied
+        return await self._distributed("update_weights_from_distributed", body)
+
+    async def _distributed(self, method: str, body):
+        async with self.push_lock:
+            ids = sorted(r for r, _ in await self.engine.broadcast("weight_version").results_async(timeout_s=30))
+            try:  # every replica gets the sorted replica ids, so each knows its own rank
+                results = await self.engine.broadcast(method, body, ids).results_async(timeout_s=self.settings.weight_sync_timeout_s)
+            except NotImplementedError as e:
+                return _error(501, str(e).strip().splitlines()[-1])
+        if isinstance(body, P.DistributedUpdate):
+            self.committed = body.version
+            metrics.VERSION.set(body.version)
+        return {"replicas": len(results), "results": results}
 
     @api.get("/v1/weights/version", response_model=P.WeightsVersion)
     async def weights_version(self):
         """The version every replica serves, and each replica's own."""
         replicas = dict(await self.engine.broadcast("weight_version").results_async(timeout_s=30))
+        self.committed = max(self.committed, min(replicas.values()))
         return P.WeightsVersion(version=min(replicas.values()), replicas=replicas)
 
     @api.get("/healthz", response_model=P.Health)
@@ -371,14 +843,26 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus(self):
-        """Prometheus metrics."""
+        """Prometheus metrics: the ingress's own, each replica's version and tokens, and the trajectory queue's."""
+        states = await self.engine.broadcast("control", "none").results_async(timeout_s=10, return_exceptions=True)
+        metrics.REPLICA_VERSION.clear()
+        metrics.REPLICA_TOKENS.clear()
+        for st in states:
+            if not isinstance(st, Exception):
+                metrics.REPLICA_VERSION.labels(st.replica).set(st.weight_version)
+                metrics.REPLICA_TOKENS.labels(st.replica).set(st.generated_tokens)
+        self.queue.states()  # sets the queue gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 def build_app(settings: ServiceSettings):
     """The Serve application for these settings."""
+    scaling = {"num_replicas": settings.replicas}
+    if settings.max_replicas > settings.replicas:  # Serve's autoscaler, driven by ongoing requests per replica
+        scaling = {"autoscaling_config": {"min_replicas": settings.replicas, "initial_replicas": settings.replicas, "max_replicas": settings.max_replicas,
+                                          "target_ongoing_requests": settings.target_ongoing_requests}}
     engine = serve.deployment(
-        EngineServer, name="engine", num_replicas=settings.replicas, max_ongoing_requests=settings.engine_max_ongoing_requests,
+        EngineServer, name="engine", **scaling, max_ongoing_requests=settings.engine_max_ongoing_requests + CONTROL_SLOTS,
         max_queued_requests=settings.engine_max_queued_requests,
         ray_actor_options={"num_cpus": settings.engine_num_cpus},
         deployment_actors=[DeploymentActorConfig(name="weights", actor_class=WeightStore)],

@@ -17,6 +17,7 @@ MAX_PROMPTS = 512  # most prompts in one request
 MAX_NEW_TOKENS = 4096  # most tokens one sample may generate
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+InFlightPolicy = Literal["finish", "abort", "partial"]
 
 
 class SamplingParams(BaseModel):
@@ -55,15 +56,25 @@ class Prompt(BaseModel):
         return self
 
 
+class SamplerSpec(BaseModel):
+    """A registered sampler and its params (GET /v1/samplers lists them)."""
+
+    name: str = Field("plain", description="Registered sampler name.")
+    params: dict = Field(default_factory=dict, description="The sampler's own params; checked by the sampler.")
+
+
 class RolloutRequest(BaseModel):
     """POST /v1/rollouts: n samples for each prompt, scored by a reward function."""
 
     prompts: list[Prompt] = Field(..., min_length=1, max_length=MAX_PROMPTS, description="The prompts, one group each.")
     n: int = Field(1, ge=1, le=MAX_N, description=f"Samples per prompt, 1..{MAX_N}.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="Shared by every sample.")
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each group is drawn.")
     reward: str | None = Field(None, description="Registered reward function name, or none for reward 0.")
+    min_weight_version: int = Field(0, ge=0, description="Run only on replicas serving this weight version or later (waits for it).")
     request_id: str | None = Field(None, min_length=1, max_length=128,
                                    description="Idempotency key: a retry with the same id returns the first result and generates nothing.")
+    stream: bool = Field(False, description="Answer NDJSON, one line per group as it finishes (a GroupEvent), then a StreamEnd line.")
 
 
 class Sample(BaseModel):
@@ -74,7 +85,9 @@ class Sample(BaseModel):
     text: str = Field(..., description="Decoded generated text, special tokens skipped.")
     finish_reason: FinishReason = Field(..., description="Why generation ended.")
     reward: float = Field(0.0, description="Reward function's score of this sample.")
-    weight_version: int = Field(..., description="Weight version that generated every token of this sample.")
+    weight_version: int = Field(..., description="Weight version of the first token (the oldest, when a commit landed mid-sample).")
+    token_weight_versions: list[int] | None = Field(None, description="Version of each token; only set when they differ (in-flight policy 'partial').")
+    sampler_meta: dict = Field(default_factory=dict, description="What the sampler reports about this sample.")
 
 
 class Group(BaseModel):
@@ -89,6 +102,137 @@ class Group(BaseModel):
 
 class RolloutResponse(BaseModel):
     groups: list[Group] = Field(..., description="One group per prompt, in request order.")
+
+
+class GroupEvent(BaseModel):
+    """One NDJSON line of a streamed rollout: a finished group and its prompt's index in the request."""
+
+    index: int
+    group: Group
+
+
+class StreamEnd(BaseModel):
+    """The last NDJSON line of a streamed rollout; `error` is set when it ended early."""
+
+    done: bool = True
+    groups: int = Field(..., description="Groups sent before this line.")
+    error: str | None = None
+    status: int | None = Field(None, description="With an error: the HTTP status it would have had (409 cancelled or version not reached, 429 queues full).")
+
+
+class CancelResponse(BaseModel):
+    request_id: str
+    cancelled: bool = Field(..., description="False when no request with this id was running.")
+
+
+# The pull-mode trajectory queue: the service generates from a registered prompt source in the
+# background; a trainer pulls leased groups and acks them.
+
+
+class QueueSource(BaseModel):
+    """POST /v1/queue/sources: register a prompt source; the service keeps `target_groups` groups ready from it."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Source name: letters, digits, '_', '.', '-'.")
+    dataset: Literal["arith", "gsm8k"] | None = Field(None, description="A dataset in the repo (its train split, cycled); or none, to add prompts later.")
+    prompts: list[Prompt] = Field(default_factory=list, max_length=100_000, description="Prompts to start with (more: POST .../prompts).")
+    n: int = Field(4, ge=1, le=MAX_N, description="Samples per prompt (one group).")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    reward: str | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
+    target_groups: int = Field(8, ge=1, le=4096, description="Groups kept generated ahead of the trainer.")
+    seed: int = Field(0, ge=0, description="Order of the dataset's prompts.")
+
+    @model_validator(mode="after")
+    def _dataset_or_prompts(self) -> "QueueSource":
+        if self.dataset and self.prompts:
+            raise ValueError("give a dataset or prompts, not both")
+        return self
+
+
+class QueuePrompts(BaseModel):
+    """POST /v1/queue/sources/{name}/prompts as JSON (or send JSONL: one Prompt per line)."""
+
+    prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
+
+
+class QueueSourceState(BaseModel):
+    name: str
+    dataset: str | None
+    pending_prompts: int = Field(..., description="Prompts not yet generated (a dataset source cycles: 0 means endless).")
+    ready: int = Field(..., description="Groups generated and waiting to be pulled.")
+    leased: int = Field(..., description="Groups pulled and not yet acked.")
+    acked: int
+    redelivered: int = Field(..., description="Groups delivered again after their lease expired.")
+    stale_dropped: int = Field(..., description="Groups dropped for exceeding a pull's max_staleness (their prompts are generated again).")
+    generating: bool
+    error: str | None = Field(None, description="The last generation failure, if the newest attempt failed.")
+
+
+class PullRequest(BaseModel):
+    """POST /v1/queue/pull: lease up to max_groups groups from a source."""
+
+    source: str
+    max_groups: int = Field(8, ge=1, le=4096)
+    max_staleness: int | None = Field(None, ge=0, description="Largest allowed gap between the current version and a group's; older groups are dropped and generated again.")
+    lease_s: float = Field(300.0, gt=0, le=86400, description="Seconds until unacked groups are delivered again.")
+    wait_s: float = Field(0.0, ge=0, le=600, description="Wait up to this long for at least one group.")
+
+
+class QueueItem(BaseModel):
+    item_id: str = Field(..., description="Unique per group; the same on redelivery, so a trainer can drop a duplicate.")
+    prompt: Prompt
+    group: Group
+    weight_version: int = Field(..., description="The oldest weight version among the group's tokens.")
+    deliveries: int = Field(..., description="1 on first delivery; more after lease expiries.")
+
+
+class PullResponse(BaseModel):
+    lease_id: str
+    lease_expires_s: float = Field(..., description="Seconds from now until these groups are delivered again unless acked.")
+    current_version: int = Field(..., description="The committed weight version when pulled.")
+    items: list[QueueItem]
+    stale_dropped: int = Field(0, description="Groups this pull dropped as too stale.")
+
+
+class AckRequest(BaseModel):
+    """POST /v1/queue/ack: the groups the trainer has used. Acking twice is harmless."""
+
+    item_ids: list[str] = Field(..., min_length=1, max_length=100_000)
+
+
+class AckResponse(BaseModel):
+    acked: list[str] = Field(..., description="Newly acked.")
+    already_acked: list[str] = Field(..., description="Acked before: nothing changes.")
+    unknown: list[str] = Field(..., description="Never delivered, or dropped as stale before the ack: do not train on these.")
+
+
+class WeightsFromPath(BaseModel):
+    """POST /v1/weights/path: load a folder of safetensors files that every replica can read."""
+
+    path: str = Field(..., min_length=1, description="Folder with *.safetensors files (a shared volume in a cluster).")
+    version: int = Field(..., ge=1, description="The new version; higher than the served one.")
+    policy: InFlightPolicy = Field("finish", description="What happens to in-flight samples at the commit.")
+
+
+class DistributedGroup(BaseModel):
+    """POST /v1/weights/distributed/init: SGLang's init_weights_update_group, on every replica."""
+
+    master_address: str
+    master_port: int = Field(..., ge=1, le=65535)
+    rank_offset: int = Field(..., ge=0)
+    world_size: int = Field(..., ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedUpdate(BaseModel):
+    """POST /v1/weights/distributed: SGLang's update_weights_from_distributed; the trainer broadcasts the tensors."""
+
+    names: list[str] = Field(..., min_length=1)
+    dtypes: list[str] = Field(..., min_length=1)
+    shapes: list[list[int]] = Field(..., min_length=1)
+    version: int = Field(..., ge=1)
+    group_name: str = "weight_update_group"
 
 
 class WeightsVersion(BaseModel):
@@ -113,6 +257,8 @@ class ReplicaState(BaseModel):
     replica: str = Field(..., description="Ray Serve replica id.")
     weight_version: int
     paused: bool
+    busy: bool = Field(False, description="A generate call is running.")
+    generated_tokens: int = Field(0, description="Tokens this replica has generated since it started.")
 
 
 class ControlResponse(BaseModel):
@@ -150,6 +296,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = Field(None, description="Text at which a choice ends (not included).")
     seed: int | None = Field(None, ge=0, lt=2**63)
+    logprobs: int | None = Field(None, ge=0, le=0, description="0 returns the sampled tokens' logprobs; alternatives (1..5) are not available.")
 
 
 class ChatMessage(BaseModel):
@@ -169,3 +316,5 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
+    logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="Alternatives are not available: only 0.")

@@ -21,13 +21,29 @@ def read_header(data: bytes) -> dict[str, tuple[list[int], str]]:
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise WeightsError([f"safetensors header says {n} bytes but only {len(data) - 8} arrived: the upload was cut"])
+    return _parse(data[8:8 + n], len(data) - 8 - n)
+
+
+def read_header_file(path) -> dict[str, tuple[list[int], str]]:
+    """The same for a file on disk, reading only its header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        size = f.seek(0, 2)
+        if n < 0 or n > size - 8:
+            raise WeightsError([f"{path} is not a safetensors file, or it is cut"])
+        f.seek(8)
+        return _parse(f.read(n), size - 8 - n)
+
+
+def _parse(raw: bytes, payload: int) -> dict[str, tuple[list[int], str]]:
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(raw)
     except ValueError as e:
         raise WeightsError([f"safetensors header is not JSON ({e})"]) from None
     if not isinstance(header, dict):
         raise WeightsError(["safetensors header is not a JSON object"])
-    payload, spec = len(data) - 8 - n, {}
+    spec = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue

@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("FARM_CACHE", str(Path(__file__).parent.parent / ".venv" / "farm-cache"))
 TOKEN = "test-token-0123456789"
 MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
+MIN_VERSION_WAIT_S = 5.0  # short, so a rollout asking for a version nobody pushes gets its 409 soon
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +40,8 @@ def service(tiny_model):
     from services.settings import ServiceSettings
 
     settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
-                               engine_max_ongoing_requests=2, engine_max_queued_requests=2)  # small, so 429 is reachable
+                               engine_max_ongoing_requests=2, engine_max_queued_requests=2,  # small, so 429 is reachable
+                               min_version_wait_s=MIN_VERSION_WAIT_S)
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()

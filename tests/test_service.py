@@ -129,7 +129,7 @@ def test_token_id_prompts(client):
 
 
 def metric(service: str, name: str) -> float:
-    """The value of one unlabelled Prometheus sample."""
+    """The value of one Prometheus sample, e.g. 'farm_samples_total{sampler="plain"}'."""
     for line in httpx.get(f"{service}/metrics").text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -139,11 +139,15 @@ def metric(service: str, name: str) -> float:
 def test_health_metrics_and_docs(service, client, fresh_weights):
     h = client.health()
     assert h.status == "ok" and h.generated_token_id >= 0
-    samples, groups = metric(service, "farm_samples_total"), metric(service, "farm_groups_total")
+    samples, groups = metric(service, 'farm_samples_total{sampler="plain"}'), metric(service, 'farm_groups_total{sampler="plain"}')
     client.rollouts(P.RolloutRequest.model_validate(request(n=2)))
-    assert metric(service, "farm_samples_total") == samples + 6 and metric(service, "farm_groups_total") == groups + 3
+    assert metric(service, 'farm_samples_total{sampler="plain"}') == samples + 6 and metric(service, 'farm_groups_total{sampler="plain"}') == groups + 3
     assert metric(service, "farm_weight_version") == fresh_weights
-    assert metric(service, "farm_generated_tokens_total") > 0 and metric(service, "farm_weight_sync_bytes_total") > 0
+    assert metric(service, 'farm_generated_tokens_total{sampler="plain"}') > 0 and metric(service, "farm_weight_sync_bytes_total") > 0
+    text = httpx.get(f"{service}/metrics").text
+    replica_versions = [float(line.split()[1]) for line in text.splitlines() if line.startswith("farm_replica_weight_version{")]
+    assert replica_versions == [fresh_weights, fresh_weights]  # both replicas, each labelled
+    assert "farm_trajectory_staleness_versions_bucket" in text
     assert 'farm_request_seconds_bucket{le="0.01",path="/v1/rollouts"}' in httpx.get(f"{service}/metrics").text
     assert httpx.get(f"{service}/docs").status_code == 200
     spec = httpx.get(f"{service}/openapi.json").json()
@@ -171,6 +175,16 @@ def test_oversized_and_malformed_pushes_are_refused(service, client, fresh_weigh
             client.push_weights(body, fresh_weights + 1)
         assert e.value.status == 422
     assert client.weights_version().version == fresh_weights
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_json_bodies_get_413(service, chunked):
+    from services.app import MAX_REQUEST_BYTES
+
+    body = b'{"prompts": [{"text": "' + b"x" * MAX_REQUEST_BYTES + b'"}]}'
+    content = iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) if chunked else body  # no Content-Length when chunked
+    r = httpx.post(f"{service}/v1/rollouts", content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "fewer prompts" in r.json()["error"]
 
 
 def test_rewards_cannot_be_imported_by_a_request_and_seeds_are_bounded(service):
@@ -217,13 +231,13 @@ def test_restarted_replica_catches_up_before_serving(client, fresh_weights, tiny
 
 async def test_request_id_replays_the_first_result_and_generates_nothing(service):
     body = {**request(n=3, temperature=1.0, seed=None), "request_id": "idem-1"}
-    samples = metric(service, "farm_samples_total")
+    samples = metric(service, 'farm_samples_total{sampler="plain"}')
     async with httpx.AsyncClient(timeout=120) as http:
         first, *repeats = await asyncio.gather(*[http.post(f"{service}/v1/rollouts", json=body) for _ in range(3)])  # concurrent duplicates
         later = await http.post(f"{service}/v1/rollouts", json=body)
         other = await http.post(f"{service}/v1/rollouts", json={**body, "n": 2})
     assert first.status_code == 200 and all(r.json() == first.json() for r in [*repeats, later])
-    assert metric(service, "farm_samples_total") == samples + 9  # generated and counted once (3 prompts x 3)
+    assert metric(service, 'farm_samples_total{sampler="plain"}') == samples + 9  # generated and counted once (3 prompts x 3)
     assert metric(service, "farm_idempotent_replays_total") >= 3
     assert other.status_code == 409 and "different request" in other.json()["error"]
 
