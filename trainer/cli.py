@@ -1,4 +1,4 @@
-"""`farm`: serve, train, demo, build-model."""
+"""`farm`: serve, train, demo, build-model, and the service calls (rollout, weights, control, cancel, queue)."""
 
 from __future__ import annotations
 
@@ -38,25 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--eval-size", type=int, default=None)
     d.add_argument("--out", default="runs/demo")
-    url = {"default": os.environ.get("FARM_URL", "http://127.0.0.1:8000"), "help": "service URL (FARM_URL)"}
-    r = sub.add_parser("rollout", help="request rollouts and print them as JSON")
-    r.add_argument("--url", **url)
-    r.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    r.add_argument("--ground-truth", action="append", help="one per prompt, for the reward")
-    r.add_argument("--n", type=int, default=1)
-    r.add_argument("--temperature", type=float, default=1.0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=int, default=64)
-    r.add_argument("--seed", type=int)
-    r.add_argument("--reward")
-    w = sub.add_parser("weights", help="push a safetensors file as a new version, or show the served version")
-    w.add_argument("action", choices=["push", "version"])
-    w.add_argument("file", nargs="?", help="safetensors file, for push")
-    w.add_argument("--version", type=int, help="for push; default: the served version + 1")
-    w.add_argument("--url", **url)
-    c = sub.add_parser("control", help="pause, resume or abort sampling on every replica")
-    c.add_argument("action", choices=["pause", "resume", "abort"])
-    c.add_argument("--url", **url)
+    _service_parsers(sub)
     b = sub.add_parser("build-model", help="build the embedded default model into the cache (done on first use anyway)")
     b.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
@@ -84,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         from trainer.demo import run_demo
 
         sys.exit(run_demo(args.model, args.steps, args.eval_size, args.out))
-    elif args.cmd in ("rollout", "weights", "control"):
+    elif hasattr(args, "call"):  # rollout, weights, control, cancel, queue
         sys.exit(_call_service(args))
     elif args.cmd == "build-model":
         from services.models import CACHE, DEFAULT_MODEL, build_default, resolve_model
@@ -94,36 +76,126 @@ def main(argv: list[str] | None = None) -> None:
         print(resolve_model(DEFAULT_MODEL))
 
 
-def _call_service(args) -> int:
-    """`farm rollout | weights | control`: one client call, its answer printed as JSON."""
-    from pathlib import Path
+def _service_parsers(sub) -> None:
+    """`farm rollout | weights | control | cancel | queue ...`: each makes client calls (set as `call`) and prints JSON."""
 
-    from services import protocol as P
+    def cmd(parent, name: str, call, help: str):
+        p = parent.add_parser(name, help=help)
+        p.add_argument("--url", default=os.environ.get("FARM_URL", "http://127.0.0.1:8000"), help="service URL (FARM_URL); token: FARM_API_TOKEN")
+        p.set_defaults(call=call)
+        return p
+
+    r = cmd(sub, "rollout", _rollout, "request rollouts and print them as JSON")
+    r.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    r.add_argument("--ground-truth", action="append", help="one per prompt, for the reward")
+    r.add_argument("--n", type=int, default=1)
+    r.add_argument("--temperature", type=float, default=1.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--reward")
+    r.add_argument("--sampler", default="plain", help="a registered sampler (GET /v1/samplers)")
+    r.add_argument("--min-weight-version", type=int, default=0, help="wait for replicas serving this version")
+    r.add_argument("--request-id", help="idempotency key, also for `farm cancel`")
+    r.add_argument("--stream", action="store_true", help="print one JSON line per group as it finishes")
+    w = cmd(sub, "weights", _weights, "push weights as a new version, or show the served version")
+    w.add_argument("action", choices=["push", "version"])
+    w.add_argument("file", nargs="?", help="for push: a safetensors file (uploaded), or a folder of them that every replica can read")
+    w.add_argument("--version", type=int, help="for push; default: the served version + 1")
+    w.add_argument("--policy", choices=["finish", "abort", "partial"], default="finish", help="for push: what happens to samples in flight")
+    cmd(sub, "control", lambda client, a: client.control(a.action), "pause, resume or abort sampling on every replica").add_argument(
+        "action", choices=["pause", "resume", "abort"])
+    cmd(sub, "cancel", lambda client, a: client.cancel(a.request_id), "cancel a running rollout by its request id").add_argument("request_id")
+    q = sub.add_parser("queue", help="the pull-mode trajectory queue").add_subparsers(dest="queue_cmd", required=True)
+    a = cmd(q, "add", _queue, "register a prompt source: a dataset, a JSONL file of prompts, or neither (add prompts later)")
+    a.add_argument("name")
+    given = a.add_mutually_exclusive_group()
+    given.add_argument("--dataset", choices=["arith", "gsm8k"])
+    given.add_argument("--jsonl", help='one prompt per line: {"text": ..., "ground_truth": ...}')
+    a.add_argument("--n", type=int, default=4, help="samples per prompt")
+    a.add_argument("--target-groups", type=int, default=8, help="groups kept ready")
+    a.add_argument("--max-new-tokens", type=int, default=128)
+    a.add_argument("--temperature", type=float, default=1.0)
+    a.add_argument("--reward", help="default: the dataset's")
+    cmd(q, "list", _queue, "show every source")
+    p = cmd(q, "pull", _queue, "lease groups from a source and print them")
+    p.add_argument("name")
+    p.add_argument("--max-groups", type=int, default=8)
+    p.add_argument("--max-staleness", type=int, help="drop groups this many versions behind the served one")
+    p.add_argument("--lease-s", type=float, default=300.0, help="seconds until unacked groups are delivered again")
+    p.add_argument("--wait-s", type=float, default=0.0, help="wait this long for at least one group")
+    cmd(q, "ack", _queue, "settle pulled groups").add_argument("item_ids", nargs="+", metavar="ITEM_ID")
+    cmd(q, "remove", _queue, "remove a source").add_argument("name")
+
+
+def _call_service(args) -> int | str:
+    """Run the command's client calls; print the answer as JSON (a list as one JSON array)."""
+    from pydantic import BaseModel, ValidationError
+
     from services.client import FarmClient, FarmError
 
     with FarmClient(args.url, os.environ.get("FARM_API_TOKEN")) as client:
         try:
-            if args.cmd == "rollout":
-                truths = args.ground_truth or [None] * len(args.prompt)
-                if len(truths) != len(args.prompt):
-                    return f"give one --ground-truth per --prompt ({len(args.prompt)}), or none"
-                params = P.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
-                prompts = [P.Prompt(text=p, ground_truth=t) for p, t in zip(args.prompt, truths)]
-                out = client.rollouts(P.RolloutRequest(prompts=prompts, n=args.n, sampling_params=params, reward=args.reward))
-            elif args.cmd == "control":
-                out = client.control(args.action)
-            elif args.action == "version":
-                out = client.weights_version()
-            elif not args.file:
-                return "farm weights push needs a safetensors FILE"
-            else:
-                version = args.version or client.weights_version().version + 1
-                out = client.push_weights(Path(args.file).read_bytes(), version)
+            out = args.call(client, args)
         except FarmError as e:
             print(json.dumps(e.body, indent=2) if isinstance(e.body, dict) else e.body, file=sys.stderr)
             return 1
-    print(out.model_dump_json(indent=2))
-    return 0
+        except ValidationError as e:
+            return f"invalid arguments:\n{e}"
+    if isinstance(out, BaseModel):
+        print(out.model_dump_json(indent=2))
+    elif isinstance(out, list):
+        print(json.dumps([o.model_dump(mode="json") for o in out], indent=2))
+    return out if isinstance(out, str) else 0
+
+
+def _rollout(client, a):
+    from services import protocol as P
+
+    truths = a.ground_truth or [None] * len(a.prompt)
+    if len(truths) != len(a.prompt):
+        return f"give one --ground-truth per --prompt ({len(a.prompt)}), or none"
+    params = P.SamplingParams(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens, seed=a.seed)
+    req = P.RolloutRequest(prompts=[P.Prompt(text=p, ground_truth=t) for p, t in zip(a.prompt, truths)], n=a.n, sampling_params=params,
+                           sampler=P.SamplerSpec(name=a.sampler), reward=a.reward, min_weight_version=a.min_weight_version, request_id=a.request_id)
+    if not a.stream:
+        return client.rollouts(req)
+    for event in client.rollouts_stream(req):
+        print(event.model_dump_json(), flush=True)
+
+
+def _weights(client, a):
+    from pathlib import Path
+
+    if a.action == "version":
+        return client.weights_version()
+    if not a.file:
+        return "farm weights push needs a safetensors FILE, or a FOLDER of them"
+    version = a.version or client.weights_version().version + 1
+    path = Path(a.file)
+    if path.is_dir():  # the service reads it from there: no upload
+        return client.push_weights_path(str(path.resolve()), version, a.policy)
+    return client.push_weights(path.read_bytes(), version, a.policy)
+
+
+def _queue(client, a):
+    from pathlib import Path
+
+    from services import protocol as P
+
+    if a.queue_cmd == "add":
+        lines = Path(a.jsonl).read_text().splitlines() if a.jsonl else []
+        prompts = [P.Prompt.model_validate_json(line) for line in lines if line.strip()]
+        params = P.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
+        return client.queue_add_source(P.QueueSource(name=a.name, dataset=a.dataset, prompts=prompts, n=a.n, target_groups=a.target_groups,
+                                                     sampling_params=params, reward=a.reward))
+    if a.queue_cmd == "list":
+        return client.queue_sources()
+    if a.queue_cmd == "pull":
+        return client.queue_pull(P.PullRequest(source=a.name, max_groups=a.max_groups, max_staleness=a.max_staleness, lease_s=a.lease_s, wait_s=a.wait_s))
+    if a.queue_cmd == "ack":
+        return client.queue_ack(a.item_ids)
+    return client.queue_remove_source(a.name)
 
 
 if __name__ == "__main__":
