@@ -56,7 +56,7 @@ class WeightStore:
         self.version, self.source = 0, None
 
     def commit(self, version: int, source: tuple) -> None:
-        if version > self.version:
+        if version >= self.version:  # equal: a push retried after its commit failed
             if source[0] == "bytes":
                 source = ("bytes", [ray.put(ray.get(source[1][0]))])
             self.version, self.source = version, source
@@ -112,6 +112,7 @@ class EngineServer:
         self.tok = self.engine.tokenizer
         self.catch_up_lock = asyncio.Lock()
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
+        self.pending_version = 0  # a commit in progress on this replica
         await self.catch_up(0)  # before Serve routes any traffic here
 
     async def catch_up(self, min_version: int) -> None:
@@ -122,7 +123,7 @@ class EngineServer:
                 store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
                 version, source = await store.current.remote()
                 if version > self.engine.weight_version:
-                    await self.commit(version, "finish", source)
+                    await self.commit(version, None, source)
                     log.info(json.dumps({"event": "caught_up", "version": version}))
             if self.engine.weight_version >= min_version:
                 return
@@ -154,7 +155,8 @@ class EngineServer:
         flat = [x for x in ids for _ in range(n)]
         outs = await self._generate(flat, params)
         for _ in range(3):  # samples cut by an "abort" weight commit run again on the new weights
-            redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < self.engine.weight_version]
+            served = await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
+            redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
             for i, o in zip(redo, await self._generate([flat[i] for i in redo], params)):
@@ -199,20 +201,30 @@ class EngineServer:
         await asyncio.to_thread(self.engine.stage_weights, tensors, version)
         return version
 
-    async def commit(self, version: int, policy: str, source: tuple) -> int:
-        """Phase two: record the version in the store (for replicas that start later), then serve it.
-        A replica that joined after phase one stages from `source` first."""
+    async def commit(self, version: int, policy: str | None, source: tuple) -> int:
+        """Phase two: serve the staged version (the ingress has recorded it in the store). A replica that
+        joined after phase one stages from `source` first. A catch-up (policy None) keeps a push's policy."""
         if version <= self.engine.weight_version:
             return self.engine.weight_version
-        store = serve.get_deployment_actor("weights")
-        stored, _ = await store.current.remote()
-        if stored < version:
-            await store.commit.remote(version, source)
+        self.pending_version = max(self.pending_version, version)
         try:
-            await asyncio.to_thread(self.engine.commit_weights, version, policy)
-        except WeightsRejected:  # nothing staged here: this replica started after phase one
-            await self.stage(source, version)
-            await asyncio.to_thread(self.engine.commit_weights, version, policy)
+            try:
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+            except WeightsRejected:  # nothing staged here: this replica started after phase one
+                await self.stage(source, version)
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+        finally:
+            self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
+        return self.engine.weight_version
+
+    async def record(self, version: int, source: tuple) -> None:
+        """Make `version` the one a starting replica loads (the store belongs to this deployment)."""
+        await serve.get_deployment_actor("weights").commit.remote(version, source)
+
+    async def _settled(self) -> int:
+        """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""
+        while self.pending_version > self.engine.weight_version:
+            await asyncio.sleep(0.01)
         return self.engine.weight_version
 
     def discard(self, version: int) -> None:
@@ -323,11 +335,16 @@ MAX_REQUEST_BYTES = 32 << 20  # JSON bodies; weight pushes and prompt uploads ha
 class BodyLimit:
     """413 for a body over MAX_REQUEST_BYTES, declared or (chunked) counted as it arrives."""
 
-    def __init__(self, app, limit: int = MAX_REQUEST_BYTES, own_limits: tuple[str, ...] = ("/v1/weights", "/v1/queue/sources/")):
-        self.app, self.limit, self.own_limits = app, limit, own_limits
+    def __init__(self, app, limit: int = MAX_REQUEST_BYTES):
+        self.app, self.limit = app, limit
+
+    @staticmethod
+    def own_limit(path: str) -> bool:
+        """The streamed uploads, which count their bytes against their own FARM_ limits."""
+        return path == "/v1/weights" or (path.startswith("/v1/queue/sources/") and path.endswith("/prompts"))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"].startswith(self.own_limits):
+        if scope["type"] != "http" or self.own_limit(scope["path"]):
             return await self.app(scope, receive, send)
         too_large = HTTPException(413, f"request body over {self.limit} bytes: send fewer prompts per request")
         if int(dict(scope["headers"]).get(b"content-length", 0)) > self.limit:
@@ -397,7 +414,7 @@ class Job:
         self.fingerprint, self.size = fingerprint, size
         self.groups: dict[int, P.Group] = {}  # prompt index -> group, in finishing order
         self.task: asyncio.Task | None = None
-        self.cancelled_by_client = False
+        self.waiters = 0  # callers still waiting: when the last one goes away, so does the engine work
         self._tick = asyncio.Event()
 
     def add(self, index: int, group: P.Group) -> None:
@@ -422,6 +439,11 @@ class Job:
         if self.task.cancelled():
             raise RolloutCancelled()
         self.task.result()
+
+
+def _finish(coro):
+    """Run a weight push to its end even if its caller goes away: a push cut between its phases is not atomic."""
+    return asyncio.shield(asyncio.ensure_future(coro))
 
 
 def _rollout_error(job: Job, e: BaseException) -> JSONResponse:
@@ -461,32 +483,37 @@ class Ingress:
         With `stream`, the answer is NDJSON: a GroupEvent line per group as it finishes, then a StreamEnd line.
         With a `request_id`, a repeat of the same request (also one still running) gets the first
         result back and generates nothing; the same id with a different body gets 409.
-        DELETE /v1/rollouts/{request_id} cancels it, and so does closing the connection of its first caller.
+        DELETE /v1/rollouts/{request_id} cancels it, and so does the last waiting caller closing its connection.
         """
         if bad := await self._check(req):
             return bad
         fingerprint = hashlib.sha256(req.model_dump_json(exclude={"request_id", "stream"}).encode()).hexdigest()
-        job, owner = self.jobs.get(req.request_id) if req.request_id else None, False
+        job = self.jobs.get(req.request_id) if req.request_id else None
         if job is not None and job.fingerprint != fingerprint:
             return _error(409, f"request_id {req.request_id!r} was used for a different request: use a new id")
         if job is not None:
             metrics.REPLAYS.inc()
         else:
-            job, owner = Job(fingerprint, len(req.prompts)), True
+            job = Job(fingerprint, len(req.prompts))
             job.task = asyncio.create_task(self._produce(job, req))
             if req.request_id:
                 self.jobs[req.request_id] = job
-                while len(self.jobs) > self.settings.idempotency_cache_size:
-                    self.jobs.popitem(last=False)
+                while len(self.jobs) > self.settings.idempotency_cache_size:  # forget the oldest finished ones
+                    if (old := next((rid for rid, j in self.jobs.items() if j.task.done()), None)) is None:
+                        break
+                    del self.jobs[old]
                 job.task.add_done_callback(lambda t, rid=req.request_id, job=job: self._forget_failed(rid, job))
         if req.stream:
-            return StreamingResponse(self._stream(job, owner), media_type="application/x-ndjson")
+            return StreamingResponse(self._stream(job), media_type="application/x-ndjson")
+        job.waiters += 1
         try:
             await asyncio.wait({job.task})
         except asyncio.CancelledError:  # our caller went away: its engine work goes too, unless another caller waits
-            if owner:
+            job.waiters -= 1
+            if job.waiters == 0:
                 job.task.cancel()
             raise
+        job.waiters -= 1
         if job.task.cancelled() or job.task.exception():
             return _rollout_error(job, job.task.exception() if not job.task.cancelled() else asyncio.CancelledError())
         return job.task.result()
@@ -496,13 +523,15 @@ class Ingress:
         if (job.task.cancelled() or job.task.exception() is not None) and self.jobs.get(request_id) is job:
             del self.jobs[request_id]
 
-    async def _stream(self, job: Job, owner: bool):
+    async def _stream(self, job: Job):
+        job.waiters += 1
         try:
             async for index, group in job.events():
                 yield P.GroupEvent(index=index, group=group).model_dump_json() + "\n"
             yield P.StreamEnd(groups=len(job.groups)).model_dump_json() + "\n"
         except (asyncio.CancelledError, GeneratorExit):
-            if owner:
+            job.waiters -= 1
+            if job.waiters == 0:
                 job.task.cancel()
             raise
         except Exception as e:
@@ -513,9 +542,11 @@ class Ingress:
                 status, message = 500, f"internal error: {type(e).__name__}; see the service log"
             yield P.StreamEnd(groups=len(job.groups), error=message, status=status).model_dump_json() + "\n"
 
-    @api.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse)
-    async def cancel_rollout(self, request_id: str):
-        """Cancel a running rollout by its request_id; its engine work stops at the next token."""
+    @api.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse, responses={401: {"model": P.ErrorResponse}})
+    async def cancel_rollout(self, request: Request, request_id: str):
+        """Cancel a running rollout by its request_id (needs the token); its engine work stops at the next token."""
+        if denied := self._auth_error(request):
+            return denied
         job = self.jobs.get(request_id)
         if job is None or job.task.done():
             return P.CancelResponse(request_id=request_id, cancelled=False)
@@ -634,18 +665,22 @@ class Ingress:
         except NoSource as e:
             return _error(404, str(e))
 
-    @api.post("/v1/queue/pull", response_model=P.PullResponse, responses={404: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
-    async def queue_pull(self, req: P.PullRequest):
-        """Lease up to max_groups ready groups (waiting up to wait_s for one). Ack them before lease_s runs out,
-        or they are delivered again (same item_id). Groups older than max_staleness versions are dropped and generated again."""
+    @api.post("/v1/queue/pull", response_model=P.PullResponse, responses={401: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def queue_pull(self, request: Request, req: P.PullRequest):
+        """Lease up to max_groups ready groups (waiting up to wait_s for one); needs the token. Ack them before lease_s
+        runs out, or they are delivered again (same item_id). Groups older than max_staleness versions are dropped and generated again."""
+        if denied := self._auth_error(request):
+            return denied
         try:
             return await self.queue.pull(req)
         except NoSource as e:
             return _error(404, str(e))
 
-    @api.post("/v1/queue/ack", response_model=P.AckResponse)
-    async def queue_ack(self, req: P.AckRequest):
-        """Settle groups the trainer has used; they are never delivered again. Acking twice is harmless."""
+    @api.post("/v1/queue/ack", response_model=P.AckResponse, responses={401: {"model": P.ErrorResponse}})
+    async def queue_ack(self, request: Request, req: P.AckRequest):
+        """Settle groups the trainer has used (needs the token); they are never delivered again. Acking twice is harmless."""
+        if denied := self._auth_error(request):
+            return denied
         return self.queue.ack(req.item_ids)
 
     @api.get("/v1/samplers")
@@ -705,7 +740,7 @@ class Ingress:
         async def check(spec):
             return check_upload(data, spec)
 
-        return await self._push(version, policy, check, lambda: ("bytes", [ray.put(data)]), len(data))
+        return await _finish(self._push(version, policy, check, lambda: ("bytes", [ray.put(data)]), len(data)))
 
     @api.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
     async def push_weights_path(self, request: Request, body: P.WeightsFromPath):
@@ -729,7 +764,7 @@ class Ingress:
                 raise WeightsError(problems)
             return len(got)
 
-        return await self._push(body.version, body.policy, check, lambda: ("path", str(folder)), sum(f.stat().st_size for f in files))
+        return await _finish(self._push(body.version, body.policy, check, lambda: ("path", str(folder)), sum(f.stat().st_size for f in files)))
 
     async def _push(self, version: int, policy: str, check, source, size: int):
         async with self.push_lock:
@@ -750,6 +785,7 @@ class Ingress:
                 log.error(json.dumps({"event": "weight_stage_failed", "version": version, "errors": failed}))
                 return _error(500, f"{len(failed)} replicas failed to stage version {version}; every replica stays on version {current}",
                               [{"field": "replica", "message": f} for f in failed])
+            await self.engine.record.remote(version, source)  # first: a replica that starts from now on loads this version
             if failed := await self._broadcast("commit", timeout, version, policy, source):
                 log.error(json.dumps({"event": "weight_commit_failed", "version": version, "errors": failed}))
                 return _error(500, f"{len(failed)} replicas failed to commit version {version}", [{"field": "replica", "message": f} for f in failed])
@@ -774,24 +810,27 @@ class Ingress:
         """Join every replica to the trainer's NCCL group (SGLang's init_weights_update_group); replica i takes rank rank_offset + i."""
         if denied := self._auth_error(request):
             return denied
-        return await self._distributed("init_weights_update_group", body)
+        return await _finish(self._distributed("init_weights_update_group", body))
 
     @api.post("/v1/weights/distributed", responses={401: {"model": P.ErrorResponse}, 501: {"model": P.ErrorResponse}})
     async def push_distributed(self, request: Request, body: P.DistributedUpdate):
         """Receive tensors the trainer broadcasts over NCCL (SGLang's update_weights_from_distributed) as `version`."""
         if denied := self._auth_error(request):
             return denied
-        return await self._distributed("update_weights_from_distributed", body)
+        return await _finish(self._distributed("update_weights_from_distributed", body))
 
     async def _distributed(self, method: str, body):
         async with self.push_lock:
-            ids = sorted(r for r, _ in await self.engine.broadcast("weight_version").results_async(timeout_s=30))
+            served = dict(await self.engine.broadcast("weight_version").results_async(timeout_s=30))
+            ids, current = sorted(served), max(served.values())
+            if isinstance(body, P.DistributedUpdate) and body.version <= current:
+                return _error(409, f"version {body.version} is not newer than the served version {current}: send version {current + 1} or higher")
             try:  # every replica gets the sorted replica ids, so each knows its own rank
                 results = await self.engine.broadcast(method, body, ids).results_async(timeout_s=self.settings.weight_sync_timeout_s)
             except NotImplementedError as e:
                 return _error(501, str(e).strip().splitlines()[-1])
         if isinstance(body, P.DistributedUpdate):
-            self.committed = body.version
+            self.committed = max(self.committed, body.version)
             metrics.VERSION.set(body.version)
         return {"replicas": len(results), "results": results}
 

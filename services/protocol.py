@@ -203,7 +203,7 @@ class AckRequest(BaseModel):
 class AckResponse(BaseModel):
     acked: list[str] = Field(..., description="Newly acked.")
     already_acked: list[str] = Field(..., description="Acked before: nothing changes.")
-    unknown: list[str] = Field(..., description="Never delivered, or dropped as stale before the ack: do not train on these.")
+    unknown: list[str] = Field(..., description="Ids this service never delivered (a typo, or a source that was removed or added again).")
 
 
 class WeightsFromPath(BaseModel):

@@ -61,7 +61,9 @@ class Source:
         self.leased: dict[str, Item] = {}
         self.delivered: set[str] = set()  # delivered and not yet acked
         self.acked: set[str] = set()
-        self.seq = itertools.count()
+        self.seq, self.nonce = itertools.count(), uuid.uuid4().hex[:8]  # ids never repeat, even for a source added again
+        self.dropped: dict[str, P.Prompt] = {}  # delivered, then dropped as stale: a late ack withdraws the regeneration
+        self.withdrawn: list[P.Prompt] = []
         self.redelivered = self.stale_dropped = 0
         self.generating, self.error = False, None
         self.wake = asyncio.Event()  # new prompts, or fewer ready groups than the target
@@ -81,6 +83,15 @@ class Source:
         if self.endless is not None:
             out += [next(self.endless) for _ in range(k - len(out))]
         return out
+
+    def withdraw(self, prompt: P.Prompt) -> None:
+        """Take back the regeneration of a prompt whose stale group was acked after all (unless already delivered)."""
+        if any(p is prompt for p in self.pending):
+            self.pending = deque(p for p in self.pending if p is not prompt)
+        elif any(i.prompt is prompt and i.deliveries == 0 for i in self.ready):
+            self.ready = deque(i for i in self.ready if not (i.prompt is prompt and i.deliveries == 0))
+        else:  # being generated now: dropped when it lands
+            self.withdrawn.append(prompt)
 
     def expire(self, now: float) -> None:
         """Unacked groups whose lease ran out go back to the front, to be delivered again."""
@@ -172,8 +183,11 @@ class TrajectoryQueue:
                 src.generating = False
             src.error = None
             for prompt, group in zip(prompts, groups):
+                if any(p is prompt for p in src.withdrawn):
+                    src.withdrawn = [p for p in src.withdrawn if p is not prompt]
+                    continue
                 version = min(min(s.token_weight_versions or [s.weight_version]) for s in group.samples)
-                src.ready.append(Item(f"{spec.name}:{next(src.seq)}", prompt, group, version))
+                src.ready.append(Item(f"{spec.name}:{src.nonce}:{next(src.seq)}", prompt, group, version))
             metrics.QUEUE_GENERATED.labels(spec.name).inc(len(groups))
             src.signal()
 
@@ -189,6 +203,8 @@ class TrajectoryQueue:
                 item = src.ready.popleft()
                 if req.max_staleness is not None and current - item.weight_version > req.max_staleness:
                     src.pending.appendleft(item.prompt)  # generated again, on newer weights
+                    if item.deliveries:  # its lease ran out: a late ack still counts, and withdraws the new one
+                        src.dropped[item.item_id] = item.prompt
                     dropped += 1
                     continue
                 taken.append(item)
@@ -223,7 +239,7 @@ class TrajectoryQueue:
         """Settle delivered groups, whatever their lease state; acking again changes nothing."""
         acked, already, unknown = [], [], []
         for item_id in item_ids:
-            src = self.sources.get(item_id.rpartition(":")[0])
+            src = self.sources.get(item_id.split(":", 1)[0])
             if src is None or (item_id not in src.delivered and item_id not in src.acked):
                 unknown.append(item_id)
             elif item_id in src.acked:
@@ -231,8 +247,10 @@ class TrajectoryQueue:
             else:
                 src.delivered.discard(item_id)
                 src.acked.add(item_id)
-                if src.leased.pop(item_id, None) is None:  # its lease ran out: it may wait for redelivery
+                if src.leased.pop(item_id, None) is None:  # its lease ran out: it may wait for redelivery ...
                     src.ready = deque(i for i in src.ready if i.item_id != item_id)
+                    if (prompt := src.dropped.pop(item_id, None)) is not None:  # ... or was dropped as stale: withdraw its regeneration
+                        src.withdraw(prompt)
                     src.wake.set()
                 metrics.QUEUE_ACKED.labels(src.spec.name).inc()
                 acked.append(item_id)

@@ -18,13 +18,13 @@ def add_source(service, **spec):
 
 
 def pull(service, **req):
-    r = httpx.post(f"{service}/v1/queue/pull", json={"wait_s": 60, **req}, timeout=120)
+    r = httpx.post(f"{service}/v1/queue/pull", json={"wait_s": 60, **req}, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def ack(service, ids):
-    r = httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ids}, timeout=30)
+    r = httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ids}, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -54,8 +54,8 @@ def test_dataset_source_generates_ahead_and_acks_are_idempotent(service):
     state = source_state(service, "arith-q")
     assert state["leased"] == 3 and state["pending_prompts"] == 0 and state["dataset"] == "arith"
     ids = [i["item_id"] for i in items]
-    first = ack(service, ids + ["arith-q:999999", "nope:1"])
-    assert first["acked"] == ids and first["unknown"] == ["arith-q:999999", "nope:1"]
+    first = ack(service, ids + ["arith-q:0", "nope:1"])
+    assert first["acked"] == ids and first["unknown"] == ["arith-q:0", "nope:1"]
     again = ack(service, ids)  # a retried ack changes nothing
     assert again == {"acked": [], "already_acked": ids, "unknown": []}
     assert source_state(service, "arith-q")["leased"] == 0 and source_state(service, "arith-q")["acked"] == 3
@@ -63,7 +63,11 @@ def test_dataset_source_generates_ahead_and_acks_are_idempotent(service):
     text = httpx.get(f"{service}/metrics").text
     assert 'farm_queue_acked_total{source="arith-q"} 3.0' in text and 'farm_queue_ready_groups{source="arith-q"}' in text
     assert httpx.delete(f"{service}/v1/queue/sources/arith-q", headers=AUTH).status_code == 200
-    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "arith-q"}).status_code == 404
+    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "arith-q"}, headers=AUTH).status_code == 404
+    add_source(service, name="arith-q", dataset="arith", n=1, target_groups=1)  # the same name again: new ids
+    again = pull(service, source="arith-q", max_groups=1)["items"]
+    assert again and again[0]["item_id"] not in ids and ack(service, ids)["unknown"] == ids  # old acks touch nothing new
+    httpx.delete(f"{service}/v1/queue/sources/arith-q", headers=AUTH)
 
 
 def test_expired_leases_are_redelivered_and_a_trainer_loses_and_repeats_nothing(service):
@@ -124,8 +128,24 @@ def test_queue_admin_needs_the_token_and_bad_input_is_named(service):
     assert source_state(service, "guarded")["pending_prompts"] == 0  # nothing of a bad upload is queued
     ok = httpx.post(f"{service}/v1/queue/sources/guarded/prompts", json={"prompts": [{"text": "fine"}]}, headers=AUTH)
     assert ok.status_code == 200
-    missing = httpx.post(f"{service}/v1/queue/pull", json={"source": "absent"})
+    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "guarded"}).status_code == 401
+    assert httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ["guarded:x:0"]}).status_code == 401
+    missing = httpx.post(f"{service}/v1/queue/pull", json={"source": "absent"}, headers=AUTH)
     assert missing.status_code == 404 and "guarded" in missing.json()["error"]
-    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "guarded", "max_staleness": -1}).json()["detail"][0]["field"] == "max_staleness"
+    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "guarded", "max_staleness": -1}, headers=AUTH).json()["detail"][0]["field"] == "max_staleness"
     assert httpx.delete(f"{service}/v1/queue/sources/guarded").status_code == 401
     assert httpx.delete(f"{service}/v1/queue/sources/guarded", headers=AUTH).status_code == 200
+
+
+def test_a_late_ack_of_a_stale_dropped_group_withdraws_its_regeneration(service, client, tiny_model):
+    add_source(service, name="late", prompts=[{"text": "Q: 5+5\nA:"}, {"text": "Q: 6+6\nA:"}], n=2, target_groups=2)
+    wait_ready(service, "late", 2)
+    trained = pull(service, source="late", max_groups=2, lease_s=0.3)["items"]  # the trainer uses them, but acks late
+    time.sleep(0.4)
+    client.push_weights((tiny_model / "model.safetensors").read_bytes(), client.weights_version().version + 1)
+    fresh = pull(service, source="late", max_groups=2, max_staleness=0, wait_s=0)
+    assert fresh["stale_dropped"] == 2 and not fresh["items"]  # both dropped; their prompts wait to be generated again
+    assert ack(service, [i["item_id"] for i in trained])["acked"] == [i["item_id"] for i in trained]  # the late ack settles them
+    state = source_state(service, "late")
+    assert state["acked"] == 2 and state["leased"] + state["pending_prompts"] == 0
+    assert not pull(service, source="late", max_groups=2, wait_s=2)["items"]  # nothing of those prompts comes again

@@ -132,14 +132,14 @@ def test_delete_cancels_a_running_rollout_and_frees_the_engines(service):
     body = {**long_rollout(n=8, max_new_tokens=4096), "request_id": rid}  # one group: one replica call (see the saturation test)
     t, out = in_thread(lambda: rollout(service, body))
     wait_until(lambda: any_busy(service), "a replica busy with the rollout")
-    r = httpx.delete(f"{service}/v1/rollouts/{rid}", timeout=30)
+    r = httpx.delete(f"{service}/v1/rollouts/{rid}", headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json() == {"request_id": rid, "cancelled": True}
     t.join(120)
     assert out and out[0].status_code == 409 and "cancelled" in out[0].json()["error"]
     wait_until(lambda: not any_busy(service), "every replica idle after the cancel")
     generated = _generated(service) - before
     assert 0 < generated < 8 * 4096 / 2  # the partial work was counted; most of the 32768 tokens were never made
-    assert httpx.delete(f"{service}/v1/rollouts/{rid}", timeout=30).json()["cancelled"] is False  # gone, not running
+    assert httpx.delete(f"{service}/v1/rollouts/{rid}", headers=AUTH, timeout=30).json()["cancelled"] is False  # gone, not running
 
 
 def test_delete_of_a_streamed_rollout_ends_the_stream_with_an_error(service):
@@ -153,7 +153,7 @@ def test_delete_of_a_streamed_rollout_ends_the_stream_with_an_error(service):
 
     t, out = in_thread(read_stream)
     wait_until(lambda: any_busy(service), "a replica busy with the rollout")
-    assert httpx.delete(f"{service}/v1/rollouts/{rid}", timeout=30).json()["cancelled"] is True
+    assert httpx.delete(f"{service}/v1/rollouts/{rid}", headers=AUTH, timeout=30).json()["cancelled"] is True
     t.join(120)
     assert out and not isinstance(out[0], Exception), f"the stream broke instead of ending with a StreamEnd line: {out!r}"
     status, lines = out[0]

@@ -171,7 +171,7 @@ def _weights(client, a):
         return client.weights_version()
     if not a.file:
         return "farm weights push needs a safetensors FILE, or a FOLDER of them"
-    version = a.version or client.weights_version().version + 1
+    version = a.version or max(client.weights_version().replicas.values(), default=0) + 1  # the newest any replica serves
     path = Path(a.file)
     if path.is_dir():  # the service reads it from there: no upload
         return client.push_weights_path(str(path.resolve()), version, a.policy)

@@ -57,8 +57,9 @@ class Engine(abc.ABC):
         """Check and hold `state_dict` as `version`, or raise WeightsRejected; the served weights do not change."""
 
     @abc.abstractmethod
-    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
-        """Serve the weights staged as `version`."""
+    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
+        """Serve the weights staged as `version`; a no-op when it is served already. With policy None (a
+        replica catching up) a commit of the same version already under way keeps its policy."""
 
     @abc.abstractmethod
     def discard_weights(self, version: int) -> None:

@@ -52,7 +52,9 @@ class BenchEngine(Engine):
             raise WeightsRejected(f"version {version} is not newer than the served version {self.weight_version}")
         self._staged = version
 
-    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
+        if version <= self.weight_version:
+            return
         if self._staged != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
         self.weight_version, self._staged = version, None

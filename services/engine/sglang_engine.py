@@ -183,7 +183,7 @@ class SGLangEngine(Engine):
         self._check(got, version)
         self._staged = (version, str(path))
 
-    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
         if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
             return
         if self._staged is None or self._staged[0] != version:

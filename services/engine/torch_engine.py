@@ -98,12 +98,13 @@ class TorchEngine(Engine):
             raise WeightsRejected("; ".join(problems))
         self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
 
-    def commit_weights(self, version: int, policy: InFlightPolicy = "finish") -> None:
+    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
         if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
             return
         if self._staged is None or self._staged[0] != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
-        self._commit = policy
+        if policy is not None or self._commit is None:  # a catch-up (None) does not override a push's policy
+            self._commit = policy or "finish"
         if policy == "abort":
             self._abort_epoch += 1
         while not self._lock.acquire(timeout=0.005):  # "partial": the running generate call applies it at its next token
