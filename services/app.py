@@ -37,7 +37,7 @@ from services import protocol as P
 from services.engine.base import WeightsRejected
 from services.rewards import REWARDS
 from services.queue import NoSource, SourceExists, TrajectoryQueue
-from services.samplers import SAMPLERS
+from services.samplers import SAMPLERS, SamplerState
 from services.settings import ServiceSettings
 from services.weights import WeightsError, check_state_dict, check_upload, read_header_file
 
@@ -133,7 +133,7 @@ class EngineServer:
             await asyncio.sleep(0.05)
 
     async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int = 0,
-                      sampler: str = "plain") -> list[P.Group]:
+                      meta: dict | None = None) -> list[P.Group]:
         """The groups of these prompts, n samples each, in one engine batch. Serve gives this replica
         FARM_ENGINE_MAX_ONGOING_REQUESTS + CONTROL_SLOTS calls at once; rollouts take at most all but two of them."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
@@ -144,11 +144,11 @@ class EngineServer:
         finally:
             self.rollouts_waiting -= 1
         try:
-            return await self._rollout(prompts, n, params, reward, min_version, sampler)
+            return await self._rollout(prompts, n, params, reward, min_version, meta or {"sampler": "plain"})
         finally:
             self.rollout_slots.release()
 
-    async def _rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int, sampler: str) -> list[P.Group]:
+    async def _rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int, meta: dict) -> list[P.Group]:
         if self.engine.weight_version < min_version:
             await self.catch_up(min_version)
         ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
@@ -175,7 +175,7 @@ class EngineServer:
                     reason = "error"
                 mixed = o.token_versions if len(set(o.token_versions)) > 1 else None
                 samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r,
-                                        weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta={"sampler": sampler}))
+                                        weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta=meta))
             rewards = [s.reward for s in samples]
             std = statistics.pstdev(rewards)
             groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
@@ -467,6 +467,8 @@ class Ingress:
         self.push_lock = asyncio.Lock()
         self.committed = 0  # the newest version this ingress has seen committed: no rollout runs on older weights
         self.jobs: OrderedDict[str, Job] = OrderedDict()  # request_id -> job, for replays and cancellation
+        self.stats = P.PolicyStats()  # what the trainer last reported
+        self.temperatures: dict[str, float] = {}
         self.queue = TrajectoryQueue(self._generate_for_queue, lambda: self.committed, batch_groups=4 * settings.replicas)
 
     def _auth_error(self, request: Request) -> JSONResponse | None:
@@ -579,8 +581,11 @@ class Ingress:
         k = self.settings.replicas * (2 if req.stream else 1)  # finer parts when streaming, so groups arrive sooner
         chunks = _split(list(range(len(req.prompts))), k)
         min_version = max(req.min_weight_version, self.committed)
-        calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(req.sampling_params, j), req.reward, min_version,
-                                          req.sampler.name)
+        sampler = SAMPLERS.get(req.sampler.name)
+        params, meta = sampler(sampler.Params.model_validate(req.sampler.params)).plan(req.sampling_params, SamplerState(stats=self.stats, weight_version=self.committed))
+        self._note_temperature(req.sampler.name, params.temperature)
+        meta = {"sampler": req.sampler.name, **meta}
+        calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(params, j), req.reward, min_version, meta)
                  for j, c in enumerate(chunks)]
 
         async def part(chunk, call):
@@ -599,6 +604,14 @@ class Ingress:
 
     async def _generate_for_queue(self, req: P.RolloutRequest) -> list[P.Group]:
         return (await self._produce(Job("", len(req.prompts)), req, delivered=False)).groups
+
+    def _note_temperature(self, sampler: str, temperature: float) -> None:
+        """Export the temperature a sampler chose, and log each change."""
+        if self.temperatures.get(sampler) != temperature:
+            log.info(json.dumps({"event": "sampler_temperature", "sampler": sampler, "temperature": round(temperature, 4),
+                                 "was": self.temperatures.get(sampler), "kl": self.stats.kl}))
+            self.temperatures[sampler] = temperature
+        metrics.SAMPLER_TEMPERATURE.labels(sampler).set(temperature)
 
     def _count(self, sampler: str, groups: list[P.Group], delivered: bool) -> None:
         metrics.GROUPS.labels(sampler).inc(len(groups))
@@ -682,6 +695,24 @@ class Ingress:
         if denied := self._auth_error(request):
             return denied
         return self.queue.ack(req.item_ids)
+
+    @api.post("/v1/policy_stats", response_model=P.PolicyStats, responses={401: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})
+    async def report_policy_stats(self, request: Request, stats: P.PolicyStats):
+        """The trainer reports its policy statistics (needs the token); samplers read them from the next request on.
+        Fields left out keep their last value."""
+        if denied := self._auth_error(request):
+            return denied
+        self.stats = self.stats.model_copy(update=stats.model_dump(exclude_unset=True))
+        for gauge, value in ((metrics.POLICY_KL, self.stats.kl), (metrics.POLICY_REWARD_VAR, self.stats.reward_var), (metrics.POLICY_STEP, self.stats.step)):
+            if value is not None:
+                gauge.set(value)
+        log.info(json.dumps({"event": "policy_stats", **self.stats.model_dump()}))
+        return self.stats
+
+    @api.get("/v1/policy_stats", response_model=P.PolicyStats)
+    async def policy_stats(self):
+        """The statistics the trainer last reported."""
+        return self.stats
 
     @api.get("/v1/samplers")
     async def samplers(self) -> dict[str, str]:

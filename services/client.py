@@ -160,6 +160,10 @@ class FarmClient(_Retrying):
     def samplers(self) -> dict[str, str]:
         return self._request("GET", "/v1/samplers").json()
 
+    def report_policy_stats(self, stats: P.PolicyStats) -> P.PolicyStats:
+        """Tell the service's samplers the policy's KL, reward variance and step (needs the token); left-out fields keep their value."""
+        return P.PolicyStats.model_validate(self._request("POST", "/v1/policy_stats", json=stats.model_dump(exclude_unset=True)).json())
+
     def push_weights(self, safetensors_bytes: bytes, version: int, policy: P.InFlightPolicy = "finish") -> P.WeightsPushResponse:
         """Upload a safetensors state dict as `version`, with its SHA-256; returns once every replica serves it."""
         r = self._request("POST", "/v1/weights", upload=safetensors_bytes, **self._weights_args(safetensors_bytes, version, policy))
@@ -283,6 +287,9 @@ class AsyncFarmClient(_Retrying):
 
     async def samplers(self) -> dict[str, str]:
         return (await self._request("GET", "/v1/samplers")).json()
+
+    async def report_policy_stats(self, stats: P.PolicyStats) -> P.PolicyStats:
+        return P.PolicyStats.model_validate((await self._request("POST", "/v1/policy_stats", json=stats.model_dump(exclude_unset=True))).json())
 
     async def push_weights(self, safetensors_bytes: bytes, version: int, policy: P.InFlightPolicy = "finish") -> P.WeightsPushResponse:
         r = await self._request("POST", "/v1/weights", upload=safetensors_bytes, **self._weights_args(safetensors_bytes, version, policy))

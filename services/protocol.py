@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_VERSION = "v1"
 MAX_N = 64  # most samples per prompt in one request
@@ -54,6 +54,16 @@ class Prompt(BaseModel):
         if self.token_ids is not None and not self.token_ids:
             raise ValueError("token_ids is empty: give at least one token id")
         return self
+
+
+class PolicyStats(BaseModel):
+    """POST /v1/policy_stats: what the trainer reports about its policy; samplers read it, /metrics exports it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kl: float | None = Field(None, ge=0, description="KL between the current and the reference (or behaviour) policy, as the trainer estimates it.")
+    reward_var: float | None = Field(None, ge=0, description="Variance of the rewards of the last batch.")
+    step: int | None = Field(None, ge=0, description="The trainer's step.")
 
 
 class SamplerSpec(BaseModel):
