@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import random
 import statistics
 import threading
 import time
@@ -133,7 +134,7 @@ class EngineServer:
             await asyncio.sleep(0.05)
 
     async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int = 0,
-                      meta: dict | None = None) -> list[P.Group]:
+                      meta: dict | None = None, sampler: P.SamplerSpec | None = None) -> list[P.Group]:
         """The groups of these prompts, n samples each, in one engine batch. Serve gives this replica
         FARM_ENGINE_MAX_ONGOING_REQUESTS + CONTROL_SLOTS calls at once; rollouts take at most all but two of them."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
@@ -144,15 +145,19 @@ class EngineServer:
         finally:
             self.rollouts_waiting -= 1
         try:
-            return await self._rollout(prompts, n, params, reward, min_version, meta or {"sampler": "plain"})
+            return await self._rollout(prompts, n, params, reward, min_version, meta or {"sampler": "plain"}, sampler or P.SamplerSpec())
         finally:
             self.rollout_slots.release()
 
-    async def _rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int, meta: dict) -> list[P.Group]:
+    async def _rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None, min_version: int, meta: dict,
+                       spec: P.SamplerSpec) -> list[P.Group]:
         if self.engine.weight_version < min_version:
             await self.catch_up(min_version)
+        kind = SAMPLERS.get(spec.name)
+        sampler, rng = kind(kind.Params.model_validate(spec.params)), random.Random(params.seed)
+        m = sampler.candidates(n)
         ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
-        flat = [x for x in ids for _ in range(n)]
+        flat = [x for x in ids for _ in range(m)]
         outs = await self._generate(flat, params)
         for _ in range(3):  # samples cut by an "abort" weight commit run again on the new weights
             served = await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
@@ -165,7 +170,7 @@ class EngineServer:
         groups = []
         for i, prompt in enumerate(prompts):
             samples = []
-            for o in outs[i * n:(i + 1) * n]:
+            for o in outs[i * m:(i + 1) * m]:
                 text = self.tok.decode(o.token_ids, skip_special_tokens=True)
                 reason, r = o.finish_reason, 0.0
                 try:
@@ -176,6 +181,7 @@ class EngineServer:
                 mixed = o.token_versions if len(set(o.token_versions)) > 1 else None
                 samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r,
                                         weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta=meta))
+            samples = sampler.select(samples, n, rng)
             rewards = [s.reward for s in samples]
             std = statistics.pstdev(rewards)
             groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
@@ -585,7 +591,7 @@ class Ingress:
         params, meta = sampler(sampler.Params.model_validate(req.sampler.params)).plan(req.sampling_params, SamplerState(stats=self.stats, weight_version=self.committed))
         self._note_temperature(req.sampler.name, params.temperature)
         meta = {"sampler": req.sampler.name, **meta}
-        calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(params, j), req.reward, min_version, meta)
+        calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(params, j), req.reward, min_version, meta, req.sampler)
                  for j, c in enumerate(chunks)]
 
         async def part(chunk, call):

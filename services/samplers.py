@@ -9,6 +9,7 @@ the sampling params the engines use, and the metadata every sample carries in `s
 from __future__ import annotations
 
 import math
+import random
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,8 +36,16 @@ class Sampler:
         self.params = params
 
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
-        """The sampling params to use, and metadata for each sample; by default the request's own."""
+        """At the ingress: the sampling params to use, and metadata for each sample; by default the request's own."""
         return sampling, {}
+
+    def candidates(self, n: int) -> int:
+        """In the replica: how many samples to generate for a group of n."""
+        return n
+
+    def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
+        """In the replica: the group's n samples from the scored candidates (their sampler_meta may be extended)."""
+        return samples
 
 
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
@@ -81,3 +90,31 @@ class KLAdaptiveTemperature(Sampler):
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
         t = self.temperature(state.stats.kl)
         return sampling.model_copy(update={"temperature": t, "top_p": self.params.top_p}), {"temperature": t, "kl": state.stats.kl}
+
+
+class ImportanceParams(NoParams):
+    candidates: int | None = Field(None, ge=1, le=P.MAX_N * 4, description="Candidates m generated per group (m >= n); default 2n.")
+    target: Literal["reward_tilt"] = Field("reward_tilt", description="'reward_tilt': target density proportional to p(x) exp(beta r(x)).")
+    beta: float = Field(1.0, ge=-50, le=50, description="Tilt strength; 0 resamples uniformly.")
+
+
+@SAMPLERS.register("importance_resampling")
+class ImportanceResampling(Sampler):
+    """Generate m >= n candidates, resample n of them (with replacement) by self-normalised weights
+    exp(beta r) of the reward tilt. Each sample's sampler_meta carries importance_weight = (1/m) / its resampling
+    probability, the estimated ratio p/q that corrects the trainer's off-policy bias, and the weights' effective sample size."""
+
+    Params = ImportanceParams
+
+    def candidates(self, n: int) -> int:
+        return max(n, self.params.candidates or 2 * n)
+
+    def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
+        scored = [s.reward for s in samples]
+        top = max(scored)
+        w = [math.exp(self.params.beta * (r - top)) for r in scored]  # shifted: no overflow
+        probs = [x / sum(w) for x in w]
+        ess = 1 / sum(p * p for p in probs)
+        picks = rng.choices(range(len(samples)), weights=probs, k=n)
+        return [samples[i].model_copy(update={"sampler_meta": {**samples[i].sampler_meta, "importance_weight": 1 / (len(samples) * probs[i]),
+                                                               "candidates": len(samples), "ess": ess}}) for i in picks]

@@ -95,6 +95,7 @@ def test_expired_leases_are_redelivered_and_a_trainer_loses_and_repeats_nothing(
     assert state["redelivered"] == 3 and state["acked"] == 10 and state["ready"] == state["leased"] == state["pending_prompts"] == 0
     assert ack(service, list(trained))["already_acked"] == list(trained)
     assert 'farm_queue_redeliveries_total{source="pushed"} 3.0' in httpx.get(f"{service}/metrics").text
+    httpx.delete(f"{service}/v1/queue/sources/pushed", headers=AUTH)  # no background generation left for later tests
 
 
 def test_stale_groups_are_dropped_and_generated_again_on_new_weights(service, client, tiny_model):
@@ -111,6 +112,7 @@ def test_stale_groups_are_dropped_and_generated_again_on_new_weights(service, cl
     assert sorted(i["prompt"]["text"] for i in items) == sorted(f"Q: {a}-1\nA:" for a in range(4))
     assert source_state(service, "stale")["stale_dropped"] == 4
     assert 'farm_queue_stale_dropped_total{source="stale"} 4.0' in httpx.get(f"{service}/metrics").text
+    httpx.delete(f"{service}/v1/queue/sources/stale", headers=AUTH)
 
 
 def test_queue_admin_needs_the_token_and_bad_input_is_named(service):
@@ -149,3 +151,4 @@ def test_a_late_ack_of_a_stale_dropped_group_withdraws_its_regeneration(service,
     state = source_state(service, "late")
     assert state["acked"] == 2 and state["leased"] + state["pending_prompts"] == 0
     assert not pull(service, source="late", max_groups=2, wait_s=2)["items"]  # nothing of those prompts comes again
+    httpx.delete(f"{service}/v1/queue/sources/late", headers=AUTH)

@@ -73,3 +73,42 @@ def test_invalid_sampler_params_get_422_naming_the_field(service):
     body["sampler"]["params"] = {"schedule": "cosine"}
     assert httpx.post(f"{service}/v1/rollouts", json=body).json()["detail"][0]["field"] == "sampler.params.schedule"
     assert "kl_adaptive_temperature" in httpx.get(f"{service}/v1/samplers").json()
+
+
+def fake_samples(rewards):
+    """Scored candidates as the replica builds them (only the reward matters to the resampler)."""
+    return [P.Sample(token_ids=[1], logprobs=[0.0], text="", finish_reason="stop", reward=r, weight_version=0, sampler_meta={"sampler": "x"})
+            for r in rewards]
+
+
+def test_importance_resampling_reproduces_the_tilted_target_and_its_weights_undo_it():
+    import math
+    import random
+
+    from services.samplers import ImportanceParams, ImportanceResampling
+
+    beta, p, m, n, groups = 1.0, 0.3, 64, 4, 3000
+    sampler, rng, draw = ImportanceResampling(ImportanceParams(candidates=m, beta=beta)), random.Random(0), random.Random(1)
+    delivered = [s for _ in range(groups) for s in sampler.select(fake_samples([float(draw.random() < p) for _ in range(m)]), n, rng)]
+    target = p * math.exp(beta) / (1 - p + p * math.exp(beta))  # E[r] under q ∝ p(x) exp(beta r)
+    mean = statistics.fmean(s.reward for s in delivered)
+    sem = statistics.pstdev(s.reward for s in delivered) / math.sqrt(groups)  # groups are the independent units; n per group share candidates
+    assert abs(mean - target) < 4 * sem * math.sqrt(n) + 1 / m  # within the CI, plus the O(1/m) bias of self-normalisation
+    weights = [s.sampler_meta["importance_weight"] for s in delivered]
+    corrected = sum(w * s.reward for w, s in zip(weights, delivered)) / sum(weights)
+    assert abs(corrected - p) < 0.02  # the returned weights take the trainer back to the behaviour policy's expectation
+    assert len(delivered) == groups * n and delivered[0].sampler_meta["candidates"] == m and delivered[0].sampler_meta["sampler"] == "x"
+
+
+def test_importance_resampling_generates_m_candidates_and_returns_n(service):
+    body = {"prompts": [{"text": "hi"}, {"text": "ho"}], "n": 3, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "seed": 5},
+            "sampler": {"name": "importance_resampling", "params": {"candidates": 8, "beta": 2.0}}}
+    before = sum(s["generated_tokens"] for s in httpx.get(f"{service}/readyz").json()["replicas"])
+    r = httpx.post(f"{service}/v1/rollouts", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    after = sum(s["generated_tokens"] for s in httpx.get(f"{service}/readyz").json()["replicas"])
+    assert after - before == 2 * 8 * 8  # 8 candidates of 8 tokens per prompt were generated
+    for g in r.json()["groups"]:
+        assert len(g["samples"]) == 3
+        for s in g["samples"]:  # no reward: every candidate weighs the same
+            assert s["sampler_meta"] == {"sampler": "importance_resampling", "importance_weight": 1.0, "candidates": 8, "ess": 8.0}
