@@ -18,7 +18,7 @@ import random
 import statistics
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -36,9 +36,9 @@ from starlette.exceptions import HTTPException
 from services import metrics, openai_compat
 from services import protocol as P
 from services.engine.base import WeightsRejected
-from services.rewards import REWARDS
+from services import rewards, samplers  # registries through their modules: Serve pickles the ingress class by value, with copies of its globals
 from services.queue import NoSource, SourceExists, TrajectoryQueue
-from services.samplers import SAMPLERS, SamplerState
+from services.samplers import SamplerState, sampler_class
 from services.settings import ServiceSettings
 from services.weights import WeightsError, check_state_dict, check_upload, read_header_file
 
@@ -153,39 +153,56 @@ class EngineServer:
                        spec: P.SamplerSpec) -> list[P.Group]:
         if self.engine.weight_version < min_version:
             await self.catch_up(min_version)
-        kind = SAMPLERS.get(spec.name)
+        kind = sampler_class(spec.name, self.settings.plugins)
         sampler, rng = kind(kind.Params.model_validate(spec.params)), random.Random(params.seed)
-        m = sampler.candidates(n)
+        m, step = sampler.candidates(n), max(1, sampler.round_size(n))
         ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
-        flat = [x for x in ids for _ in range(m)]
+        cands: list[list[P.Sample]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))  # groups still generating: each round adds `step` candidates to each
+        for r in range(-(-m // step)):
+            k = min(step, m - r * step)
+            flat = [ids[i] for i in live for _ in range(k)]
+            outs = await self._generate_rerun(flat, _round_params(params, r))
+            for j, i in enumerate(live):
+                cands[i] += [self._sample(o, prompts[i], reward, meta, sampler.wants_log_ratio) for o in outs[j * k:(j + 1) * k]]
+            live = [i for i in live if not sampler.enough(cands[i], n)]
+            if not live:
+                break
+        groups = []
+        for i, samples in enumerate(cands):
+            kept = sampler.select(samples, n, rng)
+            scores = [s.reward for s in kept]
+            std = statistics.pstdev(scores) if scores else 0.0
+            groups.append(P.Group(prompt_token_ids=ids[i], samples=kept, reward_mean=statistics.fmean(scores) if scores else 0.0, reward_std=std,
+                                  zero_variance=std < 1e-6, candidates=len(samples) if m != n else None, rejected=sampler.rejected(samples)))
+        return groups
+
+    async def _generate_rerun(self, flat: list[list[int]], params: P.SamplingParams) -> list:
+        """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
         outs = await self._generate(flat, params)
-        for _ in range(3):  # samples cut by an "abort" weight commit run again on the new weights
+        for _ in range(3):
             served = await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
             for i, o in zip(redo, await self._generate([flat[i] for i in redo], params)):
                 outs[i] = o
-        score = REWARDS.get(reward) if reward else None
-        groups = []
-        for i, prompt in enumerate(prompts):
-            samples = []
-            for o in outs[i * m:(i + 1) * m]:
-                text = self.tok.decode(o.token_ids, skip_special_tokens=True)
-                reason, r = o.finish_reason, 0.0
-                try:
-                    r = float(score(text, prompt.ground_truth)) if score else 0.0
-                except Exception as e:  # one bad score marks its sample, not the batch
-                    log.warning(json.dumps({"event": "reward_failed", "reward": reward, "error": repr(e)}))
-                    reason = "error"
-                mixed = o.token_versions if len(set(o.token_versions)) > 1 else None
-                samples.append(P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r,
-                                        weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta=meta))
-            samples = sampler.select(samples, n, rng)
-            rewards = [s.reward for s in samples]
-            std = statistics.pstdev(rewards)
-            groups.append(P.Group(prompt_token_ids=ids[i], samples=samples, reward_mean=statistics.fmean(rewards), reward_std=std, zero_variance=std < 1e-6))
-        return groups
+        return outs
+
+    def _sample(self, o, prompt: P.Prompt, reward: str | None, meta: dict, log_ratio: bool) -> P.Sample:
+        """An engine output, decoded and scored. One bad score marks its sample ("error"), not the batch."""
+        text = self.tok.decode(o.token_ids, skip_special_tokens=True)
+        reason, r = o.finish_reason, 0.0
+        try:
+            r = float(rewards.REWARDS.get(reward)(text, prompt.ground_truth)) if reward else 0.0
+        except Exception as e:
+            log.warning(json.dumps({"event": "reward_failed", "reward": reward, "error": repr(e)}))
+            reason = "error"
+        if log_ratio and o.sampling_logprobs is not None:  # log p/q of the sample: raw policy over the distribution sampled
+            meta = {**meta, "log_ratio": sum(o.logprobs) - sum(o.sampling_logprobs)}
+        mixed = o.token_versions if len(set(o.token_versions)) > 1 else None
+        return P.Sample(token_ids=o.token_ids, logprobs=o.logprobs, text=text, finish_reason=reason, reward=r,
+                        weight_version=o.weight_version, token_weight_versions=mixed, sampler_meta=meta)
 
     def _on_engine_thread(self, fn, *args):
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -394,6 +411,11 @@ def _chunk_params(params: P.SamplingParams, i: int) -> P.SamplingParams:
     return params if params.seed is None else params.model_copy(update={"seed": (params.seed + i) % 2**63})
 
 
+def _round_params(params: P.SamplingParams, r: int) -> P.SamplingParams:
+    """Params for a sampler's round r: a seed of its own, far from the chunks' (seed + chunk index)."""
+    return _chunk_params(params, r * 1_000_003)
+
+
 def _fields(errors: list[dict], *prefix: str) -> list[dict]:
     """pydantic errors as 422 detail: the dotted field and the message."""
     return [{"field": ".".join([*prefix, *(str(x) for x in e["loc"] if x != "body")]), "message": e["msg"]} for e in errors]
@@ -420,6 +442,7 @@ class Job:
         self.fingerprint, self.size = fingerprint, size
         self.groups: dict[int, P.Group] = {}  # prompt index -> group, in finishing order
         self.task: asyncio.Task | None = None
+        self.report: P.FilterReport | None = None  # dynamic_group_filter's, once done
         self.waiters = 0  # callers still waiting: when the last one goes away, so does the engine work
         self._tick = asyncio.Event()
 
@@ -536,7 +559,7 @@ class Ingress:
         try:
             async for index, group in job.events():
                 yield P.GroupEvent(index=index, group=group).model_dump_json() + "\n"
-            yield P.StreamEnd(groups=len(job.groups)).model_dump_json() + "\n"
+            yield P.StreamEnd(groups=len(job.groups), filter=job.report).model_dump_json() + "\n"
         except (asyncio.CancelledError, GeneratorExit):
             job.waiters -= 1
             if job.waiters == 0:
@@ -565,15 +588,24 @@ class Ingress:
 
     async def _check(self, req: P.RolloutRequest | P.QueueSource) -> JSONResponse | None:
         """A 422 for what pydantic cannot know: unknown names, out-of-vocabulary tokens, bad sampler params."""
-        if req.reward is not None and req.reward not in REWARDS.names():  # registered names only: no imports from requests
-            return _invalid([{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(REWARDS.names())} (add your own with FARM_PLUGINS)"}])
-        if req.sampler.name not in SAMPLERS.names():
-            return _invalid([{"field": "sampler.name", "message": f"unknown sampler {req.sampler.name!r}; valid names: {', '.join(SAMPLERS.names())} (add your own with FARM_PLUGINS)"}])
-        try:
-            SAMPLERS.get(req.sampler.name).Params.model_validate(req.sampler.params)
-        except ValidationError as e:
-            return _invalid(_fields(e.errors(), "sampler", "params"))
+        if req.reward is not None and req.reward not in rewards.REWARDS.names():  # registered names only: no imports from requests
+            return _invalid([{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: {', '.join(rewards.REWARDS.names())} (add your own with FARM_PLUGINS)"}])
+        if bad := self._sampler_problems(req.sampler, "sampler", len(req.prompts) if isinstance(req, P.RolloutRequest) else None):
+            return _invalid(bad)
         return await self._check_tokens(req.prompts)
+
+    def _sampler_problems(self, spec: P.SamplerSpec, field: str, prompts: int | None) -> list[dict]:
+        """422 detail for a sampler spec (and a filter's inner one): its name, its params, and what they mean for this request."""
+        try:
+            kind = sampler_class(spec.name, self.settings.plugins)
+        except KeyError as e:
+            return [{"field": f"{field}.name", "message": e.args[0]}]
+        try:
+            params = kind.Params.model_validate(spec.params)
+        except ValidationError as e:
+            return _fields(e.errors(), field, "params")
+        bad = [{**b, "field": f"{field}.params.{b['field']}"} for b in kind(params).problems(prompts, self.settings.engine)]
+        return bad + (self._sampler_problems(params.inner, f"{field}.params.inner", prompts) if kind.filters_groups else [])
 
     async def _check_tokens(self, prompts: list[P.Prompt]) -> JSONResponse | None:
         if self.vocab is None:
@@ -582,20 +614,30 @@ class Ingress:
                for i, p in enumerate(prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
         return _invalid(bad) if bad else None
 
+    def _sampler(self, spec: P.SamplerSpec):
+        kind = sampler_class(spec.name, self.settings.plugins)
+        return kind(kind.Params.model_validate(spec.params))
+
+    def _plan(self, spec: P.SamplerSpec, sampler, sampling: P.SamplingParams) -> tuple[P.SamplingParams, dict]:
+        params, meta = sampler.plan(sampling, SamplerState(stats=self.stats, weight_version=self.committed))
+        self._note_temperature(spec.name, params.temperature)
+        return params, {"sampler": spec.name, **meta}
+
     async def _produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:
         """Spread the groups over the replicas (a group stays on one), recording each part as it finishes."""
+        sampler = self._sampler(req.sampler)
+        if sampler.filters_groups:
+            return await self._produce_filtered(job, req, sampler, delivered)
         k = self.settings.replicas * (2 if req.stream else 1)  # finer parts when streaming, so groups arrive sooner
         chunks = _split(list(range(len(req.prompts))), k)
         min_version = max(req.min_weight_version, self.committed)
-        sampler = SAMPLERS.get(req.sampler.name)
-        params, meta = sampler(sampler.Params.model_validate(req.sampler.params)).plan(req.sampling_params, SamplerState(stats=self.stats, weight_version=self.committed))
-        self._note_temperature(req.sampler.name, params.temperature)
-        meta = {"sampler": req.sampler.name, **meta}
+        params, meta = self._plan(req.sampler, sampler, req.sampling_params)
         calls = [self.engine.rollout.remote([req.prompts[i] for i in c], req.n, _chunk_params(params, j), req.reward, min_version, meta, req.sampler)
                  for j, c in enumerate(chunks)]
 
         async def part(chunk, call):
             for i, group in zip(chunk, await call):
+                group.prompt_index = i
                 job.add(i, group)
 
         try:
@@ -607,6 +649,76 @@ class Ingress:
         groups = [job.groups[i] for i in range(job.size)]
         self._count(req.sampler.name, groups, delivered)
         return P.RolloutResponse(groups=groups)
+
+    async def _produce_filtered(self, job: Job, req: P.RolloutRequest, flt, delivered: bool) -> P.RolloutResponse:
+        """dynamic_group_filter: engine calls of prompts_per_call prompts, at most replicas x FARM_ENGINE_MAX_ONGOING_REQUESTS
+        at once, until target_groups informative groups are kept or max_groups were started; then the running calls are cancelled."""
+        p = flt.params
+        params, meta = self._plan(p.inner, self._sampler(p.inner), req.sampling_params)
+        meta = {**meta, "filter": req.sampler.name}
+        target, cap = p.target_groups or len(req.prompts), min(p.max_groups or len(req.prompts), len(req.prompts))
+        todo = deque((j, list(range(a, min(a + p.prompts_per_call, cap)))) for j, a in enumerate(range(0, cap, p.prompts_per_call)))
+        window = max(1, self.settings.replicas * self.settings.engine_max_ongoing_requests)  # shrinks when Serve pushes back
+        min_version = max(req.min_weight_version, self.committed)
+        running: dict[asyncio.Future, tuple[int, list[int], object]] = {}  # -> (chunk index, prompt indices, Serve response)
+        finished: list[tuple[str, P.Group]] = []  # (outcome, group) in finishing order
+        kept = pushbacks = 0
+
+        async def wait(call):
+            return await call
+
+        try:
+            while kept < target:
+                while len(running) < window and todo:
+                    j, chunk = todo.popleft()
+                    call = self.engine.rollout.remote([req.prompts[i] for i in chunk], req.n, _chunk_params(params, j), req.reward, min_version, meta, p.inner)
+                    running[asyncio.ensure_future(wait(call))] = (j, chunk, call)
+                if not running:
+                    break
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    j, chunk, _ = running.pop(fut)
+                    if isinstance(fut.exception(), (BackPressureError, ReplicaFull)) and pushbacks < 100:  # queues full: again once a call finishes
+                        pushbacks += 1
+                        todo.appendleft((j, chunk))
+                        window = max(1, len(running))
+                        if not running:
+                            await asyncio.sleep(0.1)
+                        continue
+                    for i, group in zip(chunk, fut.result()):
+                        group.prompt_index = i
+                        outcome = "zero_variance" if flt.zero_variance(group) else "kept" if kept < target else "surplus"
+                        finished.append((outcome, group))
+                        if outcome == "kept":
+                            kept += 1
+                            job.add(i, group)
+        finally:
+            cancelled = sum(len(chunk) for _, chunk, _ in running.values())
+            for fut, (_, _, call) in running.items():  # the surplus: its engine work stops at the next token
+                call.cancel()
+                fut.cancel()
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
+        job.report = report = self._filter_report(target, finished, cancelled)
+        groups = [job.groups[i] for i in sorted(job.groups)]
+        self._count(req.sampler.name, [g for _, g in finished], delivered=False)  # the engine work: the zero-variance fraction
+        for s in (s for g in groups for s in g.samples) if delivered else ():
+            metrics.STALENESS.observe(max(0, self.committed - s.weight_version))
+        log.info(json.dumps({"event": "group_filter", **report.model_dump()}))
+        return P.RolloutResponse(groups=groups, filter=report)
+
+    @staticmethod
+    def _filter_report(target: int, finished: list[tuple[str, P.Group]], cancelled: int) -> P.FilterReport:
+        count = Counter(outcome for outcome, _ in finished)
+        tokens = lambda outcomes: sum(len(s.token_ids) for o, g in finished if o in outcomes for s in g.samples)  # noqa: E731
+        generated, kept_tokens = tokens({"kept", "zero_variance", "surplus"}), tokens({"kept"})
+        for outcome in ("kept", "zero_variance", "surplus"):
+            metrics.FILTER_GROUPS.labels(outcome).inc(count[outcome])
+        metrics.FILTER_GROUPS.labels("cancelled").inc(cancelled)
+        metrics.FILTER_WASTED_TOKENS.inc(generated - kept_tokens)
+        return P.FilterReport(target_groups=target, target_reached=count["kept"] >= target, generated_groups=len(finished), kept_groups=count["kept"],
+                              zero_variance_groups=count["zero_variance"], zero_variance_fraction=count["zero_variance"] / max(1, len(finished)),
+                              surplus_groups=count["surplus"], cancelled_groups=cancelled, generated_tokens=generated, kept_tokens=kept_tokens,
+                              waste_fraction=1 - kept_tokens / generated if generated else 0.0)
 
     async def _generate_for_queue(self, req: P.RolloutRequest) -> list[P.Group]:
         return (await self._produce(Job("", len(req.prompts)), req, delivered=False)).groups
@@ -624,6 +736,8 @@ class Ingress:
         metrics.ZERO_VAR.labels(sampler).inc(sum(g.zero_variance for g in groups))
         metrics.SAMPLES.labels(sampler).inc(sum(len(g.samples) for g in groups))
         metrics.TOKENS.labels(sampler).inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+        metrics.CANDIDATES.labels(sampler).inc(sum(g.candidates or 0 for g in groups))
+        metrics.REJECTED.labels(sampler).inc(sum(g.rejected or 0 for g in groups))
         for s in (s for g in groups for s in g.samples) if delivered else ():  # queued groups count when pulled
             metrics.STALENESS.observe(max(0, self.committed - s.weight_version))
 
@@ -723,7 +837,7 @@ class Ingress:
     @api.get("/v1/samplers")
     async def samplers(self) -> dict[str, str]:
         """Registered samplers and what each does."""
-        return {name: (SAMPLERS.get(name).__doc__ or "").strip() for name in SAMPLERS.names()}
+        return {name: (samplers.SAMPLERS.get(name).__doc__ or "").strip() for name in samplers.SAMPLERS.names()}
 
     @api.post("/v1/completions", responses={422: {"model": P.ErrorResponse}})
     async def completions(self, req: P.CompletionRequest):

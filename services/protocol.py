@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 API_VERSION = "v1"
 MAX_N = 64  # most samples per prompt in one request
@@ -30,12 +30,26 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a sample (EOS always does).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS, up to max_new_tokens (stop_token_ids still stop).")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling of an identical request.")
+    regex: str | None = Field(None, max_length=2000, description="Constrain each sample's text to match this regular expression in full "
+                              "(SGLang's `regex`; the torch engine masks the tokens that would leave it). EOS is allowed only on a full match.")
 
     @model_validator(mode="after")
     def _top_k_not_zero(self) -> "SamplingParams":
         if self.top_k == 0:
             raise ValueError("top_k=0 keeps no token: use -1 to keep all, or a positive k")
         return self
+
+    @field_validator("regex")
+    @classmethod
+    def _regex_compiles(cls, v: str | None) -> str | None:
+        if v is not None:
+            import regex
+
+            try:
+                regex.compile(v)
+            except regex.error as e:
+                raise ValueError(f"not a valid regular expression: {e}") from None
+        return v
 
 
 class Prompt(BaseModel):
@@ -108,10 +122,30 @@ class Group(BaseModel):
     reward_mean: float
     reward_std: float = Field(..., description="Population std of the group's rewards.")
     zero_variance: bool = Field(..., description="True when every reward in the group is equal (std < 1e-6).")
+    prompt_index: int | None = Field(None, description="The prompt's index in the request (a filtering sampler returns only some).")
+    candidates: int | None = Field(None, description="Samples generated for this group, when the sampler may generate more than n.")
+    rejected: int | None = Field(None, description="Candidates the sampler rejected (pattern_conditional: those not matching).")
+
+
+class FilterReport(BaseModel):
+    """What dynamic_group_filter generated and kept: the zero-variance fraction and the over-sampling waste."""
+
+    target_groups: int = Field(..., description="Informative groups asked for.")
+    target_reached: bool
+    generated_groups: int = Field(..., description="Groups that finished generating.")
+    kept_groups: int
+    zero_variance_groups: int = Field(..., description="Dropped: reward std within std_tolerance.")
+    zero_variance_fraction: float = Field(..., description="zero_variance_groups / generated_groups.")
+    surplus_groups: int = Field(..., description="Informative groups that finished after the target was reached (dropped).")
+    cancelled_groups: int = Field(..., description="Groups still generating when the target was reached: their engine work was aborted.")
+    generated_tokens: int = Field(..., description="Tokens in every finished group (cancelled work not included).")
+    kept_tokens: int
+    waste_fraction: float = Field(..., description="1 - kept_tokens / generated_tokens: the over-sampling waste.")
 
 
 class RolloutResponse(BaseModel):
-    groups: list[Group] = Field(..., description="One group per prompt, in request order.")
+    groups: list[Group] = Field(..., description="One group per prompt, in request order (dynamic_group_filter: the kept ones).")
+    filter: FilterReport | None = Field(None, description="Set by dynamic_group_filter.")
 
 
 class GroupEvent(BaseModel):
@@ -128,6 +162,7 @@ class StreamEnd(BaseModel):
     groups: int = Field(..., description="Groups sent before this line.")
     error: str | None = None
     status: int | None = Field(None, description="With an error: the HTTP status it would have had (409 cancelled or version not reached, 429 queues full).")
+    filter: FilterReport | None = Field(None, description="Set by dynamic_group_filter.")
 
 
 class CancelResponse(BaseModel):

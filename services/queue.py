@@ -182,11 +182,11 @@ class TrajectoryQueue:
             finally:
                 src.generating = False
             src.error = None
-            for prompt, group in zip(prompts, groups):
+            for prompt, group in ((prompts[g.prompt_index], g) for g in groups):  # a filtering sampler returns only some
                 if any(p is prompt for p in src.withdrawn):
                     src.withdrawn = [p for p in src.withdrawn if p is not prompt]
                     continue
-                version = min(min(s.token_weight_versions or [s.weight_version]) for s in group.samples)
+                version = min((min(s.token_weight_versions or [s.weight_version]) for s in group.samples), default=self.version())
                 src.ready.append(Item(f"{spec.name}:{src.nonce}:{next(src.seq)}", prompt, group, version))
             metrics.QUEUE_GENERATED.labels(spec.name).inc(len(groups))
             src.signal()

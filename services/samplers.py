@@ -1,18 +1,29 @@
 """Samplers: how the service draws the samples of one request (named in a request's `sampler`).
 
-A sampler is registered by name; its `Params` model checks the request's `sampler.params`, so a
-typo is a 422 naming the field. At the ingress, `plan` turns the request's sampling params and the
-sampler state (the policy statistics the trainer last reported, the committed weight version) into
-the sampling params the engines use, and the metadata every sample carries in `sampler_meta`.
+A sampler is registered by name, or named by a dotted path `pkg.module:Class` whose module is listed
+in FARM_PLUGINS (a request cannot make the service import anything else). Its `Params` model checks
+the request's `sampler.params`, so a typo is a 422 naming the field.
+
+Where each hook runs:
+  ingress  `problems`  422 detail for what the params alone cannot say (e.g. more groups than prompts)
+           `plan`      the sampling params the engines use, from the request's own and the sampler state
+                       (the trainer's last POST /v1/policy_stats, the committed weight version), and the
+                       metadata every sample carries in `sampler_meta`
+  replica  `candidates` / `round_size` / `enough`   how many samples to generate per group, in rounds of
+                       round_size, stopping a group early once `enough` holds
+           `select` / `rejected`   which samples the group returns, and how many candidates were refused
+A sampler with `filters_groups` (dynamic_group_filter) runs at the ingress over the request's groups and
+draws each group with its `inner` sampler.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services import protocol as P
 from services.registry import Registry
@@ -31,24 +42,56 @@ class SamplerState(BaseModel):
 
 class Sampler:
     Params: type[BaseModel] = NoParams
+    filters_groups = False  # True: runs at the ingress over whole groups (see DynamicGroupFilter)
+    wants_log_ratio = False  # True: each candidate's sampler_meta gets log_ratio = log p/q (raw policy over the distribution sampled)
 
     def __init__(self, params: BaseModel):
         self.params = params
+
+    def problems(self, prompts: int | None, engine: str) -> list[dict]:
+        """At the ingress: 422 detail ({field, message}; field relative to the params) for what the params cannot say
+        alone. `prompts`: the request's prompt count, or None for a queue source."""
+        return []
 
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
         """At the ingress: the sampling params to use, and metadata for each sample; by default the request's own."""
         return sampling, {}
 
     def candidates(self, n: int) -> int:
-        """In the replica: how many samples to generate for a group of n."""
+        """In the replica: the most samples to generate for a group of n."""
         return n
 
+    def round_size(self, n: int) -> int:
+        """In the replica: samples generated per group and round; a group whose samples are `enough` gets no more rounds."""
+        return self.candidates(n)
+
+    def enough(self, samples: list[P.Sample], n: int) -> bool:
+        """In the replica, after each round: stop generating for this group (its surplus is never started)."""
+        return False
+
     def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
-        """In the replica: the group's n samples from the scored candidates (their sampler_meta may be extended)."""
+        """In the replica: the group's samples from the scored candidates (their sampler_meta may be extended)."""
         return samples
+
+    def rejected(self, samples: list[P.Sample]) -> int | None:
+        """In the replica: how many candidates the sampler refused, if it refuses any."""
+        return None
 
 
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
+
+
+def sampler_class(name: str, plugins: list[str]) -> type[Sampler]:
+    """A registered sampler, or `pkg.module:Class` when that module is listed in FARM_PLUGINS; else KeyError."""
+    if name in SAMPLERS.names():
+        return SAMPLERS.get(name)
+    module, sep, attr = name.partition(":")
+    if sep and module in plugins:
+        obj = getattr(importlib.import_module(module), attr, None)
+        if isinstance(obj, type) and issubclass(obj, Sampler):
+            return obj
+        raise KeyError(f"{name!r} is not a Sampler subclass in {module}")
+    raise KeyError(f"unknown sampler {name!r}; valid names: {', '.join(SAMPLERS.names())}, or 'pkg.module:Class' with the module in FARM_PLUGINS")
 
 
 @SAMPLERS.register("plain")
@@ -94,27 +137,135 @@ class KLAdaptiveTemperature(Sampler):
 
 class ImportanceParams(NoParams):
     candidates: int | None = Field(None, ge=1, le=P.MAX_N * 4, description="Candidates m generated per group (m >= n); default 2n.")
-    target: Literal["reward_tilt"] = Field("reward_tilt", description="'reward_tilt': target density proportional to p(x) exp(beta r(x)).")
-    beta: float = Field(1.0, ge=-50, le=50, description="Tilt strength; 0 resamples uniformly.")
+    target: Literal["reward_tilt", "policy_ratio"] = Field("reward_tilt", description="'reward_tilt': target density proportional to q(x) exp(beta r(x)); "
+                                                           "'policy_ratio': the raw policy p(x) (temperature 1, no top-p/k), from candidates drawn with the request's sampling params q.")
+    beta: float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 resamples uniformly.")
 
 
 @SAMPLERS.register("importance_resampling")
 class ImportanceResampling(Sampler):
-    """Generate m >= n candidates, resample n of them (with replacement) by self-normalised weights
-    exp(beta r) of the reward tilt. Each sample's sampler_meta carries importance_weight = (1/m) / its resampling
-    probability, the estimated ratio p/q that corrects the trainer's off-policy bias, and the weights' effective sample size."""
+    """Generate m >= n candidates from q (the request's sampling params), resample n of them (with replacement) by
+    self-normalised weights w_i of a target: exp(beta r_i) for 'reward_tilt', or p(x_i)/q(x_i) for 'policy_ratio'
+    (the raw policy over the distribution actually sampled; needs an engine that reports sampling logprobs: torch).
+    Each sample's sampler_meta carries importance_weight = (1/m) / its resampling probability, the ratio
+    q/target that maps the delivered samples back to q (the trainer's off-policy correction), the log ratio
+    log p/q of the sample, and the weights' effective sample size."""
 
     Params = ImportanceParams
+
+    def problems(self, prompts: int | None, engine: str) -> list[dict]:
+        if self.params.target == "policy_ratio" and engine != "torch":
+            return [{"field": "target", "message": f"'policy_ratio' needs the sampling logprobs that only the torch engine reports (FARM_ENGINE={engine}); use 'reward_tilt'"}]
+        return []
+
+    @property
+    def wants_log_ratio(self) -> bool:
+        return self.params.target == "policy_ratio"
 
     def candidates(self, n: int) -> int:
         return max(n, self.params.candidates or 2 * n)
 
     def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
-        scored = [s.reward for s in samples]
+        scored = [self.params.beta * s.reward for s in samples] if self.params.target == "reward_tilt" else [s.sampler_meta["log_ratio"] for s in samples]
         top = max(scored)
-        w = [math.exp(self.params.beta * (r - top)) for r in scored]  # shifted: no overflow
+        w = [math.exp(x - top) for x in scored]  # shifted: no overflow
         probs = [x / sum(w) for x in w]
         ess = 1 / sum(p * p for p in probs)
         picks = rng.choices(range(len(samples)), weights=probs, k=n)
         return [samples[i].model_copy(update={"sampler_meta": {**samples[i].sampler_meta, "importance_weight": 1 / (len(samples) * probs[i]),
                                                                "candidates": len(samples), "ess": ess}}) for i in picks]
+
+
+class PatternParams(NoParams):
+    pattern: str = Field(r"(?s).*#### -?[0-9]+", max_length=2000, description="A regular expression the whole generated text must match "
+                         "(the default: a chain ending in GSM8K's '#### <number>').")
+    mode: Literal["filter", "constrained"] = Field("filter", description="'filter': generate, then keep matches; 'constrained': the engine "
+                                                   "masks tokens that cannot lead to a match (SGLang's regex, the torch engine's RegexMask), then keep matches.")
+    max_candidates: int | None = Field(None, ge=1, le=P.MAX_N * 4, description="Most candidates per group, generated n per round; default 4n.")
+
+    _compiles = field_validator("pattern")(P.SamplingParams._regex_compiles.__func__)  # the same check, and message, as sampling_params.regex
+
+
+@SAMPLERS.register("pattern_conditional")
+class PatternConditional(Sampler):
+    """Keep only samples whose text fully matches `pattern`. Candidates are generated in rounds of n until n match
+    or max_candidates are spent (a group may return fewer than n; an empty group is zero-variance). The group's
+    `candidates` and `rejected` count the work and the refusals; in 'constrained' mode the engine steers every
+    token towards a match, so far fewer are refused."""
+
+    Params = PatternParams
+
+    def __init__(self, params: PatternParams):
+        import regex
+
+        super().__init__(params)
+        self.rx = regex.compile(params.pattern)
+
+    def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
+        if self.params.mode == "constrained":
+            sampling = sampling.model_copy(update={"regex": self.params.pattern})
+        return sampling, {"mode": self.params.mode}
+
+    def candidates(self, n: int) -> int:
+        return max(n, self.params.max_candidates or 4 * n)
+
+    def round_size(self, n: int) -> int:
+        return n
+
+    def matches(self, s: P.Sample) -> bool:
+        return s.finish_reason in ("stop", "length") and self.rx.fullmatch(s.text) is not None
+
+    def enough(self, samples: list[P.Sample], n: int) -> bool:
+        return sum(map(self.matches, samples)) >= n
+
+    def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
+        return [s for s in samples if self.matches(s)][:n]
+
+    def rejected(self, samples: list[P.Sample]) -> int:
+        return sum(not self.matches(s) for s in samples)
+
+
+class FilterParams(NoParams):
+    target_groups: int | None = Field(None, ge=1, le=P.MAX_PROMPTS, description="Informative groups to return; default: one per prompt "
+                                      "(no over-sampling). Send more prompts than this to over-sample.")
+    max_groups: int | None = Field(None, ge=1, le=P.MAX_PROMPTS, description="Cap on groups started; default: every prompt.")
+    std_tolerance: float = Field(1e-6, ge=0, le=1e3, description="A group whose reward std is at most this is zero-variance and dropped.")
+    prompts_per_call: int = Field(2, ge=1, le=64, description="Prompts per engine call: smaller calls let the filter stop sooner.")
+    inner: P.SamplerSpec = Field(default_factory=P.SamplerSpec, description="The sampler that draws each group (any but dynamic_group_filter).")
+
+    @field_validator("inner")
+    @classmethod
+    def _not_itself(cls, v: P.SamplerSpec) -> P.SamplerSpec:
+        if v.name == "dynamic_group_filter":
+            raise ValueError("must not be dynamic_group_filter: the filter drops groups that another sampler draws")
+        return v
+
+    @model_validator(mode="after")
+    def _sane(self) -> "FilterParams":
+        if self.target_groups and self.max_groups and self.max_groups < self.target_groups:
+            raise ValueError("max_groups must be at least target_groups")
+        return self
+
+
+@SAMPLERS.register("dynamic_group_filter")
+class DynamicGroupFilter(Sampler):
+    """DAPO's dynamic sampling, at the ingress: drop groups whose reward std is within std_tolerance (all rewards equal,
+    compared on the std, not the mean), and draw groups from the request's prompts, prompts_per_call per engine call,
+    until target_groups informative ones are kept or max_groups were started. Calls still running then are cancelled
+    (their engine work stops at the next token). The response's `filter` report gives the zero-variance fraction and
+    the over-sampling waste."""
+
+    Params = FilterParams
+    filters_groups = True
+
+    def problems(self, prompts: int | None, engine: str) -> list[dict]:
+        out = []
+        for name in ("target_groups", "max_groups"):
+            if prompts is None and getattr(self.params, name):
+                out.append({"field": name, "message": "a queue source keeps its target_groups informative groups ready: leave this unset"})
+            elif prompts is not None and (getattr(self.params, name) or 0) > prompts:
+                out.append({"field": name, "message": f"at most the number of prompts ({prompts}): send more prompts to over-sample from"})
+        return out
+
+    def zero_variance(self, group: P.Group) -> bool:
+        return group.reward_std <= self.params.std_tolerance

@@ -26,7 +26,8 @@ class ServiceSettings(BaseSettings):
     engine_threads: int | None = Field(None, ge=1, description="torch threads per replica; default: all cores / replicas.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
     dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
-    plugins: list[str] = Field(default_factory=list, description='Modules imported at start-up to register rewards, e.g. ["my_pkg.rewards"].')
+    plugins: list[str] = Field(default_factory=list, description='Modules imported at start-up to register rewards and samplers, e.g. ["my_pkg.rewards"]; '
+                               'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".')
     idempotency_cache_size: int = Field(1024, ge=1, description="Rollout results kept per ingress replica for request_id replays.")
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     max_upload_bytes: int = Field(64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes.")

@@ -41,7 +41,7 @@ def service(tiny_model):
 
     settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
                                engine_max_ongoing_requests=2, engine_max_queued_requests=2,  # small, so 429 is reachable
-                               min_version_wait_s=MIN_VERSION_WAIT_S)
+                               min_version_wait_s=MIN_VERSION_WAIT_S, plugins=["tests.farm_plugins"])  # a user's sampler and reward
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()

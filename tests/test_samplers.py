@@ -1,4 +1,4 @@
-"""Sampler plug-ins: the policy statistics the trainer reports, and the KL-adaptive temperature sampler."""
+"""Sampler plug-ins against the real service: policy statistics, the five built-in samplers, composition, a user sampler by dotted path."""
 
 import statistics
 
@@ -24,6 +24,12 @@ def rollout(service, sampler_params, n=16):
     r = httpx.post(f"{service}/v1/rollouts", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return [s for g in r.json()["groups"] for s in g["samples"]]
+
+
+def post(service, body, status=200):
+    r = httpx.post(f"{service}/v1/rollouts", json=body, timeout=180)
+    assert r.status_code == status, r.text
+    return r.json()
 
 
 def test_the_temperature_follows_the_reported_kl(service):
@@ -112,3 +118,183 @@ def test_importance_resampling_generates_m_candidates_and_returns_n(service):
         assert len(g["samples"]) == 3
         for s in g["samples"]:  # no reward: every candidate weighs the same
             assert s["sampler_meta"] == {"sampler": "importance_resampling", "importance_weight": 1.0, "candidates": 8, "ess": 8.0}
+
+
+def test_importance_resampling_to_the_policy_ratio_reaches_the_raw_policy():
+    """Candidates from q, weights p/q from their log ratios: the delivered mean is p's, within a CI."""
+    import math
+    import random
+
+    from services.samplers import ImportanceParams, ImportanceResampling
+
+    q, p, m, n, groups = 0.5, 0.2, 64, 4, 3000  # Bernoulli "texts": reward 1 with prob q under the sampler, p under the policy
+    sampler, rng, draw = ImportanceResampling(ImportanceParams(candidates=m, target="policy_ratio")), random.Random(0), random.Random(1)
+    assert sampler.wants_log_ratio
+
+    def candidates():
+        out = fake_samples([float(draw.random() < q) for _ in range(m)])
+        return [s.model_copy(update={"sampler_meta": {"log_ratio": math.log(p / q) if s.reward else math.log((1 - p) / (1 - q))}}) for s in out]
+
+    delivered = [s for _ in range(groups) for s in sampler.select(candidates(), n, rng)]
+    mean = statistics.fmean(s.reward for s in delivered)
+    sem = statistics.pstdev(s.reward for s in delivered) / math.sqrt(groups)
+    assert abs(mean - p) < 4 * sem * math.sqrt(n) + 1 / m and abs(mean - q) > 0.2
+
+
+def test_policy_ratio_candidates_carry_their_log_ratio(service):
+    body = {"prompts": [{"text": "hi"}], "n": 4, "sampling_params": {"max_new_tokens": 8, "seed": 3},
+            "sampler": {"name": "importance_resampling", "params": {"candidates": 8, "target": "policy_ratio"}}}
+    same = post(service, body)["groups"][0]["samples"]  # temperature 1, no top-p: q is p, every weight is 1
+    assert all(abs(s["sampler_meta"]["log_ratio"]) < 1e-4 and s["sampler_meta"]["importance_weight"] == pytest.approx(1.0, rel=1e-3) for s in same)
+    body["sampling_params"]["temperature"] = 0.5
+    sharp = post(service, body)["groups"][0]["samples"]
+    assert all(abs(s["sampler_meta"]["log_ratio"]) > 1e-3 for s in sharp) and len({round(s["sampler_meta"]["ess"], 6) for s in sharp}) == 1
+
+
+def test_pattern_filter_returns_only_matches_and_counts_rejections(service):
+    pattern = r"(?s)[^0-9]*"  # no digit anywhere: a random tiny model passes now and then
+    body = {"prompts": [{"text": "hi"}, {"text": "ho"}], "n": 3, "sampling_params": {"max_new_tokens": 6, "seed": 1},
+            "sampler": {"name": "pattern_conditional", "params": {"pattern": pattern, "max_candidates": 24}}}
+    before = httpx.get(f"{service}/metrics").text
+    groups = post(service, body)["groups"]
+    import regex
+
+    for g in groups:
+        assert all(regex.fullmatch(pattern, s["text"]) for s in g["samples"]) and len(g["samples"]) <= 3
+        assert g["rejected"] == g["candidates"] - len(g["samples"]) if len(g["samples"]) < 3 else g["rejected"] <= g["candidates"] - 3
+        assert g["candidates"] % 3 == 0 and (len(g["samples"]) == 3 or g["candidates"] == 24)  # rounds of n until n match or the cap
+    assert sum(g["rejected"] for g in groups) > 0
+    rejected = lambda text: float(next((line.split()[-1] for line in text.splitlines()  # noqa: E731
+                                        if line.startswith('farm_sampler_rejected_total{sampler="pattern_conditional"}')), 0))
+    assert rejected(httpx.get(f"{service}/metrics").text) - rejected(before) == sum(g["rejected"] for g in groups)
+
+
+def test_constrained_pattern_masks_tokens_so_far_fewer_are_rejected(service):
+    import regex
+
+    pattern = r"[a-z ]{0,12}#### [0-9]{1,3}"
+    body = {"prompts": [{"text": "hi"}, {"text": "ho"}], "n": 4, "sampling_params": {"max_new_tokens": 24, "seed": 2},
+            "sampler": {"name": "pattern_conditional", "params": {"pattern": pattern, "mode": "constrained", "max_candidates": 8}}}
+    constrained = post(service, body)["groups"]
+    body["sampler"]["params"]["mode"] = "filter"
+    filtered = post(service, body)["groups"]
+    samples = [s for g in constrained for s in g["samples"]]
+    assert len(samples) >= 6 and all(regex.fullmatch(pattern, s["text"]) for s in samples)
+    assert sum(g["rejected"] for g in constrained) < sum(g["rejected"] for g in filtered)
+    assert sum(len(g["samples"]) for g in filtered) < len(samples)  # a random model almost never writes that by itself
+
+
+def test_an_invalid_pattern_is_a_422(service):
+    body = {"prompts": [{"text": "hi"}], "sampler": {"name": "pattern_conditional", "params": {"pattern": "(unclosed"}}}
+    detail = post(service, body, 422)["detail"][0]
+    assert detail["field"] == "sampler.params.pattern" and "not a valid regular expression" in detail["message"]
+    body = {"prompts": [{"text": "hi"}], "sampling_params": {"regex": "[z-a]"}}
+    assert post(service, body, 422)["detail"][0]["field"] == "sampling_params.regex"
+
+
+def tie_and_spread(k):
+    """k prompts whose groups are zero-variance on float rewards (0.1 + 0.2 vs 0.3), interleaved with k informative ones."""
+    return [{"text": f"p{i}", "ground_truth": "tie" if i % 2 == 0 else None} for i in range(2 * k)]
+
+
+def test_group_filter_drops_zero_variance_groups_by_std_not_by_exact_floats(service):
+    body = {"prompts": tie_and_spread(5), "n": 4, "reward": "test_float_ties", "sampling_params": {"max_new_tokens": 8, "seed": 4},
+            "sampler": {"name": "dynamic_group_filter"}}
+    plain = post(service, {**body, "sampler": {"name": "plain"}})["groups"]
+    assert any(len({s["reward"] for s in g["samples"]}) > 1 for g in plain[::2])  # unequal floats that are equal rewards
+    out = post(service, body)
+    kept, report = out["groups"], out["filter"]
+    assert [g["prompt_index"] for g in kept] == [1, 3, 5, 7, 9]
+    assert all(g["reward_std"] > 1e-6 for g in kept)
+    assert report["zero_variance_groups"] == 5 and report["generated_groups"] == 10 and report["zero_variance_fraction"] == 0.5
+    assert report["kept_tokens"] == sum(len(s["token_ids"]) for g in kept for s in g["samples"]) < report["generated_tokens"]
+    assert report["waste_fraction"] == pytest.approx(1 - report["kept_tokens"] / report["generated_tokens"])
+
+
+def test_group_filter_stops_at_the_target_and_its_abort_frees_engine_work(service):
+    """Over-sample 40 prompts for 2 informative groups: once 2 are kept, the running calls are cancelled and the rest never start."""
+    import time
+
+    prompts, n, t = 40, 4, 48
+    body = {"prompts": [{"text": f"q{i}"} for i in range(prompts)], "n": n, "reward": "test_float_ties",
+            "sampling_params": {"max_new_tokens": t, "ignore_eos": True, "seed": 6},
+            "sampler": {"name": "dynamic_group_filter", "params": {"target_groups": 2, "prompts_per_call": 1}}}
+    tokens = lambda: sum(s["generated_tokens"] for s in httpx.get(f"{service}/readyz").json()["replicas"])  # noqa: E731
+    before = tokens()
+    out = post(service, body)
+    time.sleep(1.0)  # cancelled calls stop at their next token
+    spent = tokens() - before
+    report = out["filter"]
+    assert len(out["groups"]) == 2 and report["kept_groups"] == 2 and report["target_reached"]
+    assert report["generated_groups"] + report["cancelled_groups"] < prompts
+    without_abort = prompts * n * t  # every prompt generated to the end: ignore_eos makes each sample exactly t tokens
+    assert spent <= (report["generated_groups"] + report["cancelled_groups"]) * n * t and spent < without_abort / 4
+    time.sleep(0.5)
+    assert tokens() - before == spent and not any(s["busy"] for s in httpx.get(f"{service}/readyz").json()["replicas"])
+    assert 'farm_filter_groups_total{outcome="kept"}' in httpx.get(f"{service}/metrics").text
+
+
+def test_group_filter_params_are_checked_against_the_request(service):
+    body = {"prompts": [{"text": "a"}, {"text": "b"}], "sampler": {"name": "dynamic_group_filter", "params": {"target_groups": 3}}}
+    detail = post(service, body, 422)["detail"][0]
+    assert detail["field"] == "sampler.params.target_groups" and "send more prompts" in detail["message"]
+    body["sampler"]["params"] = {"inner": {"name": "pattern_conditional", "params": {"mode": "fast"}}}
+    assert post(service, body, 422)["detail"][0]["field"] == "sampler.params.inner.params.mode"
+    body["sampler"]["params"] = {"inner": {"name": "dynamic_group_filter"}}
+    assert post(service, body, 422)["detail"][0]["field"] == "sampler.params.inner"
+
+
+def test_pattern_filter_inside_the_group_filter(service):
+    """Composition: each group is drawn by pattern_conditional, then the group filter drops zero-variance ones."""
+    import regex
+
+    body = {"prompts": tie_and_spread(3), "n": 2, "reward": "test_float_ties", "sampling_params": {"max_new_tokens": 6, "seed": 8},
+            "sampler": {"name": "dynamic_group_filter", "params": {"inner": {"name": "pattern_conditional",
+                                                                             "params": {"pattern": r"(?s)[^0-9]*", "max_candidates": 16}}}}}
+    out = post(service, body)
+    for g in out["groups"]:
+        assert g["reward_std"] > 1e-6 and g["prompt_index"] % 2 == 1
+        assert all(regex.fullmatch(r"(?s)[^0-9]*", s["text"]) for s in g["samples"])
+        assert g["samples"][0]["sampler_meta"] == {"sampler": "pattern_conditional", "mode": "filter", "filter": "dynamic_group_filter"}
+    assert out["filter"]["zero_variance_groups"] >= 3
+
+
+def test_a_user_sampler_by_dotted_path_works_end_to_end(service, client):
+    body = {"prompts": [{"text": "hi"}], "n": 3, "sampling_params": {"max_new_tokens": 12, "seed": 9},
+            "sampler": {"name": "tests.farm_plugins:LongestOfTwo"}}
+    group = post(service, body)["groups"][0]
+    assert group["candidates"] == 6 and len(group["samples"]) == 3
+    assert all(s["sampler_meta"]["picked_by"] == "LongestOfTwo" for s in group["samples"])
+    req = P.RolloutRequest.model_validate(body)
+    assert len(client.rollouts(req).groups[0].samples) == 3  # and through the client
+    for name in ("os.path:join", "tests.farm_plugins:float_ties", "tests.conftest:TOKEN"):  # not listed in FARM_PLUGINS, or not a Sampler
+        detail = post(service, {**body, "sampler": {"name": name}}, 422)["detail"][0]
+        assert detail["field"] == "sampler.name" and ("FARM_PLUGINS" in detail["message"] or "not a Sampler subclass" in detail["message"])
+
+
+def test_a_queue_source_with_the_group_filter_delivers_only_informative_groups(service):
+    import time
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    spec = {"name": "filtered", "prompts": tie_and_spread(3), "n": 4, "reward": "test_float_ties", "target_groups": 8,
+            "sampling_params": {"max_new_tokens": 8}, "sampler": {"name": "dynamic_group_filter"}}
+    bad = httpx.post(f"{service}/v1/queue/sources", json={**spec, "sampler": {"name": "dynamic_group_filter", "params": {"target_groups": 2}}}, headers=auth)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "sampler.params.target_groups"
+    assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=auth).status_code == 200
+    try:
+        deadline = time.monotonic() + 60
+        while (state := next(s for s in httpx.get(f"{service}/v1/queue/sources").json() if s["name"] == "filtered"))["pending_prompts"] or state["generating"]:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        items = httpx.post(f"{service}/v1/queue/pull", json={"source": "filtered", "max_groups": 8}, headers=auth).json()["items"]
+        assert sorted(i["prompt"]["text"] for i in items) == ["p1", "p3", "p5"]  # the tied prompts' groups were dropped
+        assert all(i["group"]["reward_std"] > 1e-6 for i in items)
+    finally:
+        httpx.delete(f"{service}/v1/queue/sources/filtered", headers=auth)
+
+
+def test_the_client_returns_the_filter_report(client):
+    req = P.RolloutRequest(prompts=[P.Prompt(**p) for p in tie_and_spread(2)], n=4, reward="test_float_ties",
+                           sampling_params=P.SamplingParams(max_new_tokens=8, seed=11), sampler=P.SamplerSpec(name="dynamic_group_filter"))
+    out = client.rollouts(req)
+    assert [g.prompt_index for g in out.groups] == [1, 3] and out.filter.zero_variance_groups == 2 and out.filter.target_reached is False

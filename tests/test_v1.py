@@ -112,7 +112,7 @@ def test_stream_sends_each_group_once_then_an_end_line_and_matches_the_plain_ans
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     events, end = lines[:-1], lines[-1]
-    assert (end["done"], end["groups"], end["error"]) == (True, 2, None) and set(end) <= {"done", "groups", "error", "status"}
+    assert (end["done"], end["groups"], end["error"]) == (True, 2, None) and set(end) <= {"done", "groups", "error", "status", "filter"}
     assert sorted(e["index"] for e in events) == list(range(2))
     for e in events:
         assert set(e) == {"index", "group"}

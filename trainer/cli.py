@@ -94,7 +94,8 @@ def _service_parsers(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--seed", type=int)
     r.add_argument("--reward")
-    r.add_argument("--sampler", default="plain", help="a registered sampler (GET /v1/samplers)")
+    r.add_argument("--sampler", default="plain", help="a registered sampler (GET /v1/samplers), or pkg.module:Class from FARM_PLUGINS")
+    r.add_argument("--sampler-params", default="{}", help='the sampler\'s params as JSON, e.g. \'{"target_groups": 4}\'')
     r.add_argument("--min-weight-version", type=int, default=0, help="wait for replicas serving this version")
     r.add_argument("--request-id", help="idempotency key, also for `farm cancel`")
     r.add_argument("--stream", action="store_true", help="print one JSON line per group as it finishes")
@@ -155,9 +156,13 @@ def _rollout(client, a):
     truths = a.ground_truth or [None] * len(a.prompt)
     if len(truths) != len(a.prompt):
         return f"give one --ground-truth per --prompt ({len(a.prompt)}), or none"
+    try:
+        sampler_params = json.loads(a.sampler_params)
+    except json.JSONDecodeError as e:
+        return f"--sampler-params is not JSON: {e}"
     params = P.SamplingParams(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens, seed=a.seed)
     req = P.RolloutRequest(prompts=[P.Prompt(text=p, ground_truth=t) for p, t in zip(a.prompt, truths)], n=a.n, sampling_params=params,
-                           sampler=P.SamplerSpec(name=a.sampler), reward=a.reward, min_weight_version=a.min_weight_version, request_id=a.request_id)
+                           sampler=P.SamplerSpec(name=a.sampler, params=sampler_params), reward=a.reward, min_weight_version=a.min_weight_version, request_id=a.request_id)
     if not a.stream:
         return client.rollouts(req)
     for event in client.rollouts_stream(req):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -44,6 +45,9 @@ class TrainConfig:
     n: int = 8  # actor_rollout_ref.rollout.n: samples per prompt
     temperature: float = 1.0  # actor_rollout_ref.rollout.temperature
     top_p: float = 1.0  # actor_rollout_ref.rollout.top_p
+    sampler: str = "plain"  # the service's sampler (GET /v1/samplers); kl_adaptive_temperature reads the KL this trainer reports
+    sampler_params: str = "{}"  # the sampler's params, as JSON
+    oversample: float = 1.0  # prompts sent per step / train_batch_size (dynamic_group_filter keeps train_batch_size informative groups)
     max_new_tokens: int | None = None  # data.max_response_length; None: the task's default
     lr: float = 5e-5  # actor_rollout_ref.actor.optim.lr
     weight_decay: float = 0.0  # actor_rollout_ref.actor.optim.weight_decay
@@ -76,6 +80,7 @@ class Trainer:
         self.version = self.client.weights_version().version
         if self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
             self.push()
+        self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.out = Path(cfg.out) if cfg.out else None
         if self.out:
@@ -89,10 +94,14 @@ class Trainer:
         for step in bar:
             start = time.perf_counter()
             batch = self.pull()
+            if batch is None:  # every group was filtered out: nothing to learn from this step
+                log.warning(json.dumps({"event": "empty_batch", "step": step}))
+                continue
             advantages = algos.grpo_advantages(batch.rewards, batch.response_mask, batch.group_ids)
             metrics = self.update(batch, advantages)
             self.push()
-            metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version)
+            metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version, generated_tokens=self.generated_tokens)
+            self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=batch.rewards.var(unbiased=False).item(), step=step))
             self.record(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.4f}")
         if self.cfg.eval_size:
@@ -109,12 +118,20 @@ class Trainer:
         return p.prompt
 
     def pull(self) -> Batch:
-        problems = self.task.train_batch(self.rng, self.cfg.train_batch_size)
+        problems = self.task.train_batch(self.rng, math.ceil(self.cfg.train_batch_size * self.cfg.oversample))
         params = P.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.rng.getrandbits(31),
                                   max_new_tokens=self.cfg.max_new_tokens or self.task.max_new_tokens)
+        sampler = P.SamplerSpec(name=self.cfg.sampler, params=json.loads(self.cfg.sampler_params))
+        if sampler.name == "dynamic_group_filter" and len(problems) > self.cfg.train_batch_size:
+            sampler.params.setdefault("target_groups", self.cfg.train_batch_size)
         req = P.RolloutRequest(prompts=[P.Prompt(text=self.render(p), ground_truth=p.answer) for p in problems], n=self.cfg.n,
-                               sampling_params=params, reward=self.task.reward)
-        batch = make_batch(self.client.rollouts(req).groups, self.pad_id)
+                               sampling_params=params, sampler=sampler, reward=self.task.reward)
+        out = self.client.rollouts(req)
+        self.generated_tokens += out.filter.generated_tokens if out.filter else sum(len(s.token_ids) for g in out.groups for s in g.samples)
+        groups = [g for g in out.groups if g.samples]
+        if not groups:
+            return None
+        batch = make_batch(groups, self.pad_id)
         stale = [v for v in batch.weight_versions if v != self.version]
         if stale:
             raise RuntimeError(f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {self.version}")

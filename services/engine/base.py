@@ -35,6 +35,7 @@ class EngineOutput:
     finish_reason: FinishReason
     weight_version: int  # the version of the first token (the oldest one)
     token_versions: list[int] = field(default_factory=list)  # one per token; differ only under the "partial" policy
+    sampling_logprobs: list[float] | None = None  # per token, under the distribution sampled from (temperature, top-k/p); None: unknown
 
 
 InFlightPolicy = Literal["finish", "abort", "partial"]

@@ -127,6 +127,8 @@ class SGLangEngine(Engine):
             rids = [uuid.uuid4().hex for _ in prompts]
             sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "max_new_tokens": params.max_new_tokens,
                         "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos, "sampling_seed": params.seed}
+            if params.regex is not None:  # SGLang's grammar backend (xgrammar/outlines) constrains the whole output
+                sampling["regex"] = params.regex
             done = self._loop.submit(self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids))
             while True:
                 try:

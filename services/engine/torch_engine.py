@@ -2,7 +2,10 @@
 
 Logprobs are those of the raw model: log_softmax of the logits at temperature 1,
 before top-k/top-p. That is pi_old(token | prefix), the quantity the PPO ratio
-needs, and what the trainer recomputes with a plain forward pass.
+needs, and what the trainer recomputes with a plain forward pass. The logprobs of
+the distribution actually sampled (after temperature, top-k, top-p) come too, as
+`sampling_logprobs`, for importance weights. A `regex` in the sampling params
+constrains the text token by token (RegexMask).
 """
 
 from __future__ import annotations
@@ -31,10 +34,8 @@ def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-    """logits (B, V) float -> token ids (B,), with temperature, top-k and top-p."""
-    if p.temperature == 0:
-        return logits.argmax(-1)
+def processed_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits (B, V) after temperature, top-k and top-p (dropped tokens at -inf); temperature > 0."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
@@ -45,7 +46,46 @@ def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator)
         drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
+    return logits
+
+
+class RegexMask:
+    """Token-level regex constraint for the torch engine: a token may follow only if the text so far, with it,
+    can still be extended to a full match (the `regex` package's partial matching); a stop token only on a full match.
+
+    Sampling stays exact: the candidates are ranked by Gumbel-max keys over the temperature/top-k/top-p distribution,
+    and the first allowed one is a draw from that distribution restricted to the allowed tokens. When no token of the
+    nucleus is allowed, the rest are tried by raw logit, up to `limit` checks; past that the sample ends ("length").
+    """
+
+    def __init__(self, pattern: str, tokenizer, stop_ids: set[int], limit: int = 4096):
+        import regex
+
+        self.pattern, self.tok, self.stop_ids, self.limit = regex.compile(pattern), tokenizer, stop_ids, limit
+
+    def allowed(self, ids: list[int], token: int) -> bool:
+        if token in self.stop_ids:
+            return self.pattern.fullmatch(self.tok.decode(ids, skip_special_tokens=True)) is not None
+        return self.pattern.fullmatch(self.tok.decode(ids + [token], skip_special_tokens=True), partial=True) is not None
+
+    def pick(self, ids: list[int], raw: torch.Tensor, proc: torch.Tensor | None, gen: torch.Generator) -> int | None:
+        """The next token for one row (its (V,) raw logits, and processed ones unless greedy), or None at a dead end."""
+        def ranked():
+            if proc is not None:
+                keys = proc - torch.log(-torch.log(torch.rand(proc.shape, generator=gen, device=proc.device).clamp_min(1e-20)))
+                yield from keys.argsort(descending=True)[: int(torch.isfinite(proc).sum())].tolist()
+            yield from raw.argsort(descending=True)[: self.limit].tolist()  # only reached when the nucleus has no allowed token
+
+        tried = set()
+        for token in ranked():
+            if token in tried:
+                continue
+            tried.add(token)
+            if self.allowed(ids, token):
+                return token
+            if len(tried) >= self.limit:
+                break
+        return None
 
 
 class TorchEngine(Engine):
@@ -159,7 +199,10 @@ class TorchEngine(Engine):
         stop = torch.tensor(sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)), dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), p.max_new_tokens, dtype=torch.long)
-        toks, lps, versions, past, epoch, aborted = [], [], [], None, self._abort_epoch, False
+        toks, lps, slps, versions, past, epoch, aborted = [], [], [], [], None, self._abort_epoch, False
+        rx = RegexMask(p.regex, self.tokenizer, set(stop.tolist())) if p.regex else None
+        texts: list[list[int]] = [[] for _ in range(B)]  # constrained rows' tokens so far
+        dead = torch.zeros(B, dtype=torch.bool, device=dev)  # constrained rows with no allowed token
         step_ids, step_pos = ids, pos
         for t in range(p.max_new_tokens):
             if self._commit == "partial":
@@ -170,10 +213,21 @@ class TorchEngine(Engine):
                 break
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1, :].float()
-            tok = sample_tokens(logits, p, gen)
+            proc = None if p.temperature == 0 else processed_logits(logits, p)
+            if rx is None:
+                tok = logits.argmax(-1) if proc is None else torch.multinomial(torch.softmax(proc, -1), 1, generator=gen).squeeze(-1)
+            else:
+                picks = [None if done[i] else rx.pick(texts[i], logits[i], None if proc is None else proc[i], gen) for i in range(B)]
+                for i, pick in enumerate(picks):
+                    if pick is None and not done[i]:  # a dead end: the row ends before this token
+                        dead[i], done[i], lengths[i] = True, True, t
+                    elif pick is not None:
+                        texts[i].append(pick)
+                tok = torch.tensor([self.pad_id if x is None else x for x in picks], dtype=torch.long, device=dev)
             toks.append(tok)
             versions.append(self.weight_version)
             lps.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+            slps.append(torch.zeros_like(lps[-1]) if proc is None else torch.log_softmax(proc, -1).gather(-1, tok[:, None]).squeeze(-1))
             finished = ~done & torch.isin(tok, stop)
             lengths[finished.cpu()] = t + 1
             done |= finished
@@ -183,11 +237,12 @@ class TorchEngine(Engine):
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
         tok_mat = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]
         lp_mat = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
+        slp_mat = torch.stack(slps, 1).tolist() if slps else [[] for _ in range(B)]
         outs = []
         for i in range(B):
             n = int(lengths[i])
-            reason = "stop" if bool(done[i]) else ("abort" if aborted else "length")
-            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, versions[0] if n else self.weight_version, versions[:n]))
+            reason = "stop" if bool(done[i]) and not bool(dead[i]) else ("abort" if aborted and not bool(dead[i]) else "length")
+            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, versions[0] if n else self.weight_version, versions[:n], slp_mat[i][:n]))
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
 
