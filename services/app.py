@@ -174,7 +174,8 @@ class EngineServer:
             scores = [s.reward for s in kept]
             std = statistics.pstdev(scores) if scores else 0.0
             groups.append(P.Group(prompt_token_ids=ids[i], samples=kept, reward_mean=statistics.fmean(scores) if scores else 0.0, reward_std=std,
-                                  zero_variance=std < 1e-6, candidates=len(samples) if m != n else None, rejected=sampler.rejected(samples)))
+                                  zero_variance=std < 1e-6, candidates=len(samples) if m != n else None, rejected=sampler.rejected(samples),
+                                  generated_tokens=sum(len(s.token_ids) for s in samples)))
         return groups
 
     async def _generate_rerun(self, flat: list[list[int]], params: P.SamplingParams) -> list:
@@ -709,8 +710,8 @@ class Ingress:
     @staticmethod
     def _filter_report(target: int, finished: list[tuple[str, P.Group]], cancelled: int) -> P.FilterReport:
         count = Counter(outcome for outcome, _ in finished)
-        tokens = lambda outcomes: sum(len(s.token_ids) for o, g in finished if o in outcomes for s in g.samples)  # noqa: E731
-        generated, kept_tokens = tokens({"kept", "zero_variance", "surplus"}), tokens({"kept"})
+        generated = sum(g.generated_tokens or 0 for _, g in finished)  # every candidate of every finished group
+        kept_tokens = sum(len(s.token_ids) for o, g in finished if o == "kept" for s in g.samples)
         for outcome in ("kept", "zero_variance", "surplus"):
             metrics.FILTER_GROUPS.labels(outcome).inc(count[outcome])
         metrics.FILTER_GROUPS.labels("cancelled").inc(cancelled)

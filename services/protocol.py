@@ -125,6 +125,7 @@ class Group(BaseModel):
     prompt_index: int | None = Field(None, description="The prompt's index in the request (a filtering sampler returns only some).")
     candidates: int | None = Field(None, description="Samples generated for this group, when the sampler may generate more than n.")
     rejected: int | None = Field(None, description="Candidates the sampler rejected (pattern_conditional: those not matching).")
+    generated_tokens: int | None = Field(None, description="Tokens of every candidate generated for this group (returned or not).")
 
 
 class FilterReport(BaseModel):
@@ -138,7 +139,7 @@ class FilterReport(BaseModel):
     zero_variance_fraction: float = Field(..., description="zero_variance_groups / generated_groups.")
     surplus_groups: int = Field(..., description="Informative groups that finished after the target was reached (dropped).")
     cancelled_groups: int = Field(..., description="Groups still generating when the target was reached: their engine work was aborted.")
-    generated_tokens: int = Field(..., description="Tokens in every finished group (cancelled work not included).")
+    generated_tokens: int = Field(..., description="Tokens of every candidate of every finished group (cancelled work not included).")
     kept_tokens: int
     waste_fraction: float = Field(..., description="1 - kept_tokens / generated_tokens: the over-sampling waste.")
 

@@ -115,7 +115,7 @@ def test_importance_resampling_generates_m_candidates_and_returns_n(service):
     after = sum(s["generated_tokens"] for s in httpx.get(f"{service}/readyz").json()["replicas"])
     assert after - before == 2 * 8 * 8  # 8 candidates of 8 tokens per prompt were generated
     for g in r.json()["groups"]:
-        assert len(g["samples"]) == 3
+        assert len(g["samples"]) == 3 and g["generated_tokens"] == 8 * 8 and g["candidates"] == 8
         for s in g["samples"]:  # no reward: every candidate weighs the same
             assert s["sampler_meta"] == {"sampler": "importance_resampling", "importance_weight": 1.0, "candidates": 8, "ess": 8.0}
 
