@@ -69,15 +69,19 @@ def budget_run(url: str, name: str, budget: int) -> dict:
 
 
 def train(url: str, name: str, seed: int, steps: int, eval_size: int, out: Path) -> dict:
-    from trainer.loop import Trainer, TrainConfig
+    from trainer.config import load
+    from trainer.loop import Trainer
 
     spec, over = CONFIGS[name]
-    cfg = TrainConfig(service_url=url, token=TOKEN, model="arith-tiny", steps=steps, eval_size=eval_size, seed=seed, sampler=spec["name"],
-                      sampler_params=json.dumps(spec.get("params", {})), oversample=over, out=str(out / f"{name}-seed{seed}"))
+    folder = out / f"{name}-seed{seed}"
+    cfg = load(None, [f"trainer.service_url={url}", "actor_rollout_ref.model.path=arith-tiny", f"trainer.total_training_steps={steps}",
+                      f"trainer.eval_size={eval_size}", f"trainer.seed={seed}", f"actor_rollout_ref.rollout.sampler={spec['name']}",
+                      f"actor_rollout_ref.rollout.sampler_params={json.dumps(spec.get('params', {}))}", f"data.oversample={over}",
+                      f"trainer.default_local_dir={folder}", "trainer.resume_mode=disable"])
     t = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, TOKEN)
     summary = trainer.run()
-    steps_log = [json.loads(line) for line in (out / f"{name}-seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+    steps_log = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return {"sampler": name, "seed": seed, "before": summary["before"]["accuracy"], "after": summary["after"]["accuracy"],
             "reward_std": statistics.fmean(m["reward_std"] for m in steps_log), "reward_mean": statistics.fmean(m["reward_mean"] for m in steps_log),
             "generated_tokens": trainer.generated_tokens, "seconds": time.perf_counter() - t}

@@ -50,3 +50,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.float()
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)

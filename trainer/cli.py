@@ -16,13 +16,30 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _train_parser(sub) -> None:
-    from trainer.loop import TrainConfig
+TRAIN_FLAGS = {  # short flags for the most used keys (verl names: dotted overrides)
+    "service_url": ("trainer.service_url", str), "model": ("actor_rollout_ref.model.path", str), "task": ("trainer.task", str),
+    "steps": ("trainer.total_training_steps", int), "train_batch_size": ("data.train_batch_size", int), "n": ("actor_rollout_ref.rollout.n", int),
+    "ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size", int), "lr": ("actor_rollout_ref.actor.optim.lr", float),
+    "entropy_coeff": ("actor_rollout_ref.actor.entropy_coeff", float), "eval_size": ("trainer.eval_size", int), "seed": ("trainer.seed", int),
+    "out": ("trainer.default_local_dir", str), "adv_estimator": ("algorithm.adv_estimator", str), "sampler": ("actor_rollout_ref.rollout.sampler", str),
+}
 
-    p = sub.add_parser("train", help="run the trainer against a running service")
-    for f in dataclasses.fields(TrainConfig):
-        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"default: {f.default!r}")
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="run the trainer against a running service",
+                       description="Config: --config FILE (YAML with verl's keys; trainer/presets/design.yaml is the design's list), then "
+                                   "dotted overrides such as actor_rollout_ref.rollout.n=16, then the short flags below. Token: FARM_API_TOKEN.")
+    p.add_argument("--config", help="YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. algorithm.adv_estimator=rloo")
+    for name, (key, kind) in TRAIN_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=key)
+
+
+def train_config(args):
+    from trainer.config import load
+
+    flags = [f"{key}={json.dumps(getattr(args, name))}" for name, (key, _) in TRAIN_FLAGS.items() if getattr(args, name) is not None]
+    return load(args.config, [*args.overrides, *flags])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,11 +74,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"invalid service settings; set the FARM_<FIELD> environment variables named below:\n{e}")
         run_forever(settings)
     elif args.cmd == "train":
-        from trainer.loop import TrainConfig, Trainer
+        from trainer.config import ConfigError
+        from trainer.loop import Trainer
 
-        given = {k: v for k, v in vars(args).items() if k != "cmd" and v is not None}
-        given.setdefault("token", os.environ.get("FARM_API_TOKEN", ""))
-        Trainer(TrainConfig(**given)).run()
+        try:
+            cfg = train_config(args)
+        except ConfigError as e:
+            sys.exit(str(e))
+        Trainer(cfg, os.environ.get("FARM_API_TOKEN", "")).run()
     elif args.cmd == "demo":
         from trainer.demo import run_demo
 

@@ -48,7 +48,8 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
             print(f"starting the rollout service on {url} (log: {out_dir / 'service.log'})", flush=True)
             with FarmClient(url) as client:
                 client.wait_ready(timeout_s=300)
-            train = farm + ["train", "--service-url", url, "--model", str(path), "--steps", str(steps), "--eval-size", str(eval_size), "--out", str(out_dir)]
+            train = farm + ["train", "--service-url", url, "--model", str(path), "--steps", str(steps), "--eval-size", str(eval_size), "--out", str(out_dir),
+                             "trainer.resume_mode=disable"]  # a demo starts from the model, not from the last run
             subprocess.run(train, env=env, check=True)
         finally:
             service.send_signal(signal.SIGTERM)

@@ -1,7 +1,15 @@
-"""The RL loop. One step: pull rollouts -> advantages -> PPO update -> push weights -> log.
+"""The RL loop. One step: pull rollouts -> (KL penalty) -> advantages -> PPO (and critic) update -> push weights
+-> guards -> checkpoint -> log.
 
-The trainer owns a copy of the policy and a frozen reference; the service owns generation.
-They meet only over HTTP: trajectories come back as JSON, weights go out as safetensors.
+The trainer owns the policy, a frozen reference, and a critic when the estimator needs values; the service
+owns generation. They meet only over HTTP: trajectories come back as JSON, weights go out as safetensors.
+
+Old logprobs (`actor_rollout_ref.actor.old_logprobs`):
+  rollout    the logprobs the service reported: raw-model logprobs of the very weights the trainer holds
+             (every sample's weight_version is checked), so no forward pass is needed. The default.
+  recompute  a forward pass of the trainer's policy before the update. When samples were drawn off-policy
+             (a lagging weight version, importance resampling), the policy-gradient term of each token is
+             weighted by the truncated importance ratio min(exp(old - rollout), rollout_is_threshold).
 """
 
 from __future__ import annotations
@@ -12,104 +20,125 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from verl.trainer.ppo import core_algos
 
 from services import protocol as P
 from services.client import FarmClient
 from services.engine.torch_engine import canonical_state_dict
 from services.models import resolve_model
 from services.tasks import TASKS, Problem
-from trainer import algos
+from trainer import algos, checkpoint
+from trainer.config import Config
+from trainer.estimators import ESTIMATORS, AdvInput
 from trainer.evaluate import evaluate
-from trainer.policy import Batch, make_batch, response_logprobs
+from trainer.guards import STEP_GAUGES, Guard
+from trainer.policy import Batch, make_batch, response_logprobs, response_values
 
 log = logging.getLogger("farm.trainer")
 
 
-@dataclass
-class TrainConfig:
-    """Trainer settings; the comment after each names the verl key it mirrors."""
-
-    service_url: str = "http://127.0.0.1:8000"
-    token: str = field(default="", repr=False)  # bearer token for weight pushes
-    model: str = "arith-tiny"  # actor_rollout_ref.model.path; must be what the service serves
-    task: str = "arith"  # prompt source in services.tasks
-    steps: int = 40  # trainer.total_training_steps
-    train_batch_size: int = 32  # data.train_batch_size: prompts per step
-    n: int = 8  # actor_rollout_ref.rollout.n: samples per prompt
-    temperature: float = 1.0  # actor_rollout_ref.rollout.temperature
-    top_p: float = 1.0  # actor_rollout_ref.rollout.top_p
-    sampler: str = "plain"  # the service's sampler (GET /v1/samplers); kl_adaptive_temperature reads the KL this trainer reports
-    sampler_params: str = "{}"  # the sampler's params, as JSON
-    oversample: float = 1.0  # prompts sent per step / train_batch_size (dynamic_group_filter keeps train_batch_size informative groups)
-    max_new_tokens: int | None = None  # data.max_response_length; None: the task's default
-    lr: float = 5e-5  # actor_rollout_ref.actor.optim.lr
-    weight_decay: float = 0.0  # actor_rollout_ref.actor.optim.weight_decay
-    ppo_epochs: int = 1  # actor_rollout_ref.actor.ppo_epochs
-    ppo_mini_batch_size: int = 32  # actor_rollout_ref.actor.ppo_mini_batch_size, in prompts
-    clip_ratio: float = 0.2  # actor_rollout_ref.actor.clip_ratio
-    clip_ratio_c: float = 3.0  # actor_rollout_ref.actor.clip_ratio_c (dual-clip bound for negative advantages)
-    loss_agg_mode: str = "token-mean"  # actor_rollout_ref.actor.loss_agg_mode
-    entropy_coeff: float = 0.0  # actor_rollout_ref.actor.entropy_coeff
-    kl_loss_coef: float = 0.0  # actor_rollout_ref.actor.kl_loss_coef (KL to the reference in the loss)
-    kl_loss_type: str = "low_var_kl"  # actor_rollout_ref.actor.kl_loss_type
-    grad_clip: float = 1.0  # actor_rollout_ref.actor.grad_clip
-    eval_size: int = 0  # held-out problems scored greedily before and after training; 0 skips
-    seed: int = 0  # trainer seed (prompt order and sampling seeds)
-    out: str | None = None  # folder for metrics.jsonl and summary.json
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-        torch.manual_seed(cfg.seed)
-        self.rng = random.Random(cfg.seed)
-        path = resolve_model(cfg.model)
+    def __init__(self, cfg: Config, token: str = ""):
+        self.cfg, t = cfg, cfg.trainer
+        torch.manual_seed(t.seed)
+        self.rng = random.Random(t.seed)
+        path = resolve_model(cfg.actor_rollout_ref.model.path)
+        actor = cfg.actor_rollout_ref.actor
         self.tok = AutoTokenizer.from_pretrained(path)
         self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.task = TASKS.get(cfg.task)()
-        self.client = FarmClient(cfg.service_url, cfg.token)
-        self.version = self.client.weights_version().version
-        if self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
-            self.push()
-        self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
+        self.opt = {"actor": torch.optim.AdamW(self.policy.parameters(), lr=actor.optim.lr, weight_decay=actor.optim.weight_decay)}
+        self.critic = None
+        if cfg.critic_enabled:
+            self.critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+            self.opt["critic"] = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.optim.lr, weight_decay=cfg.critic.optim.weight_decay)
+        self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+        self.mini_batch_size = actor.ppo_mini_batch_size
+        self.guard = Guard(cfg.guards)
+        if t.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(t.metrics_port)
+        self.task = TASKS.get(t.task)()
+        self.client = FarmClient(t.service_url, token)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.out = Path(cfg.out) if cfg.out else None
+        self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
+        self.out = Path(t.default_local_dir) if t.default_local_dir else None
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
+        self.step = 0
+        self.version = self.client.weights_version().version
+        resumed = checkpoint.latest(self.out) if self.out and t.resume_mode == "auto" else None
+        if resumed:
+            self.restore(resumed)
+            log.info(json.dumps({"event": "resumed", "checkpoint": str(resumed), "step": self.step}))
+        if resumed or self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
+            self.push()
+        if self.out and not resumed:
+            (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            self.save()  # step 0: what a rollback before the first periodic checkpoint returns to
 
+    # the loop ------------------------------------------------------------------
     def run(self) -> dict:
-        summary: dict = {"config": {k: v for k, v in asdict(self.cfg).items() if k != "token"}}
-        if self.cfg.eval_size:
+        t = self.cfg.trainer
+        summary: dict = {"config": self.cfg.model_dump()}
+        if t.eval_size and self.step == 0:
             summary["before"] = self.evaluate()
-        bar = tqdm(range(1, self.cfg.steps + 1), desc="training", unit="step", file=sys.stderr)
+        bar = tqdm(range(self.step + 1, t.total_training_steps + 1), desc="training", unit="step", file=sys.stderr,
+                   initial=self.step, total=t.total_training_steps)
         for step in bar:
             start = time.perf_counter()
             batch = self.pull()
             if batch is None:  # every group was filtered out: nothing to learn from this step
                 log.warning(json.dumps({"event": "empty_batch", "step": step}))
                 continue
-            advantages = algos.grpo_advantages(batch.rewards, batch.response_mask, batch.group_ids)
-            metrics = self.update(batch, advantages)
+            metrics = self.train_step(batch)
             self.push()
-            metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version, generated_tokens=self.generated_tokens)
-            self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=batch.rewards.var(unbiased=False).item(), step=step))
+            self.step = step
+            metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version,
+                           generated_tokens=self.generated_tokens, kl_coef=self.kl_ctrl.value, ppo_mini_batch_size=self.mini_batch_size)
+            reward_var = batch.rewards.var(unbiased=False).item()
+            self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=step))
+            actions, flags = self.guard.check(metrics["kl_ref"], reward_var, self.mini_batch_size)
+            metrics.update(flags, guard_actions=actions)
             self.record(metrics)
+            for key, gauge in STEP_GAUGES.items():
+                gauge.set(metrics.get(key, 0.0))
+            for action in actions:
+                self.act(action)
+            if self.out and "rollback" not in actions and (t.save_freq > 0 and step % t.save_freq == 0 or step == t.total_training_steps):
+                self.save()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.4f}")
-        if self.cfg.eval_size:
+        if t.eval_size:
             summary["after"] = self.evaluate()
         summary["final_weight_version"] = self.version
         if self.out:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def act(self, action: str) -> None:
+        """Carry out a guard action, and log it."""
+        if action == "raise_mini_batch":
+            was, self.mini_batch_size = self.mini_batch_size, self.cfg.guards.raised_mini_batch_size
+            log.warning(json.dumps({"event": "guard_action", "action": action, "step": self.step, "from": was, "to": self.mini_batch_size}))
+        elif action == "rollback":
+            ckpt = checkpoint.latest(self.out) if self.out else None
+            if ckpt is None:
+                raise RuntimeError("KL guard: no checkpoint to roll back to; set trainer.default_local_dir")
+            self.client.control("pause")
+            try:
+                bad_step = self.step
+                self.restore(ckpt, rngs=False)  # new draws: the same ones could lead to the same blow-up
+                self.push()  # the checkpoint's weights, as a new version
+            finally:
+                self.client.control("resume")
+            log.warning(json.dumps({"event": "guard_action", "action": action, "step": bad_step, "to_step": self.step, "version": self.version}))
 
     def render(self, p: Problem) -> str:
         """The prompt text sent to the service: through the chat template when the model has one."""
@@ -117,69 +146,117 @@ class Trainer:
             return self.tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True)
         return p.prompt
 
-    def pull(self) -> Batch:
-        problems = self.task.train_batch(self.rng, math.ceil(self.cfg.train_batch_size * self.cfg.oversample))
-        params = P.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.rng.getrandbits(31),
-                                  max_new_tokens=self.cfg.max_new_tokens or self.task.max_new_tokens)
-        sampler = P.SamplerSpec(name=self.cfg.sampler, params=json.loads(self.cfg.sampler_params))
-        if sampler.name == "dynamic_group_filter" and len(problems) > self.cfg.train_batch_size:
-            sampler.params.setdefault("target_groups", self.cfg.train_batch_size)
-        req = P.RolloutRequest(prompts=[P.Prompt(text=self.render(p), ground_truth=p.answer) for p in problems], n=self.cfg.n,
-                               sampling_params=params, sampler=sampler, reward=self.task.reward)
+    def pull(self) -> Batch | None:
+        d, r = self.cfg.data, self.cfg.actor_rollout_ref.rollout
+        problems = self.task.train_batch(self.rng, math.ceil(d.train_batch_size * d.oversample))
+        params = P.SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=self.rng.getrandbits(31),
+                                  max_new_tokens=d.max_response_length or self.task.max_new_tokens)
+        sampler = P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
+        if sampler.name == "dynamic_group_filter" and len(problems) > d.train_batch_size:
+            sampler.params.setdefault("target_groups", d.train_batch_size)
+        req = P.RolloutRequest(prompts=[P.Prompt(text=self.render(p), ground_truth=p.answer) for p in problems], n=r.n,
+                               sampling_params=params, sampler=sampler, reward=self.cfg.trainer.reward or self.task.reward,
+                               min_weight_version=self.version)
         out = self.client.rollouts(req)
-        self.generated_tokens += out.filter.generated_tokens if out.filter else sum(len(s.token_ids) for g in out.groups for s in g.samples)
+        self.generated_tokens += out.filter.generated_tokens if out.filter else sum(g.generated_tokens or 0 for g in out.groups)
         groups = [g for g in out.groups if g.samples]
         if not groups:
             return None
         batch = make_batch(groups, self.pad_id)
         stale = [v for v in batch.weight_versions if v != self.version]
-        if stale:
-            raise RuntimeError(f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {self.version}")
+        if stale and self.cfg.actor_rollout_ref.actor.old_logprobs == "rollout":
+            raise RuntimeError(f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {self.version}: "
+                               "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with a truncated importance correction")
         return batch
 
-    def update(self, batch: Batch, advantages: torch.Tensor) -> dict:
-        """PPO epochs over mini-batches of whole groups; old logprobs come from the rollout (same weights)."""
+    # one update -------------------------------------------------------------------
+    def train_step(self, b: Batch) -> dict:
+        a, alg = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
+        with torch.no_grad():
+            ref_lp, _ = response_logprobs(self.ref, b)
+            old_lp = b.rollout_logprobs if a.old_logprobs == "rollout" else response_logprobs(self.policy, b)[0]
+            values = response_values(self.critic, b) if self.critic is not None else None
+        token_rewards = algos.outcome_to_token_rewards(b.rewards, b.response_mask)
+        metrics = {}
+        if alg.use_kl_in_reward:  # verl's apply_kl_penalty: r_t - beta * KL_t, then the controller moves beta
+            kld = algos.kl_penalty(old_lp, ref_lp, alg.kl_penalty) * b.response_mask
+            token_rewards = token_rewards - self.kl_ctrl.value * kld
+            current = algos.masked_mean(kld, b.response_mask).item()
+            self.kl_ctrl.update(current_kl=current, n_steps=len(b))
+            metrics["kl_in_reward"] = current
+        adv, returns, info = ESTIMATORS.get(alg.adv_estimator)(AdvInput(
+            token_rewards, b.response_mask, b.group_ids, values=values, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, variance_threshold=alg.variance_threshold))
+        metrics.update(info, adv_var=algos.masked_var(adv, b.response_mask).item())
+        if a.old_logprobs == "recompute":  # truncated importance sampling against the rollout's behaviour logprobs
+            tis = torch.exp(old_lp - b.rollout_logprobs).clamp(max=alg.rollout_is_threshold) * b.response_mask
+            adv = adv * tis
+            metrics["rollout_is_mean"] = algos.masked_mean(tis, b.response_mask).item()
+        metrics.update(self.update(b, adv, old_lp, ref_lp, values, returns))
+        return metrics
+
+    def update(self, b: Batch, adv: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor | None,
+               returns: torch.Tensor) -> dict:
+        """PPO epochs over mini-batches of whole groups, and the critic's clipped value loss alongside."""
+        a, c = self.cfg.actor_rollout_ref.actor, self.cfg.critic
         self.policy.train()
-        n_groups = int(batch.group_ids.max()) + 1
+        n_groups = int(b.group_ids.max()) + 1
         stats: dict[str, list[float]] = {}
-        for _ in range(self.cfg.ppo_epochs):
-            order = torch.randperm(n_groups)
-            for chunk in order.split(self.cfg.ppo_mini_batch_size):
-                idx = torch.nonzero(torch.isin(torch.as_tensor(batch.group_ids), chunk)).squeeze(-1)
-                mb, adv = batch.select(idx), advantages[idx]
+        for _ in range(a.ppo_epochs):
+            for chunk in torch.randperm(n_groups).split(self.mini_batch_size):
+                idx = torch.nonzero(torch.isin(torch.as_tensor(b.group_ids), chunk)).squeeze(-1)
+                mb, mask = b.select(idx), b.response_mask[idx]
                 lp, entropy = response_logprobs(self.policy, mb, with_entropy=True)
-                with torch.no_grad():
-                    ref_lp, _ = response_logprobs(self.ref, mb)
-                pg_loss, pg_metrics = algos.ppo_loss(mb.rollout_logprobs, lp, adv, mb.response_mask, self.cfg.clip_ratio, self.cfg.clip_ratio_c, self.cfg.loss_agg_mode)
-                kl = algos.masked_mean(algos.kl_penalty(lp, ref_lp, self.cfg.kl_loss_type), mb.response_mask)
-                ent = algos.masked_mean(entropy, mb.response_mask)
-                loss = pg_loss + self.cfg.kl_loss_coef * kl - self.cfg.entropy_coeff * ent
-                self.opt.zero_grad()
+                pg_loss, pg = algos.ppo_loss(old_lp[idx], lp, adv[idx], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode)
+                kl = algos.masked_mean(algos.kl_penalty(lp, ref_lp[idx], a.kl_loss_type), mask)
+                ent = algos.masked_mean(entropy, mask)
+                loss = pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)
+                self.opt["actor"].zero_grad()
                 loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.grad_clip)
-                self.opt.step()
-                for k, v in {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "entropy": ent.item(), "grad_norm": grad_norm.item(),
-                             "pg_clipfrac": pg_metrics["actor/pg_clipfrac"], "ppo_kl": pg_metrics["actor/ppo_kl"]}.items():
-                    stats.setdefault(k, []).append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a.grad_clip)
+                self.opt["actor"].step()
+                row = {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "entropy": ent.item(), "grad_norm": grad_norm.item(),
+                       "pg_clipfrac": pg["actor/pg_clipfrac"], "pg_clipfrac_lower": pg.get("actor/pg_clipfrac_lower", 0.0), "ppo_kl": pg["actor/ppo_kl"]}
+                if self.critic is not None:
+                    vpred = response_values(self.critic, mb)
+                    vf_loss, vf_clipfrac = core_algos.compute_value_loss(vpred, returns[idx], values[idx], mask.float(), c.cliprange_value, a.loss_agg_mode)
+                    self.opt["critic"].zero_grad()
+                    vf_loss.backward()
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), a.grad_clip)
+                    self.opt["critic"].step()
+                    row.update(vf_loss=vf_loss.item(), vf_clipfrac=float(vf_clipfrac))
+                for k, v in row.items():
+                    stats.setdefault(k, []).append(float(v))
         self.policy.eval()
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
+    # weights, checkpoints, metrics -------------------------------------------------------
     def push(self) -> None:
-        """Send the new weights as the next version and check the service serves it."""
+        """Send the policy as the next version and check the service serves it."""
         data = save({k: v.detach().contiguous() for k, v in canonical_state_dict(self.policy).items()})
-        pushed = self.client.push_weights(data, self.version + 1)
+        pushed = self.client.push_weights(data, self.client.weights_version().version + 1)
         served = self.client.weights_version().version
         if served != pushed.version:
             raise RuntimeError(f"pushed version {pushed.version} but the service serves {served}")
         self.version = served
 
+    def save(self) -> None:
+        checkpoint.save(self.out, self.step, self.policy, self.opt, {"kl_coef": self.kl_ctrl.value, "mini_batch_size": self.mini_batch_size,
+                                                                     "generated_tokens": self.generated_tokens, "config": self.cfg.model_dump()},
+                        critic=self.critic, trainer_rng=self.rng)
+
+    def restore(self, path: Path, rngs: bool = True) -> None:
+        state = checkpoint.load(path, self.policy, self.opt, critic=self.critic, trainer_rng=self.rng if rngs else None, rngs=rngs)
+        self.step, self.kl_ctrl.value = state["step"], state["kl_coef"]
+        self.mini_batch_size, self.generated_tokens = state["mini_batch_size"], state["generated_tokens"]
+
     def batch_metrics(self, b: Batch, seconds: float) -> dict:
         tokens = int(b.response_mask.sum())
-        return {"reward_mean": b.rewards.mean().item(), "reward_std": b.rewards.std().item(), "response_len": tokens / len(b),
+        return {"reward_mean": b.rewards.mean().item(), "reward_std": b.rewards.std(unbiased=False).item(), "response_len": tokens / len(b),
                 "step_seconds": seconds, "tokens_per_s": tokens / seconds, "samples": len(b)}
 
     def evaluate(self) -> dict:
-        return evaluate(self.client, self.task, self.render, self.cfg.eval_size).as_dict()
+        return evaluate(self.client, self.task, self.render, self.cfg.trainer.eval_size).as_dict()
 
     def record(self, metrics: dict) -> None:
         line = json.dumps({"event": "train_step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}})

@@ -63,3 +63,9 @@ def response_logprobs(model: torch.nn.Module, b: Batch, with_entropy: bool = Fal
     lp = logp.gather(-1, b.response_ids[..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
     return lp, entropy
+
+
+def response_values(critic: torch.nn.Module, b: Batch) -> torch.Tensor:
+    """The critic's value (B, R) of the state before each response token (a token-classification head, 1 label)."""
+    out = critic(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[..., 0].float()  # (B, T)
+    return out.gather(1, b.response_pos) * b.response_mask

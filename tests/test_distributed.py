@@ -1,0 +1,72 @@
+"""Data-parallel training on 2 CPU processes (gloo): the summed gradients equal a single process's on the same batch."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (6, 10), generator=g)
+    mask = torch.ones(6, 10)
+    mask[1, 7:] = 0
+    mask[4, 3:] = 0  # uneven lengths: token-mean needs the global token count
+    return ids, mask
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _loss_sum(model, ids, mask):
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+    return (nll * mask[:, 1:]).sum()
+
+
+def _worker(rank, world, port, path, out):
+    from trainer import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    assert distributed.init_from_env() == (rank, world)
+    model = _model(path)
+    ids, mask = _batch()
+    rows = distributed.shard_groups(len(ids), rank, world)
+    total_tokens = distributed.all_reduce_sum(mask[rows, 1:].sum().clone())
+    (_loss_sum(model, ids[rows], mask[rows]) / total_tokens).backward()
+    distributed.sum_gradients(model)
+    if rank == 0:
+        torch.save({n: p.grad for n, p in model.named_parameters()}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_compute_the_single_process_gradients(tiny_model, tmp_path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(tiny_model), str(out)), nprocs=2, join=True)
+    model = _model(tiny_model)
+    ids, mask = _batch()
+    (_loss_sum(model, ids, mask) / mask[:, 1:].sum()).backward()
+    ddp = torch.load(out, weights_only=True)
+    for name, p in model.named_parameters():
+        assert torch.allclose(ddp[name], p.grad, atol=1e-6, rtol=1e-4), name
+    assert any(p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shards_cover_every_group_once(world):
+    from trainer.distributed import shard_groups
+
+    shards = [shard_groups(7, r, world) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(7))

@@ -1,0 +1,128 @@
+"""The trainer against the real service: every estimator trains, the KL guard rolls back for real, and a
+killed trainer process resumes from its checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import TOKEN
+from trainer.config import load
+
+
+def config(service, tiny_model, tmp_path, *overrides):
+    return load(None, [f"trainer.service_url={service}", f"actor_rollout_ref.model.path={tiny_model}", "trainer.task=arith",
+                       "trainer.total_training_steps=1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=0.01",
+                       f"trainer.default_local_dir={tmp_path}", "trainer.reward=test_float_ties", *overrides])  # rewards that vary
+
+
+@pytest.mark.parametrize("estimator, extra", [
+    ("gae", []), ("adaptive_gae", []), ("control_variate", []), ("rloo", []), ("reinforce_plus_plus", []),
+    ("reinforce_plus_plus_baseline", ["actor_rollout_ref.actor.old_logprobs=recompute"]),
+    ("grpo", ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=10",
+              "actor_rollout_ref.actor.use_kl_loss=true"]),
+])
+def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, tmp_path, estimator, extra):
+    from trainer.loop import Trainer
+
+    trainer = Trainer(config(service, tiny_model, tmp_path, f"algorithm.adv_estimator={estimator}", *extra), TOKEN)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    summary = trainer.run()
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and summary["final_weight_version"] == trainer.version
+    from trainer.guards import STEP_GAUGES
+
+    assert STEP_GAUGES["weight_version"]._value.get() == trainer.version and STEP_GAUGES["step"]._value.get() == 1
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())  # the policy moved
+    assert ("vf_loss" in step) == (estimator in {"gae", "adaptive_gae", "control_variate"})
+    if estimator == "adaptive_gae":
+        assert 0.90 <= step["lam"] <= 0.98
+    if "algorithm.use_kl_in_reward=true" in extra:
+        assert step["kl_in_reward"] == 0.0 and step["kl_coef"] < 0.001  # step 1 samples the reference: KL 0 < target, so beta falls
+    if "actor_rollout_ref.actor.old_logprobs=recompute" in extra:
+        assert step["rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy: the recomputed logprobs are the rollout's
+
+
+def test_the_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
+    from verl.trainer.ppo import core_algos
+
+    cfg = load(None, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=100"])
+    ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+    ctrl.update(current_kl=0.05, n_steps=10)
+    assert ctrl.value > 0.001  # KL above target: penalise more
+    high = ctrl.value
+    ctrl.update(current_kl=0.001, n_steps=10)
+    assert ctrl.value < high
+
+
+def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, tiny_model, tmp_path, client):
+    """A KL threshold of 1e-9 trips after the first step: the trainer pauses sampling, restores step 0, pushes it as a
+    new version and resumes. The service's logprobs then equal the initial model's: it serves the rolled-back weights."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.guards import ACTIONS
+    from trainer.loop import Trainer
+
+    rollbacks = ACTIONS.labels("rollback")._value.get()
+    trainer = Trainer(config(service, tiny_model, tmp_path, "guards.enable=true", "guards.kl_rollback=1e-9", "actor_rollout_ref.actor.optim.lr=0.05"), TOKEN)
+    start = trainer.version
+    trainer.run()
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["guard_actions"] == ["rollback"] and ACTIONS.labels("rollback")._value.get() == rollbacks + 1
+    assert trainer.version == start + 2 and client.weights_version().version == trainer.version  # the step's push, then the rollback's
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert all(torch.equal(v, initial.state_dict()[k]) for k, v in trainer.policy.state_dict().items())
+    from services import protocol as P
+
+    prompt = trainer.tok("Q: 3+4\nA:", add_special_tokens=False).input_ids
+    out = client.rollouts(P.RolloutRequest(prompts=[P.Prompt(token_ids=prompt)], sampling_params=P.SamplingParams(temperature=0, max_new_tokens=6)))
+    sample = out.groups[0].samples[0]
+    with torch.no_grad():
+        logits = initial(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4) and not any(r["paused"] for r in httpx.get(f"{service}/readyz").json()["replicas"])
+
+
+def test_a_killed_trainer_resumes_from_its_last_checkpoint(service, tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith",
+           "--steps", "8", "--train-batch-size", "4", "--n", "4", "--ppo-mini-batch-size", "2", "--lr", "0.01", "--out", str(tmp_path),
+           "trainer.save_freq=1"]
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoints" / "step_3").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the trainer ended before its third checkpoint"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = int((tmp_path / "checkpoints" / "latest").read_text().split("_")[1])
+    assert 3 <= killed_at < 8 and not (tmp_path / "summary.json").exists()
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = next(json.loads(line) for line in again.stdout.splitlines() if '"resumed"' in line)
+    assert resumed["step"] == killed_at
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-(8 - killed_at):] == list(range(killed_at + 1, 9)) and set(range(1, 9)) <= set(steps)
+    assert json.loads((tmp_path / "summary.json").read_text())["final_weight_version"] > 0
+
+
+def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated_rollbacks():
+    from trainer.guards import Guard, GuardConfig
+
+    guard = Guard(GuardConfig(enable=True, max_rollbacks=2))
+    assert guard.check(kl=0.01, reward_var=0.35, mini_batch_size=64)[0] == ["raise_mini_batch"]
+    assert guard.check(kl=0.01, reward_var=0.35, mini_batch_size=128)[0] == []  # raised already
+    actions, flags = guard.check(kl=0.03, reward_var=0.1, mini_batch_size=128)
+    assert actions == [] and flags == {"guard_kl_over_target": True, "guard_reward_std_over_target": True}
+    assert guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)[0] == ["rollback"]
+    assert guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)[0] == ["rollback"]
+    with pytest.raises(RuntimeError, match="after 2 rollbacks"):
+        guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)
+    assert Guard(GuardConfig()).check(kl=1.0, reward_var=1.0, mini_batch_size=64)[0] == []  # off by default

@@ -1,0 +1,170 @@
+"""Trainer configuration with verl's key names: a YAML file plus dotted overrides.
+
+    farm train --config trainer/presets/design.yaml actor_rollout_ref.rollout.n=16 algorithm.kl_ctrl.target_kl=0.02
+
+Only the keys this trainer uses exist; an unknown key, a wrong type or an out-of-range value is an error
+that names the dotted key and says what to put there. Values of overrides are parsed as YAML
+(`x=0.1`, `x=true`, `x=[1,2]`, `x=null`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.guards import GuardConfig
+
+PRESETS = Path(__file__).parent / "presets"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Optim(_Strict):
+    lr: float = Field(5e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ModelConfig(_Strict):
+    path: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny'; must be what the service serves")
+
+
+class RolloutConfig(_Strict):
+    n: int = Field(8, ge=1, le=64, description="samples per prompt")
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    sampler: str = Field("plain", description="the service's sampler (GET /v1/samplers)")
+    sampler_params: dict = Field(default_factory=dict)
+
+
+class ActorConfig(_Strict):
+    optim: Optim = Field(default_factory=Optim)
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: int = Field(32, ge=1, description="in prompts (groups), as verl; above data.train_batch_size it is one mini-batch")
+    clip_ratio: float = Field(0.2, gt=0, lt=1)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages; must exceed 1")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coeff: float = Field(0.0, ge=0)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    grad_clip: float = Field(1.0, gt=0)
+    old_logprobs: Literal["rollout", "recompute"] = Field("rollout", description="rollout: the service's logprobs (same weights); "
+                                                          "recompute: a forward pass, with truncated importance weights against the rollout's")
+
+
+class ActorRolloutRef(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+
+
+class CriticConfig(_Strict):
+    enable: bool | None = Field(None, description="None: on when the estimator needs values (gae, adaptive_gae, control_variate)")
+    optim: Optim = Field(default_factory=lambda: Optim(lr=1e-5, weight_decay=0.01))
+    cliprange_value: float = Field(0.5, gt=0)
+
+
+class KLCtrl(_Strict):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    horizon: int = Field(10000, ge=1)
+    target_kl: float = Field(0.1, gt=0)
+
+
+class Algorithm(_Strict):
+    adv_estimator: str = Field("grpo", description="gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, adaptive_gae, control_variate")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_ctrl: KLCtrl = Field(default_factory=KLCtrl)
+    variance_threshold: float = Field(0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95")
+    rollout_is_threshold: float = Field(2.0, gt=0, description="old_logprobs=recompute: the cap on exp(old - rollout) per token")
+
+
+class Data(_Strict):
+    train_batch_size: int = Field(32, ge=1, le=512, description="prompts per step")
+    max_response_length: int | None = Field(None, ge=1, le=4096, description="None: the task's default")
+    oversample: float = Field(1.0, ge=1, le=16, description="prompts sent per step / train_batch_size (dynamic_group_filter)")
+
+
+class Trainer(_Strict):
+    total_training_steps: int = Field(40, ge=1)
+    seed: int = 0
+    task: str = "arith"
+    reward: str | None = Field(None, description="the service's reward function; None: the task's (gsm8k)")
+    service_url: str = "http://127.0.0.1:8000"
+    eval_size: int = Field(0, ge=0, description="held-out problems scored greedily before and after; 0 skips")
+    default_local_dir: str | None = Field(None, description="metrics.jsonl, summary.json and checkpoints go here")
+    save_freq: int = Field(-1, description="checkpoint every this many steps; -1: only at the end (and step 0)")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port")
+    resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the newest checkpoint in default_local_dir")
+
+
+class Config(_Strict):
+    data: Data = Field(default_factory=Data)
+    actor_rollout_ref: ActorRolloutRef = Field(default_factory=ActorRolloutRef)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    algorithm: Algorithm = Field(default_factory=Algorithm)
+    trainer: Trainer = Field(default_factory=Trainer)
+    guards: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        from trainer.estimators import ESTIMATORS
+
+        if self.algorithm.adv_estimator not in ESTIMATORS.names():
+            raise ValueError(f"algorithm.adv_estimator: unknown {self.algorithm.adv_estimator!r}; use one of {', '.join(ESTIMATORS.names())}")
+        if self.critic.enable is False and self.algorithm.adv_estimator in NEEDS_CRITIC:
+            raise ValueError(f"critic.enable: {self.algorithm.adv_estimator} needs the critic's values; set it true (or leave it unset)")
+        return self
+
+    @property
+    def critic_enabled(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator in NEEDS_CRITIC
+
+
+NEEDS_CRITIC = {"gae", "adaptive_gae", "control_variate"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted key and the fix."""
+
+
+def set_dotted(tree: dict, key: str, value) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """The YAML file (or the defaults), then each `dotted.key=value` override, validated."""
+    tree = yaml.safe_load(Path(path).read_text()) if path else {}
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (data, actor_rollout_ref, critic, algorithm, trainer)")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: write dotted.key=value, e.g. actor_rollout_ref.rollout.n=16")
+        set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            hint = " (not a key this trainer has: check the spelling against trainer/config.py)" if err["type"] == "extra_forbidden" else ""
+            lines.append(f"{key or 'config'}: {err['msg']}{hint}")
+        raise ConfigError("invalid trainer config:\n  " + "\n  ".join(lines)) from None

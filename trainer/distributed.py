@@ -1,0 +1,59 @@
+"""Data-parallel training with torch.distributed (gloo on CPU, nccl on GPUs).
+
+Launch with torchrun; each process takes every world_size-th group of the step's batch:
+
+    torchrun --nproc-per-node 2 -m trainer.cli train ...
+
+Each rank's loss is its share of the global loss (token sums over the *global* token count), and the
+gradients are summed across ranks, so one step equals a single-process step on the whole batch
+(tests/test_distributed.py checks the gradients match). Rank 0 alone talks to the service: it pulls the
+step's rollouts and broadcasts them to the other ranks, and it pushes weights, evaluates and logs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env() -> tuple[int, int]:
+    """(rank, world_size); joins the process group when launched by torchrun with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def shard_groups(n_groups: int, rank: int, world: int) -> list[int]:
+    """The group indices this rank trains on: every world-th one."""
+    return list(range(rank, n_groups, world))
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def sum_gradients(model: torch.nn.Module) -> None:
+    """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_object(obj, src: int = 0):
+    """obj from rank src on every rank (pickled between the trainer's own processes only, never over the network API)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
