@@ -70,3 +70,28 @@ def test_shards_cover_every_group_once(world):
 
     shards = [shard_groups(7, r, world) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(7))
+
+
+def test_the_trainer_on_two_gloo_processes_takes_the_single_process_step(service, tiny_model, tmp_path):
+    """`torchrun --nproc-per-node 2 -m trainer.cli train` against the real service: rank 0 pulls and broadcasts the
+    batch, each rank trains half of every mini-batch's groups. From the same weights and seed, its step logs the
+    same losses and gradient norm as a single process."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import TOKEN
+
+    def run(folder, *launcher):
+        cmd = [*launcher, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith", "--steps", "1",
+               "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--lr", "0.01", "--seed", "3", "--out", str(folder),
+               "trainer.reward=test_float_ties", "actor_rollout_ref.rollout.n=4"]  # not --n: torchrun would take it for one of its own
+        done = subprocess.run(cmd, env={**os.environ, "FARM_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+
+    single = run(tmp_path / "single", sys.executable)
+    dp = run(tmp_path / "dp", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    assert dp["world_size"] == 2 and single["world_size"] == 1
+    for key in ("pg_loss", "kl_ref", "entropy", "grad_norm", "reward_mean"):
+        assert dp[key] == pytest.approx(single[key], rel=1e-3, abs=1e-5), key

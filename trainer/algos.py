@@ -5,6 +5,7 @@ Shapes: B samples, R response tokens (right-padded), V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import numpy as np
@@ -36,9 +37,12 @@ def _actor_config(clip_ratio: float, clip_ratio_c: float, loss_agg_mode: str) ->
 
 
 def ppo_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-             clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict]:
-    """verl's dual-clip PPO policy loss over (B, R) tensors; returns (scalar loss, metrics)."""
+             clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", global_batch: dict | None = None) -> tuple[torch.Tensor, dict]:
+    """verl's dual-clip PPO policy loss over (B, R) tensors; returns (scalar loss, metrics). With data parallelism,
+    `global_batch` ({"batch_num_tokens", "global_batch_size"}) makes each rank's loss its share of the whole mini-batch's."""
     cfg = _actor_config(clip_ratio, clip_ratio_c, loss_agg_mode)
+    if global_batch:
+        cfg = dataclasses.replace(cfg, global_batch_info={"dp_size": 1, **global_batch})
     return core_algos.compute_policy_loss_vanilla(old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg)
 
 
@@ -55,3 +59,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
+
+
+def share_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float) -> torch.Tensor:
+    """This rank's share of a token mean over a batch of total_tokens tokens (the sum over ranks is the mean)."""
+    return (x * mask.float()).sum() / max(1.0, float(total_tokens))

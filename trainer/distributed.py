@@ -37,10 +37,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def sum_gradients(model: torch.nn.Module) -> None:
     """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not active():
         return
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:  # a rank with nothing in this mini-batch still takes part
+            p.grad = torch.zeros_like(p)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -50,10 +57,24 @@ def sum_gradients(model: torch.nn.Module) -> None:
         offset += g.numel()
 
 
-def broadcast_object(obj, src: int = 0):
-    """obj from rank src on every rank (pickled between the trainer's own processes only, never over the network API)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def broadcast_tensors(tensors: list[torch.Tensor] | None, shapes: list[tuple], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Rank 0's tensors on every rank (the others pass None). Plain tensors only: nothing is pickled."""
+    if not active():
+        return tensors
+    out = tensors if dist.get_rank() == 0 else [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    for t in out:
+        dist.broadcast(t, src=0)
+    return out
+
+
+def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
+    if not active():
+        return values
+    t = torch.tensor(values if dist.get_rank() == 0 else [0] * n, dtype=torch.long)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()

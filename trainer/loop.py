@@ -33,19 +33,21 @@ from services.client import FarmClient
 from services.engine.torch_engine import canonical_state_dict
 from services.models import resolve_model
 from services.tasks import TASKS, Problem
-from trainer import algos, checkpoint
+from trainer import algos, checkpoint, distributed
 from trainer.config import Config
 from trainer.estimators import ESTIMATORS, AdvInput
 from trainer.evaluate import evaluate
 from trainer.guards import STEP_GAUGES, Guard
-from trainer.policy import Batch, make_batch, response_logprobs, response_values
+from trainer.policy import Batch, broadcast_batch, make_batch, response_logprobs, response_values
 
 log = logging.getLogger("farm.trainer")
+GUARD_ACTIONS = ("rollback", "raise_mini_batch")
 
 
 class Trainer:
     def __init__(self, cfg: Config, token: str = ""):
         self.cfg, t = cfg, cfg.trainer
+        self.rank, self.world = distributed.init_from_env()  # rank 0 alone talks to the service and writes files
         torch.manual_seed(t.seed)
         self.rng = random.Random(t.seed)
         path = resolve_model(cfg.actor_rollout_ref.model.path)
@@ -61,7 +63,7 @@ class Trainer:
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.mini_batch_size = actor.ppo_mini_batch_size
         self.guard = Guard(cfg.guards)
-        if t.metrics_port:
+        if t.metrics_port and self.rank == 0:
             from prometheus_client import start_http_server
 
             start_http_server(t.metrics_port)
@@ -73,53 +75,57 @@ class Trainer:
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
         self.step = 0
-        self.version = self.client.weights_version().version
+        self.version = self.client.weights_version().version if self.rank == 0 else 0
         resumed = checkpoint.latest(self.out) if self.out and t.resume_mode == "auto" else None
         if resumed:
             self.restore(resumed)
-            log.info(json.dumps({"event": "resumed", "checkpoint": str(resumed), "step": self.step}))
+            log.info(json.dumps({"event": "resumed", "checkpoint": str(resumed), "step": self.step, "rank": self.rank}))
         if resumed or self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
             self.push()
         if self.out and not resumed:
-            (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            if self.rank == 0:
+                (self.out / "metrics.jsonl").unlink(missing_ok=True)
             self.save()  # step 0: what a rollback before the first periodic checkpoint returns to
 
     # the loop ------------------------------------------------------------------
     def run(self) -> dict:
         t = self.cfg.trainer
         summary: dict = {"config": self.cfg.model_dump()}
-        if t.eval_size and self.step == 0:
+        if t.eval_size and self.step == 0 and self.rank == 0:
             summary["before"] = self.evaluate()
         bar = tqdm(range(self.step + 1, t.total_training_steps + 1), desc="training", unit="step", file=sys.stderr,
-                   initial=self.step, total=t.total_training_steps)
+                   initial=self.step, total=t.total_training_steps, disable=self.rank != 0)
         for step in bar:
             start = time.perf_counter()
-            batch = self.pull()
+            batch = broadcast_batch(self.pull() if self.rank == 0 else None)
             if batch is None:  # every group was filtered out: nothing to learn from this step
                 log.warning(json.dumps({"event": "empty_batch", "step": step}))
                 continue
             metrics = self.train_step(batch)
             self.push()
             self.step = step
-            metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version,
-                           generated_tokens=self.generated_tokens, kl_coef=self.kl_ctrl.value, ppo_mini_batch_size=self.mini_batch_size)
             reward_var = batch.rewards.var(unbiased=False).item()
-            self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=step))
             actions, flags = self.guard.check(metrics["kl_ref"], reward_var, self.mini_batch_size)
-            metrics.update(flags, guard_actions=actions)
-            self.record(metrics)
-            for key, gauge in STEP_GAUGES.items():
-                gauge.set(metrics.get(key, 0.0))
+            actions = [GUARD_ACTIONS[i] for i, on in enumerate(distributed.broadcast_ints([int(a in actions) for a in GUARD_ACTIONS], 2)) if on]
+            if self.rank == 0:
+                metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version, **flags,
+                               generated_tokens=self.generated_tokens, kl_coef=self.kl_ctrl.value, ppo_mini_batch_size=self.mini_batch_size,
+                               guard_actions=actions, world_size=self.world)
+                self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=step))
+                self.record(metrics)
+                for key, gauge in STEP_GAUGES.items():
+                    gauge.set(metrics.get(key, 0.0))
             for action in actions:
                 self.act(action)
             if self.out and "rollback" not in actions and (t.save_freq > 0 and step % t.save_freq == 0 or step == t.total_training_steps):
                 self.save()
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.4f}")
-        if t.eval_size:
+            bar.set_postfix(reward=f"{batch.rewards.mean().item():.3f}", kl=f"{metrics['kl_ref']:.4f}")
+        if t.eval_size and self.rank == 0:
             summary["after"] = self.evaluate()
         summary["final_weight_version"] = self.version
-        if self.out:
+        if self.out and self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        distributed.barrier()
         return summary
 
     def act(self, action: str) -> None:
@@ -131,13 +137,15 @@ class Trainer:
             ckpt = checkpoint.latest(self.out) if self.out else None
             if ckpt is None:
                 raise RuntimeError("KL guard: no checkpoint to roll back to; set trainer.default_local_dir")
-            self.client.control("pause")
+            if self.rank == 0:
+                self.client.control("pause")
             try:
                 bad_step = self.step
                 self.restore(ckpt, rngs=False)  # new draws: the same ones could lead to the same blow-up
                 self.push()  # the checkpoint's weights, as a new version
             finally:
-                self.client.control("resume")
+                if self.rank == 0:
+                    self.client.control("resume")
             log.warning(json.dumps({"event": "guard_action", "action": action, "step": bad_step, "to_step": self.step, "version": self.version}))
 
     def render(self, p: Problem) -> str:
@@ -202,26 +210,33 @@ class Trainer:
         self.policy.train()
         n_groups = int(b.group_ids.max()) + 1
         stats: dict[str, list[float]] = {}
+        group_ids = torch.as_tensor(b.group_ids)
         for _ in range(a.ppo_epochs):
             for chunk in torch.randperm(n_groups).split(self.mini_batch_size):
-                idx = torch.nonzero(torch.isin(torch.as_tensor(b.group_ids), chunk)).squeeze(-1)
+                whole = torch.isin(group_ids, chunk)  # the mini-batch on every rank; this rank trains its share of the groups
+                idx = torch.nonzero(torch.isin(group_ids, chunk[self.rank::self.world])).squeeze(-1)
+                share = {"batch_num_tokens": b.response_mask[whole].sum().item(), "global_batch_size": int(whole.sum())}
                 mb, mask = b.select(idx), b.response_mask[idx]
                 lp, entropy = response_logprobs(self.policy, mb, with_entropy=True)
-                pg_loss, pg = algos.ppo_loss(old_lp[idx], lp, adv[idx], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode)
-                kl = algos.masked_mean(algos.kl_penalty(lp, ref_lp[idx], a.kl_loss_type), mask)
-                ent = algos.masked_mean(entropy, mask)
+                pg_loss, pg = algos.ppo_loss(old_lp[idx], lp, adv[idx], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
+                kl = algos.share_mean(algos.kl_penalty(lp, ref_lp[idx], a.kl_loss_type), mask, share["batch_num_tokens"])
+                ent = algos.share_mean(entropy, mask, share["batch_num_tokens"])
                 loss = pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)
                 self.opt["actor"].zero_grad()
                 loss.backward()
+                distributed.sum_gradients(self.policy)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a.grad_clip)
                 self.opt["actor"].step()
-                row = {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "entropy": ent.item(), "grad_norm": grad_norm.item(),
+                pg_total, kl_total, ent_total = distributed.all_reduce_sum(torch.stack([pg_loss, kl, ent]).detach()).tolist()  # shares -> whole
+                row = {"pg_loss": pg_total, "kl_ref": kl_total, "entropy": ent_total, "grad_norm": grad_norm.item(),
                        "pg_clipfrac": pg["actor/pg_clipfrac"], "pg_clipfrac_lower": pg.get("actor/pg_clipfrac_lower", 0.0), "ppo_kl": pg["actor/ppo_kl"]}
                 if self.critic is not None:
                     vpred = response_values(self.critic, mb)
-                    vf_loss, vf_clipfrac = core_algos.compute_value_loss(vpred, returns[idx], values[idx], mask.float(), c.cliprange_value, a.loss_agg_mode)
+                    vf_loss, vf_clipfrac = core_algos.compute_value_loss(vpred, returns[idx], values[idx], mask.float(), c.cliprange_value,
+                                                                         a.loss_agg_mode, **share)
                     self.opt["critic"].zero_grad()
                     vf_loss.backward()
+                    distributed.sum_gradients(self.critic)
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), a.grad_clip)
                     self.opt["critic"].step()
                     row.update(vf_loss=vf_loss.item(), vf_clipfrac=float(vf_clipfrac))
@@ -232,7 +247,9 @@ class Trainer:
 
     # weights, checkpoints, metrics -------------------------------------------------------
     def push(self) -> None:
-        """Send the policy as the next version and check the service serves it."""
+        """Send the policy as the next version and check the service serves it (rank 0; the other ranks hold the same weights)."""
+        if self.rank != 0:
+            return
         data = save({k: v.detach().contiguous() for k, v in canonical_state_dict(self.policy).items()})
         pushed = self.client.push_weights(data, self.client.weights_version().version + 1)
         served = self.client.weights_version().version
@@ -241,6 +258,13 @@ class Trainer:
         self.version = served
 
     def save(self) -> None:
+        if self.rank != 0:
+            distributed.barrier()  # until rank 0 has written it
+            return
+        self._save()
+        distributed.barrier()
+
+    def _save(self) -> None:
         checkpoint.save(self.out, self.step, self.policy, self.opt, {"kl_coef": self.kl_ctrl.value, "mini_batch_size": self.mini_batch_size,
                                                                      "generated_tokens": self.generated_tokens, "config": self.cfg.model_dump()},
                         critic=self.critic, trainer_rng=self.rng)

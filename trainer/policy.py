@@ -69,3 +69,21 @@ def response_values(critic: torch.nn.Module, b: Batch) -> torch.Tensor:
     """The critic's value (B, R) of the state before each response token (a token-classification head, 1 label)."""
     out = critic(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[..., 0].float()  # (B, T)
     return out.gather(1, b.response_pos) * b.response_mask
+
+
+def broadcast_batch(b: Batch | None) -> Batch | None:
+    """Rank 0's batch on every rank, as plain tensors; None everywhere when rank 0 has none."""
+    from trainer import distributed
+
+    if not distributed.active():
+        return b
+    B, T, R = distributed.broadcast_ints([len(b), b.input_ids.shape[1], b.response_ids.shape[1]] if b is not None else [0, 0, 0], 3)
+    if B == 0:
+        return None
+    long, shapes = torch.long, [(B, T), (B, T), (B, R), (B, R), (B, R), (B, R), (B,), (B,), (B,)]
+    dtypes = [long, long, long, long, long, torch.float32, torch.float32, long, long]
+    mine = None if b is None else [x.to(d).contiguous() for x, d in zip(
+        [b.input_ids, b.attention_mask, b.response_pos, b.response_ids, b.response_mask, b.rollout_logprobs, b.rewards,
+         torch.as_tensor(b.group_ids), torch.tensor(b.weight_versions)], dtypes)]
+    t = distributed.broadcast_tensors(mine, shapes, dtypes)
+    return Batch(*t[:7], t[7].numpy(), t[8].tolist())
