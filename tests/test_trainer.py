@@ -126,3 +126,37 @@ def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated
     with pytest.raises(RuntimeError, match="after 2 rollbacks"):
         guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)
     assert Guard(GuardConfig()).check(kl=1.0, reward_var=1.0, mini_batch_size=64)[0] == []  # off by default
+
+
+def test_a_killed_queue_trainer_resumes_and_gets_its_unacked_groups_again(service, tiny_model, tmp_path):
+    """rollout_source=queue: the trainer leases groups and acks them after each step. Killed while it holds a
+    lease, it loses nothing: the restarted trainer resumes from its checkpoint and the queue redelivers the
+    groups once the 3 s lease runs out. (With queue_max_staleness=0 they would be dropped as stale and their
+    prompts generated again instead.)"""
+    source = "resume-q"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith",
+           "--steps", "6", "--train-batch-size", "4", "--n", "4", "--ppo-mini-batch-size", "4", "--lr", "0.01", "--out", str(tmp_path),
+           "trainer.save_freq=1", "trainer.rollout_source=queue", f"trainer.queue_source={source}", "trainer.queue_lease_s=3",
+           "trainer.queue_max_staleness=100", "actor_rollout_ref.actor.old_logprobs=recompute"]  # older groups are used, with the IS correction
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN}
+    state = lambda: next((s for s in httpx.get(f"{service}/v1/queue/sources").json() if s["name"] == source), None)  # noqa: E731
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((tmp_path / "checkpoints" / "step_2").exists() and (state() or {}).get("leased", 0) > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, "the trainer ended before holding a lease after its second checkpoint"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        held = state()["leased"]
+        acked_before = state()["acked"]
+        again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        after = state()
+        assert held > 0 and after["redelivered"] >= 1 and after["leased"] == 0  # the killed trainer's lease came back, and was used
+        assert after["acked"] > acked_before
+        steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1]["step"] == 6 and sum(s["redelivered_groups"] > 0 for s in steps) >= 1
+    finally:
+        proc.kill()
+        httpx.delete(f"{service}/v1/queue/sources/{source}", headers={"Authorization": f"Bearer {TOKEN}"})

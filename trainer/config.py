@@ -103,6 +103,11 @@ class Trainer(_Strict):
     eval_size: int = Field(0, ge=0, description="held-out problems scored greedily before and after; 0 skips")
     default_local_dir: str | None = Field(None, description="metrics.jsonl, summary.json and checkpoints go here")
     save_freq: int = Field(-1, description="checkpoint every this many steps; -1: only at the end (and step 0)")
+    rollout_source: Literal["request", "queue"] = Field("request", description="request: POST /v1/rollouts each step; queue: the service's "
+                                                        "trajectory queue (pull, ack after the step): a restarted trainer gets its unacked groups again")
+    queue_source: str | None = Field(None, description="queue source name; default farm-trainer-<task>-<seed>")
+    queue_lease_s: float = Field(120.0, gt=0, le=86400, description="seconds until pulled-but-unacked groups are delivered again")
+    queue_max_staleness: int = Field(0, ge=0, description="drop (and regenerate) groups this many versions behind; above 0 needs old_logprobs=recompute")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port")
     resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the newest checkpoint in default_local_dir")
 
@@ -121,6 +126,9 @@ class Config(_Strict):
 
         if self.algorithm.adv_estimator not in ESTIMATORS.names():
             raise ValueError(f"algorithm.adv_estimator: unknown {self.algorithm.adv_estimator!r}; use one of {', '.join(ESTIMATORS.names())}")
+        if self.trainer.queue_max_staleness > 0 and self.actor_rollout_ref.actor.old_logprobs == "rollout":
+            raise ValueError("trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
+                             "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)")
         if self.critic.enable is False and self.algorithm.adv_estimator in NEEDS_CRITIC:
             raise ValueError(f"critic.enable: {self.algorithm.adv_estimator} needs the critic's values; set it true (or leave it unset)")
         return self

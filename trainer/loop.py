@@ -71,6 +71,8 @@ class Trainer:
         self.client = FarmClient(t.service_url, token)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
+        self.leased: list[str] = []  # queue items of the current step, acked once its weights are pushed
+        self.redelivered = 0  # queue groups that came back from an earlier (killed) trainer's lease
         self.out = Path(t.default_local_dir) if t.default_local_dir else None
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +105,9 @@ class Trainer:
                 continue
             metrics = self.train_step(batch)
             self.push()
+            if self.leased:  # used: the queue may forget them
+                self.client.queue_ack(self.leased)
+                self.leased = []
             self.step = step
             reward_var = batch.rewards.var(unbiased=False).item()
             actions, flags = self.guard.check(metrics["kl_ref"], reward_var, self.mini_batch_size)
@@ -110,7 +115,7 @@ class Trainer:
             if self.rank == 0:
                 metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version, **flags,
                                generated_tokens=self.generated_tokens, kl_coef=self.kl_ctrl.value, ppo_mini_batch_size=self.mini_batch_size,
-                               guard_actions=actions, world_size=self.world)
+                               guard_actions=actions, world_size=self.world, redelivered_groups=self.redelivered)
                 self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=step))
                 self.record(metrics)
                 for key, gauge in STEP_GAUGES.items():
@@ -154,20 +159,28 @@ class Trainer:
             return self.tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True)
         return p.prompt
 
+    def sampling(self) -> tuple[P.SamplingParams, P.SamplerSpec]:
+        d, r = self.cfg.data, self.cfg.actor_rollout_ref.rollout
+        params = P.SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=self.rng.getrandbits(31),
+                                  max_new_tokens=d.max_response_length or self.task.max_new_tokens)
+        return params, P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
+
     def pull(self) -> Batch | None:
         d, r = self.cfg.data, self.cfg.actor_rollout_ref.rollout
         problems = self.task.train_batch(self.rng, math.ceil(d.train_batch_size * d.oversample))
-        params = P.SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=self.rng.getrandbits(31),
-                                  max_new_tokens=d.max_response_length or self.task.max_new_tokens)
-        sampler = P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
-        if sampler.name == "dynamic_group_filter" and len(problems) > d.train_batch_size:
-            sampler.params.setdefault("target_groups", d.train_batch_size)
-        req = P.RolloutRequest(prompts=[P.Prompt(text=self.render(p), ground_truth=p.answer) for p in problems], n=r.n,
-                               sampling_params=params, sampler=sampler, reward=self.cfg.trainer.reward or self.task.reward,
-                               min_weight_version=self.version)
-        out = self.client.rollouts(req)
-        self.generated_tokens += out.filter.generated_tokens if out.filter else sum(g.generated_tokens or 0 for g in out.groups)
-        groups = [g for g in out.groups if g.samples]
+        prompts = [P.Prompt(text=self.render(p), ground_truth=p.answer) for p in problems]
+        if self.cfg.trainer.rollout_source == "queue":
+            groups = self.pull_queue(prompts)
+        else:
+            params, sampler = self.sampling()
+            if sampler.name == "dynamic_group_filter" and len(problems) > d.train_batch_size:
+                sampler.params.setdefault("target_groups", d.train_batch_size)
+            req = P.RolloutRequest(prompts=prompts, n=r.n, sampling_params=params, sampler=sampler, reward=self.cfg.trainer.reward or self.task.reward,
+                                   min_weight_version=self.version)
+            out = self.client.rollouts(req)
+            self.generated_tokens += out.filter.generated_tokens if out.filter else sum(g.generated_tokens or 0 for g in out.groups)
+            groups = out.groups
+        groups = [g for g in groups if g.samples]
         if not groups:
             return None
         batch = make_batch(groups, self.pad_id)
@@ -176,6 +189,30 @@ class Trainer:
             raise RuntimeError(f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {self.version}: "
                                "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with a truncated importance correction")
         return batch
+
+    def pull_queue(self, prompts: list[P.Prompt]) -> list[P.Group]:
+        """Feed this step's prompts to the trainer's queue source and lease train_batch_size groups from it; they are
+        acked after the step (see run). A group leased by a trainer that died comes back once its lease runs out."""
+        t, want = self.cfg.trainer, self.cfg.data.train_batch_size
+        name = t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
+        if not any(s.name == name for s in self.client.queue_sources()):
+            params, sampler = self.sampling()
+            self.client.queue_add_source(P.QueueSource(name=name, n=self.cfg.actor_rollout_ref.rollout.n, sampling_params=params.model_copy(update={"seed": None}),
+                                                       sampler=sampler, reward=t.reward or self.task.reward, target_groups=want))
+            log.info(json.dumps({"event": "queue_source_added", "source": name}))
+        self.client.queue_add_prompts(name, prompts)
+        items: list[P.QueueItem] = []
+        deadline = time.monotonic() + 600
+        while len(items) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"queue source {name!r} delivered {len(items)} of {want} groups in 600 s")
+            got = self.client.queue_pull(P.PullRequest(source=name, max_groups=want - len(items), max_staleness=t.queue_max_staleness,
+                                                       lease_s=t.queue_lease_s, wait_s=30))
+            items += got.items
+        self.leased = [i.item_id for i in items]
+        self.redelivered += sum(i.deliveries > 1 for i in items)
+        self.generated_tokens += sum(i.group.generated_tokens or 0 for i in items)
+        return [i.group for i in items]
 
     # one update -------------------------------------------------------------------
     def train_step(self, b: Batch) -> dict:
