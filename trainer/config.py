@@ -101,6 +101,7 @@ class Trainer(_Strict):
     reward: str | None = Field(None, description="the service's reward function; None: the task's (gsm8k)")
     service_url: str = "http://127.0.0.1:8000"
     eval_size: int = Field(0, ge=0, description="held-out problems scored greedily before and after; 0 skips")
+    test_freq: int = Field(-1, description="also score them every this many steps (val_accuracy in metrics.jsonl); -1: never")
     default_local_dir: str | None = Field(None, description="metrics.jsonl, summary.json and checkpoints go here")
     save_freq: int = Field(-1, description="checkpoint every this many steps; -1: only at the end (and step 0)")
     rollout_source: Literal["request", "queue"] = Field("request", description="request: POST /v1/rollouts each step; queue: the service's "

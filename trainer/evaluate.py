@@ -58,15 +58,12 @@ def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
     return mean, Z95 * math.sqrt(var / n)
 
 
-def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256, progress: bool = False) -> Accuracy:
-    """Greedy pass@1 on the task's first n held-out problems, through the service; a progress bar on stderr if asked."""
-    from tqdm import tqdm
-
+def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:
     problems = task.heldout(n)
     params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
     correct: list[bool] = []
     number: list[bool] = []
-    for i in tqdm(range(0, len(problems), chunk), desc="evaluating", unit="chunk", disable=not progress):
+    for i in range(0, len(problems), chunk):
         part = problems[i:i + chunk]
         req = P.RolloutRequest(prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part], n=1, sampling_params=params, reward=task.reward)
         groups = client.rollouts(req).groups

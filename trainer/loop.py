@@ -116,6 +116,8 @@ class Trainer:
                 metrics.update(self.batch_metrics(batch, time.perf_counter() - start), step=step, weight_version=self.version, **flags,
                                generated_tokens=self.generated_tokens, kl_coef=self.kl_ctrl.value, ppo_mini_batch_size=self.mini_batch_size,
                                guard_actions=actions, world_size=self.world, redelivered_groups=self.redelivered)
+                if t.eval_size and t.test_freq > 0 and step % t.test_freq == 0:
+                    metrics["val_accuracy"] = self.evaluate()["accuracy"]
                 self.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=step))
                 self.record(metrics)
                 for key, gauge in STEP_GAUGES.items():
