@@ -42,8 +42,7 @@ def main() -> None:
             return tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True)
         return p.prompt
 
-    from services import protocol as P
-    from trainer.evaluate import Accuracy, last_number
+    from trainer.evaluate import Accuracy, score
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     progress = RESULTS / f"gsm8k_{Path(a.model).name}_progress.jsonl"  # one line per scored problem: a rerun goes on from there
@@ -55,16 +54,12 @@ def main() -> None:
     log(f"{len(done)} of {len(problems)} problems scored already; {len(todo)} to go")
     if todo:
         url = start_service(model=str(path), replicas=1)
-        params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
         try:
             with FarmClient(url, TOKEN) as client, progress.open("a") as f:
-                for k in tqdm(range(0, len(todo), a.chunk), desc="evaluating", unit="chunk"):
-                    idx = todo[k:k + a.chunk]
-                    req = P.RolloutRequest(prompts=[P.Prompt(text=render(problems[i]), ground_truth=problems[i].answer) for i in idx], n=1,
-                                           sampling_params=params, reward=task.reward)
-                    for i, g in zip(idx, client.rollouts(req).groups):
-                        done[i] = {"i": i, "correct": g.samples[0].reward > 0.5, "number": last_number(g.samples[0].text) == problems[i].answer,
-                                   "tokens": len(g.samples[0].token_ids), "max_new_tokens": task.max_new_tokens}
+                chunks = score(client, task, render, [problems[i] for i in todo], a.chunk)
+                for k, part in enumerate(tqdm(chunks, desc="evaluating", unit="chunk", total=-(-len(todo) // a.chunk))):
+                    for i, row in zip(todo[k * a.chunk:(k + 1) * a.chunk], part):
+                        done[i] = {"i": i, **row, "max_new_tokens": task.max_new_tokens}
                         f.write(json.dumps(done[i]) + "\n")
                     f.flush()
         finally:

@@ -38,7 +38,7 @@ from services import protocol as P
 from services.engine.base import WeightsRejected
 from services import rewards, samplers  # registries through their modules: Serve pickles the ingress class by value, with copies of its globals
 from services.queue import NoSource, SourceExists, TrajectoryQueue
-from services.samplers import SamplerState, sampler_class
+from services.samplers import SamplerState, make_sampler
 from services.settings import ServiceSettings
 from services.weights import WeightsError, check_state_dict, check_upload, read_header_file
 
@@ -153,8 +153,7 @@ class EngineServer:
                        spec: P.SamplerSpec) -> list[P.Group]:
         if self.engine.weight_version < min_version:
             await self.catch_up(min_version)
-        kind = sampler_class(spec.name, self.settings.plugins)
-        sampler, rng = kind(kind.Params.model_validate(spec.params)), random.Random(params.seed)
+        sampler, rng = make_sampler(spec, self.settings.plugins), random.Random(params.seed)
         m, step = sampler.candidates(n), max(1, sampler.round_size(n))
         ids = [p.token_ids if p.token_ids is not None else self.tok(p.text, add_special_tokens=False).input_ids for p in prompts]
         cands: list[list[P.Sample]] = [[] for _ in prompts]
@@ -598,15 +597,13 @@ class Ingress:
     def _sampler_problems(self, spec: P.SamplerSpec, field: str, prompts: int | None) -> list[dict]:
         """422 detail for a sampler spec (and a filter's inner one): its name, its params, and what they mean for this request."""
         try:
-            kind = sampler_class(spec.name, self.settings.plugins)
+            sampler = make_sampler(spec, self.settings.plugins)
         except KeyError as e:
             return [{"field": f"{field}.name", "message": e.args[0]}]
-        try:
-            params = kind.Params.model_validate(spec.params)
         except ValidationError as e:
             return _fields(e.errors(), field, "params")
-        bad = [{**b, "field": f"{field}.params.{b['field']}"} for b in kind(params).problems(prompts, self.settings.engine)]
-        return bad + (self._sampler_problems(params.inner, f"{field}.params.inner", prompts) if kind.filters_groups else [])
+        bad = [{**b, "field": f"{field}.params.{b['field']}"} for b in sampler.problems(prompts, self.settings.engine)]
+        return bad + (self._sampler_problems(sampler.params.inner, f"{field}.params.inner", prompts) if sampler.filters_groups else [])
 
     async def _check_tokens(self, prompts: list[P.Prompt]) -> JSONResponse | None:
         if self.vocab is None:
@@ -615,10 +612,6 @@ class Ingress:
                for i, p in enumerate(prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
         return _invalid(bad) if bad else None
 
-    def _sampler(self, spec: P.SamplerSpec):
-        kind = sampler_class(spec.name, self.settings.plugins)
-        return kind(kind.Params.model_validate(spec.params))
-
     def _plan(self, spec: P.SamplerSpec, sampler, sampling: P.SamplingParams) -> tuple[P.SamplingParams, dict]:
         params, meta = sampler.plan(sampling, SamplerState(stats=self.stats, weight_version=self.committed))
         self._note_temperature(spec.name, params.temperature)
@@ -626,7 +619,7 @@ class Ingress:
 
     async def _produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:
         """Spread the groups over the replicas (a group stays on one), recording each part as it finishes."""
-        sampler = self._sampler(req.sampler)
+        sampler = make_sampler(req.sampler, self.settings.plugins)
         if sampler.filters_groups:
             return await self._produce_filtered(job, req, sampler, delivered)
         k = self.settings.replicas * (2 if req.stream else 1)  # finer parts when streaming, so groups arrive sooner
@@ -648,14 +641,14 @@ class Ingress:
                 call.cancel()
             raise
         groups = [job.groups[i] for i in range(job.size)]
-        self._count(req.sampler.name, groups, delivered)
+        self._count(req.sampler.name, groups, groups if delivered else [])
         return P.RolloutResponse(groups=groups)
 
     async def _produce_filtered(self, job: Job, req: P.RolloutRequest, flt, delivered: bool) -> P.RolloutResponse:
         """dynamic_group_filter: engine calls of prompts_per_call prompts, at most replicas x FARM_ENGINE_MAX_ONGOING_REQUESTS
         at once, until target_groups informative groups are kept or max_groups were started; then the running calls are cancelled."""
         p = flt.params
-        params, meta = self._plan(p.inner, self._sampler(p.inner), req.sampling_params)
+        params, meta = self._plan(p.inner, make_sampler(p.inner, self.settings.plugins), req.sampling_params)
         meta = {**meta, "filter": req.sampler.name}
         target, cap = p.target_groups or len(req.prompts), min(p.max_groups or len(req.prompts), len(req.prompts))
         todo = deque((j, list(range(a, min(a + p.prompts_per_call, cap)))) for j, a in enumerate(range(0, cap, p.prompts_per_call)))
@@ -701,9 +694,7 @@ class Ingress:
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
         job.report = report = self._filter_report(target, finished, cancelled)
         groups = [job.groups[i] for i in sorted(job.groups)]
-        self._count(req.sampler.name, [g for _, g in finished], delivered=False)  # the engine work: the zero-variance fraction
-        for s in (s for g in groups for s in g.samples) if delivered else ():
-            metrics.STALENESS.observe(max(0, self.committed - s.weight_version))
+        self._count(req.sampler.name, [g for _, g in finished], groups if delivered else [])  # the engine work: the zero-variance fraction
         log.info(json.dumps({"event": "group_filter", **report.model_dump()}))
         return P.RolloutResponse(groups=groups, filter=report)
 
@@ -732,14 +723,15 @@ class Ingress:
             self.temperatures[sampler] = temperature
         metrics.SAMPLER_TEMPERATURE.labels(sampler).set(temperature)
 
-    def _count(self, sampler: str, groups: list[P.Group], delivered: bool) -> None:
+    def _count(self, sampler: str, groups: list[P.Group], delivered: list[P.Group]) -> None:
+        """Per-sampler counts of the groups generated, and the staleness of those delivered now (queued ones count when pulled)."""
         metrics.GROUPS.labels(sampler).inc(len(groups))
         metrics.ZERO_VAR.labels(sampler).inc(sum(g.zero_variance for g in groups))
         metrics.SAMPLES.labels(sampler).inc(sum(len(g.samples) for g in groups))
         metrics.TOKENS.labels(sampler).inc(sum(len(s.token_ids) for g in groups for s in g.samples))
         metrics.CANDIDATES.labels(sampler).inc(sum(g.candidates or 0 for g in groups))
         metrics.REJECTED.labels(sampler).inc(sum(g.rejected or 0 for g in groups))
-        for s in (s for g in groups for s in g.samples) if delivered else ():  # queued groups count when pulled
+        for s in (s for g in delivered for s in g.samples):
             metrics.STALENESS.observe(max(0, self.committed - s.weight_version))
 
     @api.post("/v1/queue/sources", response_model=P.QueueSourceState, responses={401: {"model": P.ErrorResponse}, 409: {"model": P.ErrorResponse}, 422: {"model": P.ErrorResponse}})

@@ -29,10 +29,14 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._items)
 
-    def get(self, name: str) -> T:
+    def get(self, name: str, modules: list[str] | None = None) -> T:
+        """A registered name, or `pkg.module:attr`; with `modules`, only from those modules (names that come from requests)."""
         if name in self._items:
             return self._items[name]
-        if ":" in name:
-            module, _, attr = name.partition(":")
-            return getattr(importlib.import_module(module), attr)
-        raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())} (or 'pkg.module:attr')")
+        module, sep, attr = name.partition(":")
+        if sep and (modules is None or module in modules):
+            found = getattr(importlib.import_module(module), attr, None)
+            if found is not None:
+                return found
+        where = "'pkg.module:attr' with the module in FARM_PLUGINS" if modules is not None else "'pkg.module:attr'"
+        raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}, or {where}")

@@ -18,7 +18,6 @@ draws each group with its `inner` sampler.
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
 from typing import Literal
@@ -83,15 +82,16 @@ SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
 
 def sampler_class(name: str, plugins: list[str]) -> type[Sampler]:
     """A registered sampler, or `pkg.module:Class` when that module is listed in FARM_PLUGINS; else KeyError."""
-    if name in SAMPLERS.names():
-        return SAMPLERS.get(name)
-    module, sep, attr = name.partition(":")
-    if sep and module in plugins:
-        obj = getattr(importlib.import_module(module), attr, None)
-        if isinstance(obj, type) and issubclass(obj, Sampler):
-            return obj
-        raise KeyError(f"{name!r} is not a Sampler subclass in {module}")
-    raise KeyError(f"unknown sampler {name!r}; valid names: {', '.join(SAMPLERS.names())}, or 'pkg.module:Class' with the module in FARM_PLUGINS")
+    kind = SAMPLERS.get(name, plugins)
+    if not (isinstance(kind, type) and issubclass(kind, Sampler)):
+        raise KeyError(f"{name!r} is not a Sampler subclass")
+    return kind
+
+
+def make_sampler(spec: P.SamplerSpec, plugins: list[str]) -> Sampler:
+    """The sampler a request names, with its params checked (KeyError, pydantic.ValidationError)."""
+    kind = sampler_class(spec.name, plugins)
+    return kind(kind.Params.model_validate(spec.params))
 
 
 @SAMPLERS.register("plain")

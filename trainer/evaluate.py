@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from services import protocol as P
 from services.client import FarmClient
@@ -58,15 +58,17 @@ def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
     return mean, Z95 * math.sqrt(var / n)
 
 
-def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:
-    problems = task.heldout(n)
+def score(client: FarmClient, task: Task, render: Callable[[Problem], str], problems: list[Problem], chunk: int = 256) -> Iterator[list[dict]]:
+    """Greedy answers through the service, a chunk at a time: per problem, whether the reward counts it correct,
+    whether its last number is right in any format, and its length in tokens."""
     params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
-    correct: list[bool] = []
-    number: list[bool] = []
     for i in range(0, len(problems), chunk):
         part = problems[i:i + chunk]
         req = P.RolloutRequest(prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part], n=1, sampling_params=params, reward=task.reward)
-        groups = client.rollouts(req).groups
-        correct += [g.samples[0].reward > 0.5 for g in groups]
-        number += [last_number(g.samples[0].text) == p.answer for g, p in zip(groups, part)]
-    return Accuracy(correct, number)
+        yield [{"correct": g.samples[0].reward > 0.5, "number": last_number(g.samples[0].text) == p.answer, "tokens": len(g.samples[0].token_ids)}
+               for g, p in zip(client.rollouts(req).groups, part)]
+
+
+def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:
+    rows = [r for part in score(client, task, render, task.heldout(n), chunk) for r in part]
+    return Accuracy([r["correct"] for r in rows], [r["number"] for r in rows])
