@@ -66,6 +66,19 @@ def test_stop_token_ids_end_samples(engine):
         assert stop not in o.token_ids[:-1]
 
 
+def test_finished_rows_leave_the_batch_without_changing_the_others(engine):
+    """Rows that stop early are dropped from the batch (and its KV cache): the rest decode as they would alone."""
+    ids = prompts(engine, ["Q: 3+3\nA:", "a much longer prompt, to force left padding", "hi", "Q: 71-5\nA: The"])
+    free = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=16))
+    stop = free[0].token_ids[1]  # ends row 0 after two tokens, and the others wherever they produce it
+    batch = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[stop]))
+    alone = [engine.generate([p], SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[stop]))[0] for p in ids]
+    assert len(batch[0].token_ids) == 2 and any(len(o.token_ids) > 2 for o in batch)  # rows did finish at different steps
+    for b, a in zip(batch, alone):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < 1e-4
+
+
 def test_update_weights_checks_names_shapes_dtypes(engine, tiny_model):
     state = load_file(tiny_model / "model.safetensors")
     bad_shape = dict(state, **{"lm_head.weight": torch.zeros(3, 3)})

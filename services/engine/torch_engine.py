@@ -89,6 +89,8 @@ class RegexMask:
 
 
 class TorchEngine(Engine):
+    drop_finished = True  # finished rows leave the batch; False keeps them (bench/engine_batching.py compares)
+
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
@@ -203,6 +205,7 @@ class TorchEngine(Engine):
         rx = RegexMask(p.regex, self.tokenizer, set(stop.tolist())) if p.regex else None
         texts: list[list[int]] = [[] for _ in range(B)]  # constrained rows' tokens so far
         dead = torch.zeros(B, dtype=torch.bool, device=dev)  # constrained rows with no allowed token
+        rows = torch.arange(B, device=dev)  # the rows still in the batch: a finished row leaves it, KV cache and all
         step_ids, step_pos = ids, pos
         for t in range(p.max_new_tokens):
             if self._commit == "partial":
@@ -215,26 +218,35 @@ class TorchEngine(Engine):
             past, logits = out.past_key_values, out.logits[:, -1, :].float()
             proc = None if p.temperature == 0 else processed_logits(logits, p)
             if rx is None:
-                tok = logits.argmax(-1) if proc is None else torch.multinomial(torch.softmax(proc, -1), 1, generator=gen).squeeze(-1)
+                live_tok = logits.argmax(-1) if proc is None else torch.multinomial(torch.softmax(proc, -1), 1, generator=gen).squeeze(-1)
             else:
-                picks = [None if done[i] else rx.pick(texts[i], logits[i], None if proc is None else proc[i], gen) for i in range(B)]
-                for i, pick in enumerate(picks):
+                picks = [None if done[i] else rx.pick(texts[i], logits[j], None if proc is None else proc[j], gen) for j, i in enumerate(rows.tolist())]
+                for i, pick in zip(rows.tolist(), picks):
                     if pick is None and not done[i]:  # a dead end: the row ends before this token
                         dead[i], done[i], lengths[i] = True, True, t
                     elif pick is not None:
                         texts[i].append(pick)
-                tok = torch.tensor([self.pad_id if x is None else x for x in picks], dtype=torch.long, device=dev)
+                live_tok = torch.tensor([self.pad_id if x is None else x for x in picks], dtype=torch.long, device=dev)
+            tok, lp, slp = torch.full((B,), self.pad_id, dtype=torch.long, device=dev), torch.zeros(B, device=dev), torch.zeros(B, device=dev)
+            tok[rows] = live_tok
+            lp[rows] = torch.log_softmax(logits, -1).gather(-1, live_tok[:, None]).squeeze(-1)
+            if proc is not None:
+                slp[rows] = torch.log_softmax(proc, -1).gather(-1, live_tok[:, None]).squeeze(-1)
             toks.append(tok)
+            lps.append(lp)
+            slps.append(slp)
             versions.append(self.weight_version)
-            lps.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
-            slps.append(torch.zeros_like(lps[-1]) if proc is None else torch.log_softmax(proc, -1).gather(-1, tok[:, None]).squeeze(-1))
             finished = ~done & torch.isin(tok, stop)
             lengths[finished.cpu()] = t + 1
             done |= finished
             if bool(done.all()):
                 break
-            step_ids, step_pos = tok[:, None], step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+            keep = ~done[rows] if self.drop_finished else torch.ones(len(rows), dtype=torch.bool, device=dev)
+            step_ids, step_pos = live_tok[keep, None], step_pos[keep, -1:] + 1
+            mask = torch.cat([mask[keep], torch.ones((int(keep.sum()), 1), dtype=mask.dtype, device=dev)], dim=1)
+            if not bool(keep.all()):
+                past.reorder_cache(keep.nonzero().squeeze(-1))
+                rows = rows[keep]
         tok_mat = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]
         lp_mat = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
         slp_mat = torch.stack(slps, 1).tolist() if slps else [[] for _ in range(B)]
