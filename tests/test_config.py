@@ -32,8 +32,23 @@ def test_dotted_overrides_are_parsed_as_yaml():
     ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type: Input should be 'fixed' or 'adaptive'"),
     ("critic.enable=false", "critic.enable: gae needs the critic's values"),
     ("n16", "write dotted.key=value"),
+    ("trainer.device=gpu", "trainer.device: String should match pattern"),
 ])
 def test_bad_values_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=None) as e:
         load(PRESETS / "design.yaml", [override])
     assert message in str(e.value)
+
+
+def test_the_trainer_device_resolves_to_what_this_machine_has():
+    import torch
+
+    from trainer.distributed import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(RuntimeError, match="trainer.device=cuda: torch here has no CUDA device"):
+            resolve_device("cuda")

@@ -50,6 +50,29 @@ def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, t
         assert step["rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy: the recomputed logprobs are the rollout's
 
 
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_add_up_to_the_same_step(service, tiny_model, tmp_path, loss_agg_mode):
+    """ppo_micro_batch_size_per_gpu=3 (gradient accumulation over uneven micro-batches: 16 samples -> 3+3+3+3+3+1) takes
+    the step the whole mini-batch takes: same rollouts (same seed, same starting weights), same losses, same gradients.
+    (Weights are not compared: Adam turns rounding-level differences in near-zero gradients into steps of lr.)"""
+    from trainer.loop import Trainer
+
+    trainers, rows = [], []
+    for name, micro in (("whole", []), ("micro", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])):
+        trainer = Trainer(config(service, tiny_model, tmp_path / name, "trainer.resume_mode=disable", "algorithm.adv_estimator=control_variate",
+                                 f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                 *micro), TOKEN)
+        trainer.run()
+        trainers.append(trainer)
+        rows.append(json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1]))
+    for key in ("reward_mean", "pg_loss", "kl_ref", "entropy", "grad_norm", "vf_loss"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+    for model in ("policy", "critic"):  # the one optimizer step's (clipped) gradients are still on the parameters
+        whole, micro = (dict(getattr(t, model).named_parameters()) for t in trainers)
+        assert all(torch.allclose(whole[k].grad, micro[k].grad, rtol=1e-4, atol=1e-7) for k in whole), model
+        assert any(p.grad.abs().sum() > 0 for p in whole.values())
+
+
 def test_the_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
     from verl.trainer.ppo import core_algos
 
@@ -160,3 +183,21 @@ def test_a_killed_queue_trainer_resumes_and_gets_its_unacked_groups_again(servic
     finally:
         proc.kill()
         httpx.delete(f"{service}/v1/queue/sources/{source}", headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+@pytest.mark.gpu
+def test_a_trainer_on_cuda_takes_the_same_first_step_as_on_the_cpu(service, tiny_model, tmp_path):
+    """trainer.device=cuda: models, batch and collectives on the GPU; the service may stay on the CPU. The first
+    step's losses match a CPU trainer's: both start from the model's weights and draw with the same seed, so the service
+    returns them the same rollouts."""
+    from trainer.loop import Trainer
+
+    rows = []
+    for device in ("cpu", "cuda"):
+        trainer = Trainer(config(service, tiny_model, tmp_path / device, f"trainer.device={device}", "trainer.resume_mode=disable",
+                                 "algorithm.adv_estimator=control_variate"), TOKEN)
+        assert next(trainer.policy.parameters()).device.type == device
+        trainer.run()
+        rows.append(json.loads((tmp_path / device / "metrics.jsonl").read_text().splitlines()[-1]))
+    for key in ("reward_mean", "pg_loss", "vf_loss"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-3, abs=1e-5), key

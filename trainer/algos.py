@@ -18,7 +18,7 @@ def outcome_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor)
     """rewards (B,), response_mask (B, R) -> (B, R) with each reward on its sample's last response token."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
     last = (response_mask.sum(-1) - 1).clamp(min=0).long()
-    out[torch.arange(len(rewards)), last] = rewards.float() * (response_mask.sum(-1) > 0)
+    out[torch.arange(len(rewards), device=last.device), last] = rewards.float() * (response_mask.sum(-1) > 0)
     return out
 
 

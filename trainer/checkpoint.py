@@ -49,9 +49,9 @@ def save(root: Path, step: int, policy: torch.nn.Module, optimizers: dict[str, t
     final, tmp = base / f"step_{step}", base / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in canonical_state_dict(policy).items()}, tmp / "policy.safetensors")
+    save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(policy).items()}, tmp / "policy.safetensors")
     if critic is not None:
-        save_file({k: v.detach().contiguous() for k, v in canonical_state_dict(critic).items()}, tmp / "critic.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(critic).items()}, tmp / "critic.safetensors")
     torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, tmp / "optim.pt")
     rng = _state_to_json(_rng_state())
     if trainer_rng is not None:
@@ -90,7 +90,7 @@ def load(path: Path, policy: torch.nn.Module, optimizers: dict[str, torch.optim.
             cparams = canonical_state_dict(critic)
             for name, t in load_file(path / "critic.safetensors").items():
                 cparams[name].copy_(t)
-    states = torch.load(path / "optim.pt", weights_only=True)
+    states = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")  # load_state_dict moves them to the params' device
     for name, opt in optimizers.items():
         if name in states:
             opt.load_state_dict(states[name])

@@ -45,6 +45,9 @@ class ActorConfig(_Strict):
     optim: Optim = Field(default_factory=Optim)
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: int = Field(32, ge=1, description="in prompts (groups), as verl; above data.train_batch_size it is one mini-batch")
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description="samples per forward/backward pass; the gradients of a mini-batch's "
+                                                     "micro-batches add up to one optimizer step. Also sizes the no-grad passes (reference, "
+                                                     "recomputed old logprobs). None: a process's whole share of the mini-batch at once")
     clip_ratio: float = Field(0.2, gt=0, lt=1)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages; must exceed 1")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -67,6 +70,7 @@ class CriticConfig(_Strict):
     enable: bool | None = Field(None, description="None: on when the estimator needs values (gae, adaptive_gae, control_variate)")
     optim: Optim = Field(default_factory=lambda: Optim(lr=1e-5, weight_decay=0.01))
     cliprange_value: float = Field(0.5, gt=0)
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description="samples per critic forward/backward pass; None: the actor's")
 
 
 class KLCtrl(_Strict):
@@ -110,6 +114,8 @@ class Trainer(_Strict):
     queue_lease_s: float = Field(120.0, gt=0, le=86400, description="seconds until pulled-but-unacked groups are delivered again")
     queue_max_staleness: int = Field(0, ge=0, description="drop (and regenerate) groups this many versions behind; above 0 needs old_logprobs=recompute")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where the trainer's models live: auto (a GPU if there is "
+                        "one; under torchrun each rank takes cuda:LOCAL_RANK), cpu, cuda or cuda:i")
     resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the newest checkpoint in default_local_dir")
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel training with torch.distributed (gloo on CPU, nccl on GPUs).
+"""Data-parallel training with torch.distributed (gloo on the CPU, nccl when the trainer runs on GPUs: trainer.device).
 
 Launch with torchrun; each process takes every world_size-th group of the step's batch:
 
@@ -18,11 +18,29 @@ import torch
 import torch.distributed as dist
 
 
-def init_from_env() -> tuple[int, int]:
-    """(rank, world_size); joins the process group when launched by torchrun with WORLD_SIZE > 1."""
+DEVICE = torch.device("cpu")  # where collectives put their tensors: the trainer's device
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto': this process's GPU (LOCAL_RANK under torchrun) when CUDA is there, else the CPU; or 'cpu', 'cuda', 'cuda:i'."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"trainer.device={name}: torch here has no CUDA device; use cpu or auto")
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def init_from_env(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+    """(rank, world_size); joins the process group (nccl on a GPU, gloo on the CPU) when launched by torchrun with WORLD_SIZE > 1."""
+    global DEVICE
+    DEVICE = device
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
@@ -61,7 +79,7 @@ def broadcast_tensors(tensors: list[torch.Tensor] | None, shapes: list[tuple], d
     """Rank 0's tensors on every rank (the others pass None). Plain tensors only: nothing is pickled."""
     if not active():
         return tensors
-    out = tensors if dist.get_rank() == 0 else [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    out = [t.to(DEVICE) for t in tensors] if dist.get_rank() == 0 else [torch.empty(s, dtype=d, device=DEVICE) for s, d in zip(shapes, dtypes)]
     for t in out:
         dist.broadcast(t, src=0)
     return out
@@ -70,7 +88,7 @@ def broadcast_tensors(tensors: list[torch.Tensor] | None, shapes: list[tuple], d
 def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
     if not active():
         return values
-    t = torch.tensor(values if dist.get_rank() == 0 else [0] * n, dtype=torch.long)
+    t = torch.tensor(values if dist.get_rank() == 0 else [0] * n, dtype=torch.long, device=DEVICE)
     dist.broadcast(t, src=0)
     return t.tolist()
 

@@ -102,8 +102,8 @@ def adaptive_gae(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
 def _leave_one_out_means(scores: torch.Tensor, group_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean reward of the other samples of each sample's group, whether it has any others)."""
     ids = np.unique(group_ids, return_inverse=True)[1]
-    ids = torch.as_tensor(ids)
-    sums = torch.zeros(int(ids.max()) + 1, dtype=scores.dtype).index_add_(0, ids, scores)
+    ids = torch.as_tensor(ids, device=scores.device)
+    sums = torch.zeros(int(ids.max()) + 1, dtype=scores.dtype, device=scores.device).index_add_(0, ids, scores)
     counts = torch.zeros_like(sums).index_add_(0, ids, torch.ones_like(scores))
     others = counts[ids] - 1
     return (sums[ids] - scores) / others.clamp(min=1), others > 0
@@ -126,7 +126,7 @@ def control_variate(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
     loo, has_others = _leave_one_out_means(r, x.group_ids)
     loo = torch.where(has_others, loo, v)  # a lone sample: the critic alone
     y, d = r - v, loo - v
-    fold = torch.as_tensor(np.unique(x.group_ids, return_inverse=True)[1] % 2 == 1)  # whole groups per fold
+    fold = torch.as_tensor(np.unique(x.group_ids, return_inverse=True)[1] % 2 == 1, device=r.device)  # whole groups per fold
     c = torch.empty_like(r)
     cs = []
     for f in (False, True):

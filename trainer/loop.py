@@ -38,7 +38,7 @@ from trainer.config import Config
 from trainer.estimators import ESTIMATORS, AdvInput
 from trainer.evaluate import evaluate
 from trainer.guards import STEP_GAUGES, Guard
-from trainer.policy import Batch, broadcast_batch, make_batch, response_logprobs, response_values
+from trainer.policy import Batch, broadcast_batch, in_micro_batches, make_batch, response_logprobs, response_values
 
 log = logging.getLogger("farm.trainer")
 GUARD_ACTIONS = ("rollback", "raise_mini_batch")
@@ -47,18 +47,19 @@ GUARD_ACTIONS = ("rollback", "raise_mini_batch")
 class Trainer:
     def __init__(self, cfg: Config, token: str = ""):
         self.cfg, t = cfg, cfg.trainer
-        self.rank, self.world = distributed.init_from_env()  # rank 0 alone talks to the service and writes files
+        self.device = distributed.resolve_device(t.device)
+        self.rank, self.world = distributed.init_from_env(self.device)  # rank 0 alone talks to the service and writes files
         torch.manual_seed(t.seed)
         self.rng = random.Random(t.seed)
         path = resolve_model(cfg.actor_rollout_ref.model.path)
         actor = cfg.actor_rollout_ref.actor
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval().requires_grad_(False)
         self.opt = {"actor": torch.optim.AdamW(self.policy.parameters(), lr=actor.optim.lr, weight_decay=actor.optim.weight_decay)}
         self.critic = None
         if cfg.critic_enabled:
-            self.critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+            self.critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).to(self.device)
             self.opt["critic"] = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.optim.lr, weight_decay=cfg.critic.optim.weight_decay)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.mini_batch_size = actor.ppo_mini_batch_size
@@ -103,6 +104,7 @@ class Trainer:
             if batch is None:  # every group was filtered out: nothing to learn from this step
                 log.warning(json.dumps({"event": "empty_batch", "step": step}))
                 continue
+            batch = batch.to(self.device)
             metrics = self.train_step(batch)
             self.push()
             if self.leased:  # used: the queue may forget them
@@ -219,10 +221,11 @@ class Trainer:
     # one update -------------------------------------------------------------------
     def train_step(self, b: Batch) -> dict:
         a, alg = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
+        micro, critic_micro = a.ppo_micro_batch_size_per_gpu, self.cfg.critic.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         with torch.no_grad():
-            ref_lp, _ = response_logprobs(self.ref, b)
-            old_lp = b.rollout_logprobs if a.old_logprobs == "rollout" else response_logprobs(self.policy, b)[0]
-            values = response_values(self.critic, b) if self.critic is not None else None
+            ref_lp = in_micro_batches(lambda mb: response_logprobs(self.ref, mb)[0], b, micro)
+            old_lp = b.rollout_logprobs if a.old_logprobs == "rollout" else in_micro_batches(lambda mb: response_logprobs(self.policy, mb)[0], b, micro)
+            values = in_micro_batches(lambda mb: response_values(self.critic, mb), b, critic_micro) if self.critic is not None else None
         token_rewards = algos.outcome_to_token_rewards(b.rewards, b.response_mask)
         metrics = {}
         if alg.use_kl_in_reward:  # verl's apply_kl_penalty: r_t - beta * KL_t, then the controller moves beta
@@ -244,8 +247,10 @@ class Trainer:
 
     def update(self, b: Batch, adv: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor | None,
                returns: torch.Tensor) -> dict:
-        """PPO epochs over mini-batches of whole groups, and the critic's clipped value loss alongside."""
-        a, c = self.cfg.actor_rollout_ref.actor, self.cfg.critic
+        """PPO epochs over mini-batches of whole groups, and the critic's clipped value loss alongside. Each process trains
+        its share of a mini-batch's groups in micro-batches; every loss is scaled by the whole mini-batch's token and
+        sample counts, so the gradients summed over micro-batches and processes are those of the mini-batch."""
+        a = self.cfg.actor_rollout_ref.actor
         self.policy.train()
         n_groups = int(b.group_ids.max()) + 1
         stats: dict[str, list[float]] = {}
@@ -255,41 +260,57 @@ class Trainer:
                 whole = torch.isin(group_ids, chunk)  # the mini-batch on every rank; this rank trains its share of the groups
                 idx = torch.nonzero(torch.isin(group_ids, chunk[self.rank::self.world])).squeeze(-1)
                 share = {"batch_num_tokens": b.response_mask[whole].sum().item(), "global_batch_size": int(whole.sum())}
-                mb, mask = b.select(idx), b.response_mask[idx]
-                lp, entropy = response_logprobs(self.policy, mb, with_entropy=True)
-                pg_loss, pg = algos.ppo_loss(old_lp[idx], lp, adv[idx], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
-                kl = algos.share_mean(algos.kl_penalty(lp, ref_lp[idx], a.kl_loss_type), mask, share["batch_num_tokens"])
-                ent = algos.share_mean(entropy, mask, share["batch_num_tokens"])
-                loss = pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)
+                micros = idx.split(a.ppo_micro_batch_size_per_gpu or max(1, len(idx))) if len(idx) else ()
+                totals, parts = torch.zeros(3, device=self.device), {}
                 self.opt["actor"].zero_grad()
-                loss.backward()
+                for m in micros:
+                    mb, mask = b.select(m), b.response_mask[m]
+                    lp, entropy = response_logprobs(self.policy, mb, with_entropy=True)
+                    pg_loss, pg = algos.ppo_loss(old_lp[m], lp, adv[m], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
+                    kl = algos.share_mean(algos.kl_penalty(lp, ref_lp[m], a.kl_loss_type), mask, share["batch_num_tokens"])
+                    ent = algos.share_mean(entropy, mask, share["batch_num_tokens"])
+                    (pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)).backward()
+                    totals += torch.stack([pg_loss, kl, ent]).detach()
+                    for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+                        parts.setdefault(k, []).append(float(pg.get(k, 0.0)))
                 distributed.sum_gradients(self.policy)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a.grad_clip)
                 self.opt["actor"].step()
-                pg_total, kl_total, ent_total = distributed.all_reduce_sum(torch.stack([pg_loss, kl, ent]).detach()).tolist()  # shares -> whole
+                pg_total, kl_total, ent_total = distributed.all_reduce_sum(totals).tolist()  # shares -> whole
+                pg_means = {k.removeprefix("actor/"): sum(v) / len(v) for k, v in parts.items()}  # over this rank's micro-batches
                 row = {"pg_loss": pg_total, "kl_ref": kl_total, "entropy": ent_total, "grad_norm": grad_norm.item(),
-                       "pg_clipfrac": pg["actor/pg_clipfrac"], "pg_clipfrac_lower": pg.get("actor/pg_clipfrac_lower", 0.0), "ppo_kl": pg["actor/ppo_kl"]}
+                       **{k: pg_means.get(k, 0.0) for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}
                 if self.critic is not None:
-                    vpred = response_values(self.critic, mb)
-                    vf_loss, vf_clipfrac = core_algos.compute_value_loss(vpred, returns[idx], values[idx], mask.float(), c.cliprange_value,
-                                                                         a.loss_agg_mode, **share)
-                    self.opt["critic"].zero_grad()
-                    vf_loss.backward()
-                    distributed.sum_gradients(self.critic)
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), a.grad_clip)
-                    self.opt["critic"].step()
-                    row.update(vf_loss=vf_loss.item(), vf_clipfrac=float(vf_clipfrac))
+                    row.update(self.update_critic(b, idx, share, values, returns))
                 for k, v in row.items():
                     stats.setdefault(k, []).append(float(v))
         self.policy.eval()
         return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def update_critic(self, b: Batch, idx: torch.Tensor, share: dict, values: torch.Tensor, returns: torch.Tensor) -> dict:
+        """One clipped value-loss step on this rank's share of a mini-batch, in the critic's micro-batches."""
+        a, c = self.cfg.actor_rollout_ref.actor, self.cfg.critic
+        size = c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu or max(1, len(idx))
+        loss_total, clipfracs = torch.zeros((), device=self.device), []
+        self.opt["critic"].zero_grad()
+        for m in (idx.split(size) if len(idx) else ()):
+            mb = b.select(m)
+            vf_loss, vf_clipfrac = core_algos.compute_value_loss(response_values(self.critic, mb), returns[m], values[m], b.response_mask[m].float(),
+                                                                 c.cliprange_value, a.loss_agg_mode, **share)
+            vf_loss.backward()
+            loss_total += vf_loss.detach()
+            clipfracs.append(float(vf_clipfrac))
+        distributed.sum_gradients(self.critic)
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), a.grad_clip)
+        self.opt["critic"].step()
+        return {"vf_loss": distributed.all_reduce_sum(loss_total).item(), "vf_clipfrac": sum(clipfracs) / max(1, len(clipfracs))}
 
     # weights, checkpoints, metrics -------------------------------------------------------
     def push(self) -> None:
         """Send the policy as the next version and check the service serves it (rank 0; the other ranks hold the same weights)."""
         if self.rank != 0:
             return
-        data = save({k: v.detach().contiguous() for k, v in canonical_state_dict(self.policy).items()})
+        data = save({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(self.policy).items()})
         pushed = self.client.push_weights(data, self.client.weights_version().version + 1)
         served = self.client.weights_version().version
         if served != pushed.version:

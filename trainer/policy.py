@@ -29,7 +29,11 @@ class Batch:
 
     def select(self, idx: torch.Tensor) -> "Batch":
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.response_pos[idx], self.response_ids[idx], self.response_mask[idx],
-                     self.rollout_logprobs[idx], self.rewards[idx], self.group_ids[idx.numpy()], [self.weight_versions[i] for i in idx.tolist()])
+                     self.rollout_logprobs[idx], self.rewards[idx], self.group_ids[idx.cpu().numpy()], [self.weight_versions[i] for i in idx.tolist()])
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_pos, self.response_ids, self.response_mask,
+                                               self.rollout_logprobs, self.rewards)), self.group_ids, self.weight_versions)
 
 
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
@@ -71,6 +75,13 @@ def response_values(critic: torch.nn.Module, b: Batch) -> torch.Tensor:
     return out.gather(1, b.response_pos) * b.response_mask
 
 
+def in_micro_batches(fn, b: Batch, size: int | None) -> torch.Tensor:
+    """fn(batch) -> (B_i, R) tensor, over micro-batches of `size` samples (None: all at once), concatenated: no-grad passes of big batches."""
+    if not size or size >= len(b):
+        return fn(b)
+    return torch.cat([fn(b.select(idx)) for idx in torch.arange(len(b)).split(size)])
+
+
 def broadcast_batch(b: Batch | None) -> Batch | None:
     """Rank 0's batch on every rank, as plain tensors; None everywhere when rank 0 has none."""
     from trainer import distributed
@@ -86,4 +97,4 @@ def broadcast_batch(b: Batch | None) -> Batch | None:
         [b.input_ids, b.attention_mask, b.response_pos, b.response_ids, b.response_mask, b.rollout_logprobs, b.rewards,
          torch.as_tensor(b.group_ids), torch.tensor(b.weight_versions)], dtypes)]
     t = distributed.broadcast_tensors(mine, shapes, dtypes)
-    return Batch(*t[:7], t[7].numpy(), t[8].tolist())
+    return Batch(*t[:7], t[7].cpu().numpy(), t[8].tolist())
