@@ -55,7 +55,7 @@ def main() -> None:
     if todo:
         url = start_service(model=str(path), replicas=1)
         try:
-            with FarmClient(url, TOKEN) as client, progress.open("a") as f:
+            with FarmClient(url, TOKEN, timeout=3600) as client, progress.open("a") as f:  # a chunk of long greedy answers takes minutes
                 chunks = score(client, task, render, [problems[i] for i in todo], a.chunk)
                 for k, part in enumerate(tqdm(chunks, desc="evaluating", unit="chunk", total=-(-len(todo) // a.chunk))):
                     for i, row in zip(todo[k * a.chunk:(k + 1) * a.chunk], part):
