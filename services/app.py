@@ -7,6 +7,7 @@
 """
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import importlib
@@ -526,7 +527,9 @@ class Ingress:
             metrics.REPLAYS.inc()
         else:
             job = Job(fingerprint, len(req.prompts))
-            job.task = asyncio.create_task(self._produce(job, req))
+            # In a context of its own: Serve cancels the engine calls made in a request's context when its caller leaves,
+            # and this job outlives its first caller by FARM_DISCONNECT_GRACE_S (see _abandoned).
+            job.task = contextvars.Context().run(asyncio.create_task, self._produce(job, req))
             if req.request_id:
                 self.jobs[req.request_id] = job
                 while len(self.jobs) > self.settings.idempotency_cache_size:  # forget the oldest finished ones
@@ -535,14 +538,13 @@ class Ingress:
                     del self.jobs[old]
                 job.task.add_done_callback(lambda t, rid=req.request_id, job=job: self._forget_failed(rid, job))
         if req.stream:
-            return StreamingResponse(self._stream(job), media_type="application/x-ndjson")
+            return StreamingResponse(self._stream(job, req.request_id), media_type="application/x-ndjson")
         job.waiters += 1
         try:
             await asyncio.wait({job.task})
         except asyncio.CancelledError:  # our caller went away: its engine work goes too, unless another caller waits
             job.waiters -= 1
-            if job.waiters == 0:
-                job.task.cancel()
+            self._abandoned(job, req.request_id)
             raise
         job.waiters -= 1
         if job.task.cancelled() or job.task.exception():
@@ -554,7 +556,17 @@ class Ingress:
         if (job.task.cancelled() or job.task.exception() is not None) and self.jobs.get(request_id) is job:
             del self.jobs[request_id]
 
-    async def _stream(self, job: Job):
+    def _abandoned(self, job: Job, request_id: str | None) -> None:
+        """A caller went away. With none left, the engine work is cancelled: at once without a request_id, else after
+        FARM_DISCONNECT_GRACE_S unless a retry under the same id (a client whose read timed out) is waiting for it by then."""
+        if job.waiters > 0:
+            return
+        if not request_id or self.settings.disconnect_grace_s == 0:
+            job.task.cancel()
+            return
+        asyncio.get_running_loop().call_later(self.settings.disconnect_grace_s, lambda: job.waiters == 0 and job.task.cancel())
+
+    async def _stream(self, job: Job, request_id: str | None):
         job.waiters += 1
         try:
             async for index, group in job.events():
@@ -562,8 +574,7 @@ class Ingress:
             yield P.StreamEnd(groups=len(job.groups), filter=job.report).model_dump_json() + "\n"
         except (asyncio.CancelledError, GeneratorExit):
             job.waiters -= 1
-            if job.waiters == 0:
-                job.task.cancel()
+            self._abandoned(job, request_id)
             raise
         except Exception as e:
             try:

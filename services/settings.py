@@ -31,6 +31,8 @@ class ServiceSettings(BaseSettings):
     idempotency_cache_size: int = Field(1024, ge=1, description="Rollout results kept per ingress replica for request_id replays.")
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     max_upload_bytes: int = Field(64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes.")
+    disconnect_grace_s: float = Field(30.0, ge=0, description="A rollout with a request_id whose last caller disconnects runs on this long, "
+                                      "for the caller's retry under the same id to pick it up; then it is cancelled (0: at once).")
     min_version_wait_s: float = Field(60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed.")
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")

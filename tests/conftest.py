@@ -12,6 +12,7 @@ os.environ.setdefault("FARM_CACHE", str(Path(__file__).parent.parent / ".venv" /
 TOKEN = "test-token-0123456789"
 MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
 MIN_VERSION_WAIT_S = 5.0  # short, so a rollout asking for a version nobody pushes gets its 409 soon
+DISCONNECT_GRACE_S = 2.0  # short, so an abandoned rollout with a request_id frees the replicas soon
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def service(tiny_model):
 
     settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
                                engine_max_ongoing_requests=2, engine_max_queued_requests=2,  # small, so 429 is reachable
-                               min_version_wait_s=MIN_VERSION_WAIT_S, plugins=["tests.farm_plugins"])  # a user's sampler and reward
+                               min_version_wait_s=MIN_VERSION_WAIT_S, disconnect_grace_s=DISCONNECT_GRACE_S,
+                               plugins=["tests.farm_plugins"])  # a user's sampler and reward
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()

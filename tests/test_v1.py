@@ -163,17 +163,42 @@ def test_delete_of_a_streamed_rollout_ends_the_stream_with_an_error(service):
     wait_until(lambda: not any_busy(service), "every replica idle after the cancel")
 
 
-def test_closing_the_connection_cancels_a_plain_rollout(service):
-    wait_until(lambda: not any_busy(service), "replicas idle before the test")
-    before = _generated(service)
-    raw = json.dumps(long_rollout(n=8, max_new_tokens=4096)).encode()
+def post_and_drop(service: str, body: dict) -> None:
+    """POST a rollout on a plain socket and close it once a replica is busy with it: a real FIN at a known moment."""
+    raw = json.dumps(body).encode()
     host, port = service.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:  # a plain socket, so that the close is a real FIN at a known moment
+    with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/rollouts HTTP/1.1\r\nHost: farm\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
         wait_until(lambda: any_busy(service), "a replica busy with the rollout")
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_closing_the_connection_cancels_a_plain_rollout(service):
+    wait_until(lambda: not any_busy(service), "replicas idle before the test")
+    before = _generated(service)
+    post_and_drop(service, long_rollout(n=8, max_new_tokens=4096))
     wait_until(lambda: not any_busy(service), "every replica idle after the client left")
     assert 0 < _generated(service) - before < 8 * 4096 / 2
+
+
+def test_a_retry_after_a_dropped_connection_picks_up_the_running_rollout(service):
+    """With a request_id, a caller whose connection drops (say its read timed out) has FARM_DISCONNECT_GRACE_S to send
+    the request again: the retry gets the running job's result, and nothing is generated twice. Without a retry, the
+    work is cancelled once the grace period is over."""
+    wait_until(lambda: not any_busy(service), "replicas idle before the test")
+    body = {**long_rollout(n=4), "request_id": "dropped-then-retried"}
+    replays = lambda: next(float(line.split()[-1]) for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines()  # noqa: E731
+                           if line.startswith("farm_idempotent_replays_total "))
+    before, replayed = _generated(service), replays()
+    post_and_drop(service, body)
+    r = rollout(service, body, timeout=300)
+    assert r.status_code == 200 and [len(s["token_ids"]) for s in r.json()["groups"][0]["samples"]] == [LONG_TOKENS] * 4
+    assert replays() == replayed + 1  # the retry joined the first job
+    assert 4 * LONG_TOKENS <= _generated(service) - before < 4 * LONG_TOKENS + 64  # generated once (plus /readyz's one-token health checks)
+    before = _generated(service)
+    post_and_drop(service, {**long_rollout(n=8, max_new_tokens=4096), "request_id": "dropped-for-good"})
+    wait_until(lambda: not any_busy(service), "every replica idle once the grace period was over")
+    assert 0 < _generated(service) - before < 8 * 4096
 
 
 # 3. min_weight_version ---------------------------------------------------------------------------------------------
