@@ -11,8 +11,11 @@ cd "$(dirname "$0")/.."
 farm=.venv/bin/farm
 out=runs/recovery
 rm -rf "$out" && mkdir -p "$out"
-port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-metrics_port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+read -r port metrics_port < <(.venv/bin/python -c '
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
 export FARM_API_TOKEN=recovery-demo-token FARM_URL=http://127.0.0.1:$port
 
 $farm serve --model arith-tiny --port "$port" > "$out/service.log" 2>&1 &
