@@ -332,7 +332,8 @@ def test_an_abort_push_reaches_replicas_whose_request_slots_are_full(service, ti
     wait_until(lambda: not any_busy(service), "replicas idle before the test")
     old = versions(service)["version"]
     with FarmClient(service, TOKEN, retries=100, backoff_s=0.05, max_backoff_s=0.5) as c:  # retries the 429s of a full engine queue
-        runs = [in_thread(lambda i=i: c.rollouts(P.RolloutRequest.model_validate(greedy([[40 + i, 41]], LONG_TOKENS, ignore_eos=True)))) for i in range(4)]
+        # long enough that the running ones are still running when the push lands, on an idle machine too
+        runs = [in_thread(lambda i=i: c.rollouts(P.RolloutRequest.model_validate(greedy([[40 + i, 41]], 2 * LONG_TOKENS, ignore_eos=True)))) for i in range(4)]
         time.sleep(1.5)  # let them take the replicas' slots (not an assertion: a late one simply runs on the new version)
         r = push(service, save(perturbed(tiny_model, seed=4, scale=0.1)), old + 1, policy="abort")
         assert r.status_code == 200, r.text
