@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+from services.net import free_port  # noqa: F401  (the benchmarks import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -28,30 +29,27 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_times() -> tuple[int, int]:
-    """(busy jiffies of all cores, jiffies of this process and its descendants: Ray and the service)."""
-    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    parent, used = {}, {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            parent[int(d)], used[int(d)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    me, own = os.getpid(), 0
-    for pid, t in used.items():
-        p, hops = pid, 0
-        while p not in (me, 0, 1) and hops < 64:
-            p, hops = parent.get(p, 0), hops + 1
-        own += t if p == me else 0
-    return sum(v) - v[3] - v[4], own
+def cpu_times() -> tuple[float, float]:
+    """(CPU seconds all cores have been busy, CPU seconds of this process and its descendants: Ray and the service)."""
+    import psutil
+
+    total = psutil.cpu_times()
+    busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
+    me = psutil.Process()
+    own = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            own += t.user + t.system
+        except psutil.Error:  # ended meanwhile
+            continue
+    return busy, own
 
 
-def busy_since(start: tuple[int, int], seconds: float) -> tuple[float, float]:
+def busy_since(start: tuple[float, float], seconds: float) -> tuple[float, float]:
     """(share of all cores busy, share busy with other people's work) since cpu_times() returned `start`."""
     (b0, o0), (b1, o1) = start, cpu_times()
-    total = seconds * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    total = seconds * (os.cpu_count() or 1)
     return (b1 - b0) / total, max(0.0, (b1 - b0) - (o1 - o0)) / total
 
 
@@ -77,12 +75,6 @@ def wait_quiet(threshold: float = 0.1, max_wait_s: float = 600.0) -> float:
             return m.foreign
         log(f"other processes use {m.foreign:.0%} of {os.cpu_count()} cores: waiting")
         time.sleep(3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve(model: str) -> Path:

@@ -1,7 +1,7 @@
 """Torch engine: finished rows leaving the batch (the default) vs staying in it until the longest row ends.
 
 One greedy batch of GSM8K test prompts (through the model's chat template, up to --max-new-tokens tokens) is
-generated in process by TorchEngine, once with `drop_finished` on and once off, alternating which goes first,
+generated in process by TorchEngine, and by a subclass that keeps finished rows, alternating which goes first,
 for --rounds rounds. Both sides must return the same tokens; the figure is the median over rounds of the
 ratio of their generated tokens per second. With answers of very uneven length (SmolLM2 stops after 100
 tokens on some problems and runs to 512 on others), keeping finished rows spends most of the batch's compute
@@ -31,12 +31,22 @@ def main() -> None:
     ap.add_argument("--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores")
     args = ap.parse_args()
 
+    import torch
+
     from services.engine.torch_engine import TorchEngine
     from services.protocol import SamplingParams
     from services.tasks import TASKS
 
-    engine = TorchEngine(str(resolve(args.model)), "cpu", "float32", args.threads)
-    tok = engine.tokenizer
+    class KeepFinishedRows(TorchEngine):
+        """The engine before finished rows left the batch: every row stays until the longest one ends."""
+
+        @staticmethod
+        def _rows_to_keep(done, rows):
+            return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+
+    path = str(resolve(args.model))
+    engines = {True: TorchEngine(path, "cpu", "float32", args.threads), False: KeepFinishedRows(path, "cpu", "float32", args.threads)}
+    tok = engines[True].tokenizer
 
     def render(prompt: str) -> str:
         if tok.chat_template:
@@ -47,10 +57,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
 
     def timed(drop: bool) -> tuple[float, float, list]:
-        engine.drop_finished = drop
         with CpuMeter() as m:
             t = time.perf_counter()
-            outs = engine.generate(batch, params)
+            outs = engines[drop].generate(batch, params)
             rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
         return rate, m.foreign, [o.token_ids for o in outs]
 

@@ -41,7 +41,7 @@ def main() -> None:
 
     from services import protocol as P
     from services.client import FarmClient
-    from services.engine.torch_engine import canonical_state_dict
+    from services.engine.state_dict import canonical_state_dict
 
     path = resolve(args.model)
     threads = max(1, (os.cpu_count() or 1) // args.replicas)

@@ -4,7 +4,9 @@ Handlers use them as `metrics.NAME`: Ray Serve ships the FastAPI app to its repl
 and only a module reference makes every copy count into the replica's one registry.
 """
 
-from prometheus_client import Counter, Gauge, Histogram
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REQUESTS = Counter("farm_requests_total", "HTTP requests", ["path", "status"])
 LATENCY = Histogram("farm_request_seconds", "HTTP request latency", ["path"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
@@ -14,8 +16,6 @@ ZERO_VAR = Counter("farm_zero_variance_groups_total", "Delivered groups whose re
 GROUPS = Counter("farm_groups_total", "Groups delivered by /v1/rollouts", ["sampler"])
 STALENESS = Histogram("farm_trajectory_staleness_versions", "Committed version minus the sample's weight version, at delivery", buckets=(0, 1, 2, 4, 8, 16, 64))
 VERSION = Gauge("farm_weight_version", "Newest weight version committed through this ingress")
-REPLICA_VERSION = Gauge("farm_replica_weight_version", "Weight version each replica serves (read at scrape time)", ["replica"])
-REPLICA_TOKENS = Gauge("farm_replica_generated_tokens", "Tokens each replica has generated since it started (read at scrape time)", ["replica"])
 SYNC_SECONDS = Histogram("farm_weight_sync_seconds", "Time to load a weight push on every replica", buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120))
 SYNC_BYTES = Counter("farm_weight_sync_bytes_total", "Bytes of accepted weight pushes")
 POLICY_KL = Gauge("farm_policy_kl", "KL the trainer last reported (POST /v1/policy_stats)")
@@ -23,8 +23,6 @@ POLICY_REWARD_VAR = Gauge("farm_policy_reward_variance", "Reward variance the tr
 POLICY_STEP = Gauge("farm_policy_step", "Trainer step last reported")
 SAMPLER_TEMPERATURE = Gauge("farm_sampler_temperature", "Temperature a sampler chose for its last request", ["sampler"])
 REPLAYS = Counter("farm_idempotent_replays_total", "Rollout requests answered from an earlier identical request_id")
-QUEUE_READY = Gauge("farm_queue_ready_groups", "Queue depth: generated groups waiting to be pulled (read at scrape time)", ["source"])
-QUEUE_LEASED = Gauge("farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked (read at scrape time)", ["source"])
 QUEUE_GENERATED = Counter("farm_queue_generated_groups_total", "Groups the queue generated in the background", ["source"])
 QUEUE_REDELIVERED = Counter("farm_queue_redeliveries_total", "Groups delivered again after their lease expired", ["source"])
 QUEUE_STALE = Counter("farm_queue_stale_dropped_total", "Groups dropped for exceeding a pull's max_staleness", ["source"])
@@ -33,3 +31,34 @@ CANDIDATES = Counter("farm_sampler_candidates_total", "Candidate samples generat
 REJECTED = Counter("farm_sampler_rejected_total", "Candidates a sampler refused (pattern_conditional: not matching)", ["sampler"])
 FILTER_GROUPS = Counter("farm_filter_groups_total", "dynamic_group_filter groups by outcome: kept, zero_variance, surplus, cancelled", ["outcome"])
 FILTER_WASTED_TOKENS = Counter("farm_filter_wasted_tokens_total", "Tokens of finished groups dynamic_group_filter did not return")
+
+
+def record_groups(sampler: str, groups: list) -> None:
+    """Count generated groups (P.Group) per sampler: samples, tokens, zero-variance groups, candidates, rejections."""
+    GROUPS.labels(sampler).inc(len(groups))
+    ZERO_VAR.labels(sampler).inc(sum(g.zero_variance for g in groups))
+    SAMPLES.labels(sampler).inc(sum(len(g.samples) for g in groups))
+    TOKENS.labels(sampler).inc(sum(len(s.token_ids) for g in groups for s in g.samples))
+    CANDIDATES.labels(sampler).inc(sum(g.candidates or 0 for g in groups))
+    REJECTED.labels(sampler).inc(sum(g.rejected or 0 for g in groups))
+
+
+def record_staleness(groups: list, committed: int) -> None:
+    """The staleness of each delivered sample: the committed version minus the sample's."""
+    for s in (s for g in groups for s in g.samples):
+        STALENESS.observe(max(0, committed - s.weight_version))
+
+
+def exposition(replica_states: list) -> bytes:
+    """Prometheus text: this process's metrics, plus each replica's version and tokens as read just now (P.ReplicaState;
+    a replica that did not answer is left out)."""
+    scrape = CollectorRegistry()
+    version = Gauge("farm_replica_weight_version", "Weight version each replica serves (read at scrape time)",
+                    ["replica"], registry=scrape)
+    tokens = Gauge("farm_replica_generated_tokens", "Tokens each replica has generated since it started "
+                   "(read at scrape time)", ["replica"], registry=scrape)
+    for st in replica_states:
+        if not isinstance(st, Exception):
+            version.labels(st.replica).set(st.weight_version)
+            tokens.labels(st.replica).set(st.generated_tokens)
+    return generate_latest(REGISTRY) + generate_latest(scrape)

@@ -23,19 +23,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+
 from services import metrics
 from services import protocol as P
+from services.errors import Conflict, NotFound
 from services.tasks import TASKS
 
 log = logging.getLogger("farm.queue")
-
-
-class SourceExists(Exception):
-    pass
-
-
-class NoSource(LookupError):
-    pass
 
 
 @dataclass
@@ -105,10 +101,15 @@ class Source:
         changed.set()
 
     def state(self) -> P.QueueSourceState:
-        self.expire(time.monotonic())
-        return P.QueueSourceState(name=self.spec.name, dataset=self.spec.dataset, pending_prompts=len(self.pending), ready=len(self.ready),
-                                  leased=len(self.leased), acked=len(self.acked), redelivered=self.redelivered, stale_dropped=self.stale_dropped,
-                                  generating=self.generating, error=self.error)
+        """The counts as of now; leases that ran out count as ready (they move there at the next pull)."""
+        now = time.monotonic()
+        expired = sum(i.deadline <= now for i in self.leased.values())
+        return P.QueueSourceState(
+            name=self.spec.name, dataset=self.spec.dataset, pending_prompts=len(self.pending),
+            ready=len(self.ready) + expired, leased=len(self.leased) - expired, acked=len(self.acked),
+            redelivered=self.redelivered, stale_dropped=self.stale_dropped, generating=self.generating,
+            error=self.error,
+        )
 
 
 class TrajectoryQueue:
@@ -117,10 +118,12 @@ class TrajectoryQueue:
     def __init__(self, generate, version, batch_groups: int):
         self.generate, self.version, self.batch_groups = generate, version, batch_groups
         self.sources: dict[str, Source] = {}
+        REGISTRY.register(QueueGauges(self))
 
     def add_source(self, spec: P.QueueSource) -> P.QueueSourceState:
         if spec.name in self.sources:
-            raise SourceExists(f"source {spec.name!r} exists: DELETE /v1/queue/sources/{spec.name} first, or pick another name")
+            raise Conflict(f"source {spec.name!r} exists: DELETE /v1/queue/sources/{spec.name} first, "
+                           "or pick another name")
         src = self.sources[spec.name] = Source(spec)
         src.task = asyncio.create_task(self._run(src))
         log.info(json.dumps({"event": "queue_source_added", "source": spec.name, "dataset": spec.dataset, "prompts": len(spec.prompts)}))
@@ -136,24 +139,16 @@ class TrajectoryQueue:
         src = self.get(name)
         src.task.cancel()
         del self.sources[name]
-        for gauge in (metrics.QUEUE_READY, metrics.QUEUE_LEASED):
-            try:
-                gauge.remove(name)
-            except KeyError:  # never scraped
-                pass
         return src.state()
 
     def get(self, name: str) -> Source:
         if name not in self.sources:
-            raise NoSource(f"no queue source {name!r}; registered: {', '.join(self.sources) or 'none'} (POST /v1/queue/sources)")
+            raise NotFound(f"no queue source {name!r}; registered: {', '.join(self.sources) or 'none'} "
+                           "(POST /v1/queue/sources)")
         return self.sources[name]
 
     def states(self) -> list[P.QueueSourceState]:
-        states = [src.state() for src in self.sources.values()]
-        for s in states:
-            metrics.QUEUE_READY.labels(s.name).set(s.ready)
-            metrics.QUEUE_LEASED.labels(s.name).set(s.leased)
-        return states
+        return [src.state() for src in self.sources.values()]
 
     async def _run(self, src: Source) -> None:
         """Keep target_groups groups ready, a batch at a time."""
@@ -255,3 +250,20 @@ class TrajectoryQueue:
                 metrics.QUEUE_ACKED.labels(src.spec.name).inc()
                 acked.append(item_id)
         return P.AckResponse(acked=acked, already_acked=already, unknown=unknown)
+
+
+class QueueGauges:
+    """farm_queue_ready_groups and farm_queue_leased_groups per source, read from the queue at scrape time."""
+
+    def __init__(self, queue: TrajectoryQueue):
+        self.queue = queue
+
+    def collect(self):
+        ready = GaugeMetricFamily("farm_queue_ready_groups", "Queue depth: generated groups waiting to be pulled",
+                                  labels=["source"])
+        leased = GaugeMetricFamily("farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked",
+                                   labels=["source"])
+        for s in self.queue.states():
+            ready.add_metric([s.name], s.ready)
+            leased.add_metric([s.name], s.leased)
+        return [ready, leased]

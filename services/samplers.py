@@ -77,20 +77,18 @@ class Sampler:
         return None
 
 
-SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
+SAMPLERS: Registry[type[Sampler]] = Registry("sampler", base=Sampler)
 
 
-def sampler_class(name: str, plugins: list[str]) -> type[Sampler]:
-    """A registered sampler, or `pkg.module:Class` when that module is listed in FARM_PLUGINS; else KeyError."""
-    kind = SAMPLERS.get(name, plugins)
-    if not (isinstance(kind, type) and issubclass(kind, Sampler)):
-        raise KeyError(f"{name!r} is not a Sampler subclass")
-    return kind
+def describe() -> dict[str, str]:
+    """Each registered sampler's name and docstring."""
+    return {name: (SAMPLERS.get(name).__doc__ or "").strip() for name in SAMPLERS.names()}
 
 
 def make_sampler(spec: P.SamplerSpec, plugins: list[str]) -> Sampler:
-    """The sampler a request names, with its params checked (KeyError, pydantic.ValidationError)."""
-    kind = sampler_class(spec.name, plugins)
+    """The sampler a request names (registered, or `pkg.module:Class` from a FARM_PLUGINS module), with its params
+    checked (KeyError, pydantic.ValidationError)."""
+    kind = SAMPLERS.get(spec.name, plugins)
     return kind(kind.Params.model_validate(spec.params))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,7 +14,8 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
     app_name: str = Field("farm", description="Ray Serve application name.")
-    engine: str = Field("torch", pattern=r"^(torch|sglang|bench)$", description="'torch' (CPU/CUDA), 'sglang' (GPU extra) or 'bench' (no model; service-layer benchmarks).")
+    engine: str = Field("torch", description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'bench' (no model; service-layer "
+                        "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS.")
     bench_token_latency_s: float = Field(0.01, ge=0, description="Seconds per decode step of the 'bench' engine.")
     replicas: int = Field(1, ge=1, description="Engine replicas (the initial number when autoscaling).")
     max_replicas: int = Field(0, ge=0, description="Above `replicas`, Serve autoscales engine replicas up to this many.")
@@ -36,3 +37,15 @@ class ServiceSettings(BaseSettings):
     min_version_wait_s: float = Field(60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed.")
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")
+
+    @model_validator(mode="after")
+    def _known_engine(self) -> "ServiceSettings":
+        from services.engine import ENGINES
+        from services.plugins import load_plugins
+
+        load_plugins(self)  # a FARM_PLUGINS module may register an engine by name
+        try:
+            ENGINES.get(self.engine, self.plugins)
+        except (KeyError, ImportError) as e:
+            raise ValueError(f"FARM_ENGINE: {e.args[0] if e.args else e}") from None
+        return self

@@ -49,6 +49,23 @@ def service(tiny_model):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def bench_service(service):
+    """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
+    (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model."""
+    from services import server
+    from services.settings import ServiceSettings
+
+    port = int(service.rsplit(":", 1)[1])
+    settings = ServiceSettings(api_token=TOKEN, port=port, app_name="bench", engine="tests.farm_plugins:EchoEngine",
+                               bench_token_latency_s=0.001, engine_num_cpus=0, plugins=["tests.farm_plugins"])
+    server.start(settings, route_prefix="/bench")
+    yield f"{service}/bench"
+    from ray import serve
+
+    serve.delete("bench")
+
+
 @pytest.fixture
 def client(service):
     from services.client import FarmClient

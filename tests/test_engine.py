@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from services.engine import WeightsRejected
-from services.engine.torch_engine import TorchEngine, canonical_state_dict
+from services.engine.state_dict import canonical_state_dict
+from services.engine.torch_engine import TorchEngine
 from services.protocol import SamplingParams
 from trainer.policy import make_batch, response_logprobs
 from services.protocol import Group, Sample
@@ -79,6 +80,12 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(engine):
         assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < 1e-4
 
 
+def stage_and_commit(engine, state: dict, version: int) -> None:
+    """What a one-replica push does: both phases at once."""
+    engine.stage_weights(state, version)
+    engine.commit_weights(version)
+
+
 def test_update_weights_checks_names_shapes_dtypes(engine, tiny_model):
     state = load_file(tiny_model / "model.safetensors")
     bad_shape = dict(state, **{"lm_head.weight": torch.zeros(3, 3)})
@@ -86,14 +93,14 @@ def test_update_weights_checks_names_shapes_dtypes(engine, tiny_model):
     missing = {k: v for k, v in state.items() if k != "lm_head.weight"}
     for bad, words in [(bad_shape, "shape"), (bad_dtype, "dtype"), (missing, "missing")]:
         with pytest.raises(WeightsRejected, match=words):
-            engine.update_weights(bad, engine.weight_version + 1)
+            stage_and_commit(engine, bad, engine.weight_version + 1)
     before = engine.weight_version
-    engine.update_weights({k: v + 0.01 for k, v in state.items()}, before + 1)
+    stage_and_commit(engine, {k: v + 0.01 for k, v in state.items()}, before + 1)
     assert engine.weight_version == before + 1
     assert torch.allclose(canonical_state_dict(engine.model)["lm_head.weight"], state["lm_head.weight"] + 0.01)
     with pytest.raises(WeightsRejected, match="not newer"):
-        engine.update_weights(state, before + 1)
-    engine.update_weights(state, before + 2)  # back to the file's weights for other tests
+        stage_and_commit(engine, state, before + 1)
+    stage_and_commit(engine, state, before + 2)  # back to the file's weights for other tests
 
 
 def test_pause_resume_abort(engine):

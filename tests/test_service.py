@@ -179,7 +179,7 @@ def test_oversized_and_malformed_pushes_are_refused(service, client, fresh_weigh
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_oversized_json_bodies_get_413(service, chunked):
-    from services.app import MAX_REQUEST_BYTES
+    from services.api.middleware import MAX_REQUEST_BYTES
 
     body = b'{"prompts": [{"text": "' + b"x" * MAX_REQUEST_BYTES + b'"}]}'
     content = iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) if chunked else body  # no Content-Length when chunked

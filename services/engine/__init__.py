@@ -1,24 +1,14 @@
-"""Engines: the small lifecycle interface and its implementations.
+"""Engines: the lifecycle interface (base.py) and one registry of implementations.
 
 torch   any HF causal LM, on CPU or CUDA (the default; what CI and development use)
-sglang  SGLang's offline engine on GPUs (the optional `sglang` extra)
-bench   fixed latency per decode step and no model: for benchmarks of the service layer
+sglang  SGLang's offline engine on GPUs (the optional `sglang` extra, imported when the engine starts)
+bench   fixed latency per decode step and no model: for benchmarks and tests of the service layer
+
+A user engine subclasses Engine and is named by dotted path, `my_pkg.engines:MyEngine`, with its module listed
+in FARM_PLUGINS (or registered by name from a FARM_PLUGINS module with `@ENGINES.register("mine")`).
 """
 
-from services.engine.base import Engine, EngineOutput, InFlightPolicy, WeightsRejected
+from services.engine import bench_engine, sglang_engine, torch_engine  # noqa: F401  (they register themselves)
+from services.engine.base import ENGINES, Engine, EngineOutput, EngineVerbMissing, WeightsRejected
 
-__all__ = ["Engine", "EngineOutput", "InFlightPolicy", "WeightsRejected", "make_engine"]
-
-
-def make_engine(kind: str, model_path: str, device: str, dtype: str, threads: int | None, token_latency_s: float) -> Engine:
-    if kind == "sglang":
-        from services.engine.sglang_engine import SGLangEngine
-
-        return SGLangEngine(model_path, device, dtype, threads)
-    if kind == "bench":
-        from services.engine.bench_engine import BenchEngine
-
-        return BenchEngine(model_path, token_latency_s)
-    from services.engine.torch_engine import TorchEngine
-
-    return TorchEngine(model_path, device, dtype, threads)
+__all__ = ["ENGINES", "Engine", "EngineOutput", "EngineVerbMissing", "WeightsRejected"]

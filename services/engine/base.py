@@ -1,31 +1,53 @@
-"""The engine boundary, shaped after SGLang's lifecycle verbs.
+"""The engine boundary: every verb the service calls, shaped after SGLang's lifecycle verbs.
 
-generate        token ids in; token ids, raw-model logprobs, per-token weight versions and a finish reason out
-stage_weights   check a state dict against the model and hold it, next to the served weights
-commit_weights  serve the staged weights as the new version; `policy` says what happens to in-flight samples:
-                  finish   they end on the old weights; the commit waits for them
-                  abort    they end with finish_reason "abort" at their next token (the caller retries them)
-                  partial  they go on with the new weights from their next token (see token_versions)
-discard_weights drop what was staged (another replica refused it)
-pause / resume  stop and restart admitting new generate calls
-abort           end every in-flight generate call at its next token ("abort")
-health          prove the engine can generate one token
+generate         token ids in; token ids, raw-model logprobs, per-token weight versions and a finish reason out
+weight_spec      the tensors an update must carry
+stage_weights    check a state dict against the model and hold it, next to the served weights
+stage_weights_from_path   the same from a folder of safetensors files (shared storage)
+commit_weights   serve the staged weights as the new version; `policy` says what happens to in-flight samples:
+                   finish   they end on the old weights; the commit waits for them
+                   abort    they end with finish_reason "abort" at their next token (the caller retries them)
+                   partial  they go on with the new weights from their next token (see token_versions)
+discard_weights  drop what was staged (another replica refused it)
+pause / resume   stop and restart admitting new generate calls (`paused` says which)
+abort            end every in-flight generate call at its next token ("abort")
+health           prove the engine can generate one token
+init_weights_update_group / update_weights_from_distributed
+                 the NCCL transport (SGLang); an engine without it raises EngineVerbMissing, a 501 naming the engine
+State read by the service: weight_version, paused, busy, generated_tokens, tokenizer, vocab_size().
+
+Engines are registered by name in ENGINES (services/engine/__init__.py); a dotted path `pkg.module:Class` whose
+module is in FARM_PLUGINS works too. The service builds one with `Engine.from_settings`.
 """
 
 from __future__ import annotations
 
 import abc
+import pathlib
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from services.protocol import FinishReason, SamplingParams
+from services.protocol import FinishReason, InFlightPolicy, SamplingParams
+from services.registry import Registry
+
+if TYPE_CHECKING:
+    from services.settings import ServiceSettings
 
 
 class WeightsRejected(ValueError):
     """A weight update that does not match the model; the engine keeps its old version."""
+
+
+class EngineVerbMissing(NotImplementedError):
+    """This engine does not offer the verb; the service answers 501 with this message. (It crosses Ray, so it is
+    built from its message alone.)"""
+
+    @classmethod
+    def of(cls, engine: Engine, verb: str, instead: str) -> EngineVerbMissing:
+        return cls(f"the {type(engine).__name__} engine has no {verb}: {instead}")
 
 
 @dataclass
@@ -35,20 +57,44 @@ class EngineOutput:
     finish_reason: FinishReason
     weight_version: int  # the version of the first token (the oldest one)
     token_versions: list[int] = field(default_factory=list)  # one per token; differ only under the "partial" policy
-    sampling_logprobs: list[float] | None = None  # per token, under the distribution sampled from (temperature, top-k/p); None: unknown
+    sampling_logprobs: list[float] | None = None  # per token, under the distribution sampled (temperature, top-k/p)
 
 
-InFlightPolicy = Literal["finish", "abort", "partial"]
+def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files in a folder (sharded checkpoints included)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
 
 
 class Engine(abc.ABC):
+    needs_model: ClassVar[bool] = True  # False: runs without model weights (the bench engine)
+    ranks_per_engine: ClassVar[int] = 1  # NCCL ranks one engine takes in the trainer's group
     weight_version: int = 0
+    generated_tokens: int = 0  # since the engine started
+    tokenizer = None  # a Hugging Face tokenizer: the service tokenizes, decodes and renders chat with it
 
+    @classmethod
+    def from_settings(cls, model_path: str, settings: ServiceSettings, threads: int | None) -> Engine:
+        """The engine a replica runs, built from the service settings (FARM_DEVICE, FARM_DTYPE, ...)."""
+        return cls(model_path, device=settings.device, dtype=settings.dtype, threads=threads)
+
+    # generation -----------------------------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+    ) -> list[EngineOutput]:
         """One output per prompt, in order. Logprobs are of the raw model (temperature 1, no top-p/k).
         Setting `cancel` ends the call at its next token, with finish_reason "abort"."""
 
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use: [0, vocab_size)."""
+        return max(len(self.tokenizer), self.tokenizer.vocab_size)
+
+    # weights --------------------------------------------------------------------------------------
     @abc.abstractmethod
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
         """The tensors an update must carry: name -> (shape, safetensors dtype)."""
@@ -56,6 +102,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Check and hold `state_dict` as `version`, or raise WeightsRejected; the served weights do not change."""
+
+    def stage_weights_from_path(self, path: str, version: int) -> None:
+        """Stage the safetensors files of a folder (an engine that reads the folder itself overrides this)."""
+        self.stage_weights(read_safetensors_folder(path), version)
 
     @abc.abstractmethod
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
@@ -66,11 +116,22 @@ class Engine(abc.ABC):
     def discard_weights(self, version: int) -> None:
         """Drop the weights staged as `version`, if any."""
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: InFlightPolicy = "finish") -> None:
-        """Stage and commit in one go (one replica, no one to agree with)."""
-        self.stage_weights(state_dict, version)
-        self.commit_weights(version, policy)
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's NCCL group at rank rank_offset (SGLang's init_weights_update_group)."""
+        raise EngineVerbMissing.of(self, "NCCL weight transport (init_weights_update_group)", "run FARM_ENGINE=sglang on GPUs")
 
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+        group_name: str = "weight_update_group",
+    ) -> None:
+        """Receive the tensors the trainer broadcasts and serve them as `version`."""
+        raise EngineVerbMissing.of(self, "NCCL weight transport (update_weights_from_distributed)",
+                                   "run FARM_ENGINE=sglang on GPUs")
+
+    # lifecycle ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def pause(self) -> None: ...
 
@@ -80,6 +141,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None: ...
 
+    @property
+    @abc.abstractmethod
+    def paused(self) -> bool:
+        """New generate calls wait (pause) until resume."""
+
+    @property
+    @abc.abstractmethod
+    def busy(self) -> bool:
+        """A generate call is running."""
+
     def health(self) -> int:
         """Generate one greedy token from a one-token prompt and return it."""
         out = self.generate([[self.health_token_id()]], SamplingParams(temperature=0.0, max_new_tokens=1))
@@ -87,3 +158,6 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def health_token_id(self) -> int: ...
+
+
+ENGINES: Registry[type[Engine]] = Registry("engine", base=Engine)

@@ -18,7 +18,7 @@ weights. This adapter does the same, with its own gate, so that it knows each sa
            pause_generation(mode="retract"), but in 0.5.14 the cache flush after the update then fails on
            the retracted requests and asserts in the scheduler (and without the flush the prefix cache
            keeps old-weight KV); per-token versions (meta_info["weight_versions"]) come only in 0.5.19.
-stage_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
+stage_weights_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
 
 Unmapped: `seed` becomes SGLang's sampling_seed, which is honoured only by an engine launched with
 enable_deterministic_inference (not set here). SGLang's ignore_eos also ignores stop_token_ids, so with
@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import Engine, EngineOutput, InFlightPolicy, WeightsRejected
-from services.engine.torch_engine import ST_DTYPES
-from services.protocol import SamplingParams
-from services.weights import WeightsError, check_state_dict, read_header_file
+from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine.state_dict import spec_of
+from services.protocol import InFlightPolicy, SamplingParams
+from services.weight_checks import WeightsError, check_state_dict, read_header_file
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # SGLang's distributed update wants torch names
 
@@ -67,6 +67,7 @@ class _LoopThread:
         self.loop.call_soon_threadsafe(lambda: fn(*args, **kwargs))
 
 
+@ENGINES.register("sglang")
 class SGLangEngine(Engine):
     def __init__(self, model_path: str, device: str = "cuda", dtype: str = "bfloat16", threads: int | None = None):
         try:
@@ -161,7 +162,7 @@ class SGLangEngine(Engine):
         if self._spec is None:  # from the config on the meta device: SGLang holds the only real copy
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
-            self._spec = {n: (list(p.shape), ST_DTYPES.get(p.dtype, str(p.dtype))) for n, p in model.named_parameters()}
+            self._spec = spec_of(dict(model.named_parameters()))
         return self._spec
 
     def _check(self, got: dict[str, tuple[list[int], str]], version: int) -> None:
@@ -172,10 +173,11 @@ class SGLangEngine(Engine):
             raise WeightsRejected("; ".join(problems))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self._check({n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in state_dict.items()}, version)
+        self._check(spec_of(state_dict), version)
         self._staged = (version, state_dict)
 
-    def stage_from_path(self, path: str, version: int) -> None:
+    def stage_weights_from_path(self, path: str, version: int) -> None:
+        """Check the folder's safetensors headers; SGLang reads the files itself at the commit."""
         got = {}
         try:
             for f in sorted(Path(path).glob("*.safetensors")):

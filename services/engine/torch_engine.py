@@ -16,22 +16,10 @@ import threading
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import Engine, EngineOutput, InFlightPolicy, WeightsRejected
-from services.protocol import SamplingParams
-from services.weights import check_state_dict
-
-ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
-
-
-def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """model.state_dict() without tied duplicates (the names save_pretrained writes)."""
-    seen, out = set(), {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = t
-    return out
+from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine.state_dict import canonical_state_dict, spec_of
+from services.protocol import InFlightPolicy, SamplingParams
+from services.weight_checks import check_state_dict
 
 
 def processed_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -88,9 +76,8 @@ class RegexMask:
         return None
 
 
+@ENGINES.register("torch")
 class TorchEngine(Engine):
-    drop_finished = True  # finished rows leave the batch; False keeps them (bench/engine_batching.py compares)
-
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
@@ -109,7 +96,7 @@ class TorchEngine(Engine):
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._commit: InFlightPolicy | None = None  # the policy of a commit waiting to be applied
         self.generated_tokens = 0
-        self.busy = False
+        self._busy = False
 
     # lifecycle -------------------------------------------------------------
     def pause(self) -> None:
@@ -125,15 +112,22 @@ class TorchEngine(Engine):
     def paused(self) -> bool:
         return not self._admit.is_set()
 
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def vocab_size(self) -> int:
+        return max(len(self.tokenizer), self.model.config.vocab_size)
+
     def health_token_id(self) -> int:
         return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
 
     # weights ---------------------------------------------------------------
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
-        return {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in canonical_state_dict(self.model).items()}
+        return spec_of(canonical_state_dict(self.model))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        problems = check_state_dict(self.weight_spec(), {n: (list(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype))) for n, t in state_dict.items()})
+        problems = check_state_dict(self.weight_spec(), spec_of(state_dict))
         if version <= self.weight_version:
             problems.append(f"version {version} is not newer than the served version {self.weight_version}")
         if problems:
@@ -180,11 +174,11 @@ class TorchEngine(Engine):
                 return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
         with self._lock, torch.inference_mode():
             self._apply_staged()  # a commit waiting for the lock goes first: this call is not in flight yet
-            self.busy = True
+            self._busy = True
             try:
                 return self._generate(prompts, params, cancel)
             finally:
-                self.busy = False
+                self._busy = False
                 if self._commit == "abort":  # the commit that cut this call is served before the caller sees its outputs (and reruns them)
                     self._apply_staged()
 
@@ -241,7 +235,7 @@ class TorchEngine(Engine):
             done |= finished
             if bool(done.all()):
                 break
-            keep = ~done[rows] if self.drop_finished else torch.ones(len(rows), dtype=torch.bool, device=dev)
+            keep = self._rows_to_keep(done, rows)
             step_ids, step_pos = live_tok[keep, None], step_pos[keep, -1:] + 1
             mask = torch.cat([mask[keep], torch.ones((int(keep.sum()), 1), dtype=mask.dtype, device=dev)], dim=1)
             if not bool(keep.all()):
@@ -257,4 +251,10 @@ class TorchEngine(Engine):
             outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, versions[0] if n else self.weight_version, versions[:n], slp_mat[i][:n]))
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
+
+    @staticmethod
+    def _rows_to_keep(done: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Which of the batch's live rows stay for the next step: the unfinished ones (a finished row leaves the
+        batch and its KV cache)."""
+        return ~done[rows]
 

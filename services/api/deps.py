@@ -1,0 +1,26 @@
+"""What routes depend on: the ingress replica's domain objects, and the bearer token (applied per router)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from ray import serve
+
+from services.errors import Unauthorized
+
+if TYPE_CHECKING:
+    from services.ingress import Ingress
+
+
+def ingress() -> Ingress:
+    """The Ingress instance of this replica (the object Serve built from services/ingress.py)."""
+    return serve.get_replica_context().servable_object
+
+
+def require_token(request: Request) -> None:
+    """401 unless the request carries `Authorization: Bearer $FARM_API_TOKEN` (compared in constant time)."""
+    expected = f"Bearer {ingress().settings.api_token.get_secret_value()}"
+    if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected.encode()):
+        raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")

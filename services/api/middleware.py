@@ -1,0 +1,54 @@
+"""Middleware on every request: the JSON body limit, and request counts and latency for Prometheus."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from starlette.exceptions import HTTPException
+
+from services import metrics
+from services.api.errors import response
+from services.errors import TooLarge
+
+MAX_REQUEST_BYTES = 32 << 20  # JSON bodies; weight pushes and prompt uploads have their own FARM_ limits
+OWN_LIMITS = ("/v1/weights",)  # and /v1/queue/sources/{name}/prompts: streamed, counted against a FARM_ limit
+
+
+def has_own_limit(path: str) -> bool:
+    return path in OWN_LIMITS or (path.startswith("/v1/queue/sources/") and path.endswith("/prompts"))
+
+
+class BodyLimit:
+    """413 for a body over MAX_REQUEST_BYTES, declared or (chunked) counted as it arrives."""
+
+    def __init__(self, app, limit: int = MAX_REQUEST_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or has_own_limit(scope["path"]):
+            return await self.app(scope, receive, send)
+        message = f"request body over {self.limit} bytes: send fewer prompts per request"
+        if int(dict(scope["headers"]).get(b"content-length", 0)) > self.limit:
+            return await response(TooLarge(message))(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            event = await receive()
+            seen += len(event.get("body", b""))
+            if seen > self.limit:  # an HTTPException: FastAPI passes those through its body parsing unchanged
+                raise HTTPException(413, message)
+            return event
+
+        await self.app(scope, counted, send)
+
+
+async def record_request(request: Request, call_next):
+    """farm_request_seconds and farm_requests_total, by route template and status."""
+    start = time.perf_counter()
+    answer = await call_next(request)
+    path = request.scope.get("route").path if request.scope.get("route") else "other"
+    metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
+    metrics.REQUESTS.labels(path, str(answer.status_code)).inc()
+    return answer

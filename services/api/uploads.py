@@ -1,0 +1,54 @@
+"""Reading the streamed uploads, which have their own FARM_ limits: weights (hashed as they arrive) and prompt files."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from services import protocol as P
+from services.errors import Invalid, TooLarge, pydantic_fields
+
+
+async def read_body(request: Request, limit: int, setting: str, fix: str) -> tuple[bytes, str]:
+    """The whole body and its hex SHA-256; 413 (naming the setting) once it passes `limit` bytes, declared or counted."""
+    too_large = TooLarge(f"body larger than {setting}={limit}: {fix}")
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise too_large
+    data, digest = bytearray(), hashlib.sha256()
+    async for chunk in request.stream():
+        data += chunk
+        digest.update(chunk)
+        if len(data) > limit:
+            raise too_large
+    return bytes(data), digest.hexdigest()
+
+
+def check_sha256(declared: str | None, actual: str) -> None:
+    """422 when the client's x-content-sha256 differs from the body's."""
+    if declared and not hmac.compare_digest(declared.lower(), actual):
+        raise Invalid([{"field": "x-content-sha256", "message": f"body has SHA-256 {actual}, not {declared}: "
+                        "the upload was damaged; send it again"}])
+
+
+def prompts_from_body(body: bytes, content_type: str | None) -> list[P.Prompt]:
+    """A JSON QueuePrompts body, or JSONL with one Prompt per line; 422 naming `line N.<field>` for bad lines."""
+    if (content_type or "application/json").split(";")[0].strip() == "application/json":
+        try:
+            return P.QueuePrompts.model_validate_json(body).prompts
+        except ValidationError as e:
+            raise Invalid(pydantic_fields(e.errors())) from None
+    prompts, errors = [], []
+    for i, line in enumerate(body.decode("utf-8", "replace").splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(P.Prompt.model_validate_json(line))
+            except ValidationError as e:
+                errors += pydantic_fields(e.errors(), f"line {i}")
+    if not prompts and not errors:
+        errors = [{"field": "body", "message": "no prompts: send one JSON Prompt per line"}]
+    if errors:
+        raise Invalid(errors)
+    return prompts

@@ -1,0 +1,57 @@
+"""Weight pushes (upload, path, NCCL) and the served versions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+
+from services import protocol as P
+from services.api.deps import ingress
+from services.api.uploads import check_sha256, read_body
+
+PUSH_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 413, 422)}
+NCCL_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 501)}
+router = APIRouter(tags=["weights"])
+admin = APIRouter(tags=["weights"])  # needs the token
+
+
+@router.get("/v1/weights/version", response_model=P.WeightsVersion)
+async def weights_version(farm=Depends(ingress)):
+    """The version every replica serves, and each replica's own."""
+    return await farm.weights.served()
+
+
+@admin.post("/v1/weights", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)
+async def push_weights(
+    request: Request,
+    version: int = Query(..., ge=1, description="The new version; higher than the served one."),
+    policy: P.InFlightPolicy = Query("finish", description="In-flight samples: finish on the old weights, "
+                                     "abort and rerun, or go on (partial)."),
+    x_content_sha256: str | None = Header(None, description="Hex SHA-256 of the body; a mismatch is refused."),
+    farm=Depends(ingress),
+):
+    """Upload a safetensors state dict (raw body, streamed) as `version`. Two phases: every replica
+    stages it, then all commit; if any replica refuses, none changes. Returns once all serve it."""
+    data, digest = await read_body(request, farm.settings.max_weights_bytes, "FARM_MAX_WEIGHTS_BYTES",
+                                   "raise it, or push a folder by path (POST /v1/weights/path)")
+    check_sha256(x_content_sha256, digest)
+    return await farm.weights.upload(data, version, policy)
+
+
+@admin.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)
+async def push_weights_path(body: P.WeightsFromPath, farm=Depends(ingress)):
+    """Load a folder of safetensors files from storage every replica can read (no upload), in the same two phases.
+    Keep the folder until a newer version is committed: replicas that start later load it from there."""
+    return await farm.weights.from_path(body)
+
+
+@admin.post("/v1/weights/distributed/init", responses=NCCL_ERRORS)
+async def init_distributed(body: P.DistributedGroup, farm=Depends(ingress)):
+    """Join every replica to the trainer's NCCL group (SGLang's init_weights_update_group); replica i takes rank
+    rank_offset + i."""
+    return await farm.weights.init_distributed(body)
+
+
+@admin.post("/v1/weights/distributed", responses=NCCL_ERRORS)
+async def push_distributed(body: P.DistributedUpdate, farm=Depends(ingress)):
+    """Receive tensors the trainer broadcasts over NCCL (SGLang's update_weights_from_distributed) as `version`."""
+    return await farm.weights.distributed(body)

@@ -1,0 +1,219 @@
+"""One engine replica (a Serve deployment): it owns an Engine and serves the ingress's calls.
+
+Rollouts run on one dedicated engine thread (torch runs fastest when one thread makes every model call), at most
+FARM_ENGINE_MAX_ONGOING_REQUESTS at once; Serve gives the replica CONTROL_SLOTS more request slots, so weight
+pushes, control and scrapes get through a full replica. Before a replica serves its first request it loads the
+committed weight version from the WeightStore, and a rollout asking for a newer version waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+from ray import serve
+
+from services import logs, openai_compat
+from services import protocol as P
+from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.errors import ReplicaFull, VersionNotReached
+from services.group_sampling import sample_groups
+from services.plugins import load_plugins
+from services.samplers import make_sampler
+from services.settings import ServiceSettings
+
+log = logging.getLogger("farm.service")
+
+CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (FARM_ENGINE_MAX_ONGOING_REQUESTS)
+ABORT_RERUNS = 3  # times the samples cut by "abort" commits are run again
+
+
+def replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class EngineServer:
+    async def __init__(self, settings: ServiceSettings):
+        from services.models import resolve_model
+
+        load_plugins(settings)
+        logs.setup_farm_loggers()
+        self.settings = settings
+        kind = ENGINES.get(settings.engine, settings.plugins)
+        model = str(resolve_model(settings.model)) if kind.needs_model else settings.model
+        threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.engine: Engine = await self._on_engine_thread(kind.from_settings, model, settings, threads)
+        self.catch_up_lock = asyncio.Lock()
+        self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
+        self.pending_version = 0  # a commit in progress on this replica
+        await self.catch_up(0)  # before Serve routes any traffic here
+
+    def _on_engine_thread(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # rollouts --------------------------------------------------------------------------------------------
+    async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None,
+                      min_version: int = 0, meta: dict | None = None,
+                      sampler: P.SamplerSpec | None = None) -> list[P.Group]:
+        """The groups of these prompts, n samples each. Rollouts take at most all but two of the control slots
+        waiting; past that the replica is full (429)."""
+        if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
+            raise ReplicaFull()
+        self.rollouts_waiting += 1
+        try:
+            await self.rollout_slots.acquire()
+        finally:
+            self.rollouts_waiting -= 1
+        try:
+            if self.engine.weight_version < min_version:
+                await self.catch_up(min_version)
+            spec = sampler or P.SamplerSpec()
+            return await sample_groups(self._generate_rerun, self.engine.tokenizer, prompts, n, params, reward,
+                                       meta or {"sampler": "plain"}, make_sampler(spec, self.settings.plugins))
+        finally:
+            self.rollout_slots.release()
+
+    async def _generate_rerun(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+        """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
+        outs = await self._generate(prompts, params)
+        for _ in range(ABORT_RERUNS):
+            served = await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
+            redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
+            if not redo:
+                break
+            for i, o in zip(redo, await self._generate([prompts[i] for i in redo], params)):
+                outs[i] = o
+        return outs
+
+    async def _generate(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+        """engine.generate on the engine thread; if this call is cancelled, so is the engine work."""
+        cancel = threading.Event()
+        try:
+            return await asyncio.shield(self._on_engine_thread(self.engine.generate, prompts, params, cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    async def _settled(self) -> int:
+        """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""
+        while self.pending_version > self.engine.weight_version:
+            await asyncio.sleep(0.01)
+        return self.engine.weight_version
+
+    # weights ---------------------------------------------------------------------------------------------
+    async def catch_up(self, min_version: int) -> None:
+        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for min_version."""
+        deadline = time.monotonic() + self.settings.min_version_wait_s
+        while True:
+            async with self.catch_up_lock:
+                store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
+                version, source = await store.current.remote()
+                if version > self.engine.weight_version:
+                    await self.commit(version, None, source)
+                    log.info("caught_up", extra={"version": version})
+            if self.engine.weight_version >= min_version:
+                return
+            if time.monotonic() > deadline:
+                raise VersionNotReached(
+                    f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S="
+                    f"{self.settings.min_version_wait_s}; this replica serves {self.engine.weight_version}")
+            await asyncio.sleep(0.05)
+
+    async def stage(self, source: tuple, version: int) -> int:
+        """Phase one of a push: check and hold the weights next to the served ones."""
+        kind, where = source
+        if kind == "path":
+            await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
+        else:
+            from safetensors.torch import load
+
+            tensors = await asyncio.to_thread(lambda: load(ray.get(where[0])))
+            await asyncio.to_thread(self.engine.stage_weights, tensors, version)
+        return version
+
+    async def commit(self, version: int, policy: str | None, source: tuple) -> int:
+        """Phase two: serve the staged version (the ingress has recorded it in the store). A replica that
+        joined after phase one stages from `source` first. A catch-up (policy None) keeps a push's policy."""
+        if version <= self.engine.weight_version:
+            return self.engine.weight_version
+        self.pending_version = max(self.pending_version, version)
+        try:
+            try:
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+            except WeightsRejected:  # nothing staged here: this replica started after phase one
+                await self.stage(source, version)
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+        finally:
+            self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
+        return self.engine.weight_version
+
+    async def record(self, version: int, source: tuple) -> None:
+        """Make `version` the one a starting replica loads (the store belongs to this deployment)."""
+        await serve.get_deployment_actor("weights").commit.remote(version, source)
+
+    def discard(self, version: int) -> None:
+        self.engine.discard_weights(version)
+
+    def weight_spec(self) -> dict:
+        return self.engine.weight_spec()
+
+    def weight_version(self) -> tuple[str, int]:
+        """(this replica's id, the version it serves)."""
+        return replica_id(), self.engine.weight_version
+
+    async def init_weights_update_group(self, group: P.DistributedGroup, replica_ids: list[str]) -> int:
+        """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
+        Blocks (off the event loop) until the trainer and every replica have joined."""
+        rank = group.rank_offset + replica_ids.index(replica_id()) * self.engine.ranks_per_engine
+        await asyncio.to_thread(self.engine.init_weights_update_group, group.master_address, group.master_port, rank,
+                                group.world_size, group.group_name, group.backend)
+        return rank
+
+    async def update_weights_from_distributed(self, update: P.DistributedUpdate, replica_ids: list[str]) -> int:
+        await asyncio.to_thread(self.engine.update_weights_from_distributed, update.names, update.dtypes, update.shapes,
+                                update.version, update.group_name)
+        return self.engine.weight_version
+
+    # control and health ----------------------------------------------------------------------------------
+    def state(self) -> P.ReplicaState:
+        e = self.engine
+        return P.ReplicaState(replica=replica_id(), weight_version=e.weight_version, paused=e.paused, busy=e.busy,
+                              generated_tokens=e.generated_tokens)
+
+    def pause(self) -> P.ReplicaState:
+        """Stop admitting generate calls; calls already running finish."""
+        self.engine.pause()
+        return self.state()
+
+    def resume(self) -> P.ReplicaState:
+        self.engine.resume()
+        return self.state()
+
+    def abort(self) -> P.ReplicaState:
+        """End the generate call in flight at its next token."""
+        self.engine.abort()
+        return self.state()
+
+    async def health(self) -> P.Health:
+        if self.engine.paused:
+            return P.Health(status="paused", weight_version=self.engine.weight_version)
+        token = await self._on_engine_thread(self.engine.health)
+        return P.Health(status="ok", weight_version=self.engine.weight_version, generated_token_id=token)
+
+    # for the OpenAI surface ------------------------------------------------------------------------------
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size()
+
+    def render_chat(self, messages: list[dict]) -> str | None:
+        """Messages through the model's chat template, ready for generation; None without a template."""
+        tok = self.engine.tokenizer
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
+
+    def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
+        return [openai_compat.token_pieces(self.engine.tokenizer, ids) for ids in samples]
