@@ -205,12 +205,9 @@ class _Api:
         return self._send(_Call("GET", "/v1/weights/version", P.WeightsVersion))
 
     def control(self, action: str) -> P.ControlResponse:
-        """'pause', 'resume' or 'abort' on every replica (needs the token). Any other action is refused unsent, with
-        the FarmError the service gives a path it does not have (404), naming the valid ones."""
+        """'pause', 'resume' or 'abort' on every replica (needs the token). Any other action is a ValueError, unsent."""
         if action not in CONTROL_ACTIONS:
-            error = f"unknown control action {action!r}: use one of {', '.join(CONTROL_ACTIONS)}"
-            detail = [{"field": "action", "message": error}]
-            raise FarmError(404, P.ErrorResponse(error=error, detail=detail).model_dump())
+            raise ValueError(f"unknown control action {action!r}: use one of {', '.join(CONTROL_ACTIONS)}")
         return self._send(_Call("POST", f"/v1/{action}", P.ControlResponse))
 
     def health(self) -> P.Health:

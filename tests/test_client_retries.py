@@ -183,9 +183,8 @@ async def test_a_stream_stopped_early_is_not_sent_again(face):
 async def test_control_sends_only_pause_resume_and_abort(face):
     c = make(face, answer(200, json={"action": "pause", "replicas": []}))
     for action in ("weights", "../healthz", "bogus"):
-        with pytest.raises(FarmError) as e:
+        with pytest.raises(ValueError, match="pause, resume, abort"):
             await call(c, "control", action)
-        assert e.value.status == 404 and "pause, resume, abort" in e.value.body["error"]
     assert c.script.requests == []
     assert (await call(c, "control", "pause")).action == "pause"
     assert c.script.requests[0].url.path == "/v1/pause"
