@@ -1,9 +1,9 @@
 """The rollout service as a Ray Serve application: a FastAPI ingress in front of engine replicas.
 
-  HTTP ─► Ingress (services/ingress.py; routes in services/api/) ─► EngineServer × replicas (services/replica.py)
-                └─ weight push: header check, then stage and commit on every replica ─┘
-                                                   WeightStore (deployment actor): the committed version,
-                                                   loaded by a replica before it serves
+HTTP ─► Ingress (services/ingress.py; routes in services/api/) ─► EngineServer × replicas (services/replica.py)
+              └─ weight push: header check, then stage and commit on every replica ─┘
+                                                 WeightStore (deployment actor): the committed version,
+                                                 loaded by a replica before it serves
 """
 
 from __future__ import annotations
@@ -19,23 +19,35 @@ from services.weight_store import WeightStore
 
 
 def engine_scaling(settings: ServiceSettings) -> dict:
-    """A fixed replica count, or Serve's autoscaler (on ongoing requests per replica) when FARM_MAX_REPLICAS is above it."""
+    """A fixed replica count, or Serve's autoscaler (on ongoing requests per replica) when FARM_MAX_REPLICAS is
+    above it."""
     if settings.max_replicas <= settings.replicas:
         return {"num_replicas": settings.replicas}
-    return {"autoscaling_config": {"min_replicas": settings.replicas, "initial_replicas": settings.replicas,
-                                   "max_replicas": settings.max_replicas,
-                                   "target_ongoing_requests": settings.target_ongoing_requests}}
+    return {
+        "autoscaling_config": {
+            "min_replicas": settings.replicas,
+            "initial_replicas": settings.replicas,
+            "max_replicas": settings.max_replicas,
+            "target_ongoing_requests": settings.target_ongoing_requests,
+        }
+    }
 
 
 def build_app(settings: ServiceSettings):
     """The Serve application for these settings."""
     engine = serve.deployment(
-        EngineServer, name="engine", **engine_scaling(settings),
+        EngineServer,
+        name="engine",
+        **engine_scaling(settings),
         max_ongoing_requests=settings.engine_max_ongoing_requests + CONTROL_SLOTS,
         max_queued_requests=settings.engine_max_queued_requests,
         ray_actor_options={"num_cpus": settings.engine_num_cpus},
         deployment_actors=[DeploymentActorConfig(name="weights", actor_class=WeightStore)],
     )
-    ingress = serve.deployment(serve.ingress(create_api())(Ingress), name="ingress",
-                               max_ongoing_requests=settings.ingress_max_ongoing_requests, ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(
+        serve.ingress(create_api())(Ingress),
+        name="ingress",
+        max_ongoing_requests=settings.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
     return ingress.bind(engine.bind(settings), settings)

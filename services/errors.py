@@ -90,7 +90,9 @@ class VersionNotReached(Conflict):
 class RolloutCancelled(Conflict):
     """The rollout was cancelled (DELETE /v1/rollouts/{request_id}, or its last caller went away)."""
 
-    def __init__(self, message: str = "request cancelled (DELETE /v1/rollouts/{request_id}); send it again to generate anew"):
+    def __init__(
+        self, message: str = "request cancelled (DELETE /v1/rollouts/{request_id}); send it again to generate anew"
+    ):
         super().__init__(message)
 
 

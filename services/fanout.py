@@ -1,5 +1,6 @@
 """Spreading a rollout over the engine replicas: contiguous chunks of prompts (a group stays on one replica),
-a seed per chunk (services/seeds.py), and the version floor (no rollout runs on weights older than the newest committed)."""
+a seed per chunk (services/seeds.py), and the version floor (no rollout runs on weights older than the newest
+committed)."""
 
 from __future__ import annotations
 
@@ -25,20 +26,37 @@ def split(items: list, k: int) -> list[list]:
 
 
 class Fanout:
-    def __init__(self, replicas: Replicas, settings: ServiceSettings, committed: Callable[[], int],
-                 policy: PolicyStatsBoard):
+    def __init__(
+        self, replicas: Replicas, settings: ServiceSettings, committed: Callable[[], int], policy: PolicyStatsBoard
+    ):
         self.replicas, self.settings, self.committed, self.policy = replicas, settings, committed, policy
 
     def floor(self, req: P.RolloutRequest) -> int:
         """The oldest weight version this request may run on."""
         return max(req.min_weight_version, self.committed())
 
-    def call(self, req: P.RolloutRequest, prompts: list[int], chunk: int, params: P.SamplingParams, floor: int,
-             meta: dict, spec: P.SamplerSpec):
+    def call(
+        self,
+        req: P.RolloutRequest,
+        prompts: list[int],
+        chunk: int,
+        params: P.SamplingParams,
+        floor: int,
+        meta: dict,
+        spec: P.SamplerSpec,
+    ):
         """One replica's rollout of these prompts (indices into req.prompts), chunk number `chunk` of the request
         (its seed); await it, or .cancel() it."""
-        return self.replicas.call("rollout", [req.prompts[i] for i in prompts], req.n, chunk_params(params, chunk),
-                                  req.reward, floor, meta, spec)
+        return self.replicas.call(
+            "rollout",
+            [req.prompts[i] for i in prompts],
+            req.n,
+            chunk_params(params, chunk),
+            req.reward,
+            floor,
+            meta,
+            spec,
+        )
 
     async def produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:
         """The request's groups, each recorded in `job` as it finishes. `delivered`: the caller gets them now

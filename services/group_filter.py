@@ -23,14 +23,17 @@ log = logging.getLogger("farm.service")
 MAX_PUSHBACKS = 100  # calls sent back by full queues before the filter gives up waiting
 
 
-async def produce(fanout: Fanout, job: Job, req: P.RolloutRequest, flt: DynamicGroupFilter,
-                  delivered: bool) -> P.RolloutResponse:
+async def produce(
+    fanout: Fanout, job: Job, req: P.RolloutRequest, flt: DynamicGroupFilter, delivered: bool
+) -> P.RolloutResponse:
     p, settings = flt.params, fanout.settings
     inner = make_sampler(p.inner, settings.plugins)
     params, meta = fanout.policy.plan(p.inner.name, inner, req.sampling_params, fanout.committed())
     meta = {**meta, "filter": req.sampler.name}
     target, cap = p.target_groups or len(req.prompts), min(p.max_groups or len(req.prompts), len(req.prompts))
-    todo = deque((j, list(range(a, min(a + p.prompts_per_call, cap)))) for j, a in enumerate(range(0, cap, p.prompts_per_call)))
+    todo = deque(
+        (j, list(range(a, min(a + p.prompts_per_call, cap)))) for j, a in enumerate(range(0, cap, p.prompts_per_call))
+    )
     window = max(1, settings.replicas * settings.engine_max_ongoing_requests)  # shrinks when Serve pushes back
     floor = fanout.floor(req)
     running: dict[asyncio.Future, tuple[int, list[int], object]] = {}  # -> (chunk index, prompt indices, Serve call)
@@ -79,7 +82,8 @@ async def produce(fanout: Fanout, job: Job, req: P.RolloutRequest, flt: DynamicG
 
 
 def filter_report(target: int, finished: list[tuple[str, P.Group]], cancelled: int) -> P.FilterReport:
-    """What the filter generated and kept, also counted in farm_filter_groups_total and farm_filter_wasted_tokens_total."""
+    """What the filter generated and kept; also counted in farm_filter_groups_total and
+    farm_filter_wasted_tokens_total."""
     count = Counter(outcome for outcome, _ in finished)
     generated = sum(g.generated_tokens or 0 for _, g in finished)  # every candidate of every finished group
     kept_tokens = sum(len(s.token_ids) for o, g in finished if o == "kept" for s in g.samples)
@@ -88,9 +92,15 @@ def filter_report(target: int, finished: list[tuple[str, P.Group]], cancelled: i
     metrics.FILTER_GROUPS.labels("cancelled").inc(cancelled)
     metrics.FILTER_WASTED_TOKENS.inc(generated - kept_tokens)
     return P.FilterReport(
-        target_groups=target, target_reached=count["kept"] >= target, generated_groups=len(finished),
-        kept_groups=count["kept"], zero_variance_groups=count["zero_variance"],
-        zero_variance_fraction=count["zero_variance"] / max(1, len(finished)), surplus_groups=count["surplus"],
-        cancelled_groups=cancelled, generated_tokens=generated, kept_tokens=kept_tokens,
+        target_groups=target,
+        target_reached=count["kept"] >= target,
+        generated_groups=len(finished),
+        kept_groups=count["kept"],
+        zero_variance_groups=count["zero_variance"],
+        zero_variance_fraction=count["zero_variance"] / max(1, len(finished)),
+        surplus_groups=count["surplus"],
+        cancelled_groups=cancelled,
+        generated_tokens=generated,
+        kept_tokens=kept_tokens,
         waste_fraction=1 - kept_tokens / generated if generated else 0.0,
     )

@@ -1,13 +1,13 @@
 """The ingress deployment: it holds the domain objects that the routes in services/api/ call.
 
-  Replicas          the engine replicas' handle: calls to one or to every replica
-  WeightPush        two-phase pushes; the committed version (the version floor of every rollout)
-  PolicyStatsBoard  what the trainer reports; the samplers' sampling plans
-  RequestChecks     422s for names, sampler params and token ids
-  Fanout            a rollout spread over the replicas (and the group filter's scheduler)
-  Rollouts          the request_id table, streaming, cancellation
-  TrajectoryQueue   the pull-mode queue
-  OpenAICompat      the OpenAI-shaped endpoints
+Replicas          the engine replicas' handle: calls to one or to every replica
+WeightPush        two-phase pushes; the committed version (the version floor of every rollout)
+PolicyStatsBoard  what the trainer reports; the samplers' sampling plans
+RequestChecks     422s for names, sampler params and token ids
+Fanout            a rollout spread over the replicas (and the group filter's scheduler)
+Rollouts          the request_id table, streaming, cancellation
+TrajectoryQueue   the pull-mode queue
+OpenAICompat      the OpenAI-shaped endpoints
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class Ingress:
         self.checks = RequestChecks(self.replicas, settings)
         self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy)
         self.rollouts = Rollouts(self.fanout, self.checks, RolloutJobs(settings))
-        self.queue = TrajectoryQueue(self.fanout.generate_for_queue, lambda: self.weights.committed,
-                                     batch_groups=4 * settings.replicas)
+        self.queue = TrajectoryQueue(
+            self.fanout.generate_for_queue, lambda: self.weights.committed, batch_groups=4 * settings.replicas
+        )
         self.openai = OpenAICompat(self.fanout, self.replicas, settings.model)
         self.started = asyncio.create_task(self.weights.sync_committed())  # a restarted ingress: what replicas serve

@@ -31,8 +31,10 @@ class OpenAICompat:
     async def chat(self, req: P.ChatCompletionRequest) -> dict:
         text = await self.replicas.call("render_chat", [m.model_dump() for m in req.messages])
         if text is None:
-            raise Invalid([{"field": "messages", "message": "no chat template"}],
-                          "the served model has no chat template: use /v1/completions")
+            raise Invalid(
+                [{"field": "messages", "message": "no chat template"}],
+                "the served model has no chat template: use /v1/completions",
+            )
         params = sampling(req.max_completion_tokens or req.max_tokens or 256, req.temperature, req.top_p, req.seed)
         return await self._answer("chat.completion", [text], req.n, params, req.stop, req.logprobs)
 
@@ -71,7 +73,7 @@ def cut_at_stop(text: str, stop: str | list[str] | None) -> tuple[str, bool]:
     """text up to the first stop string (excluded), and whether one was found."""
     stops = [stop] if isinstance(stop, str) else (stop or [])
     cuts = [text.find(s) for s in stops if s and s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+    return (text[: min(cuts)], True) if cuts else (text, False)
 
 
 def logprobs(pieces: list[str], lps: list[float], text: str, chat: bool) -> dict:
@@ -81,12 +83,25 @@ def logprobs(pieces: list[str], lps: list[float], text: str, chat: bool) -> dict
     cut = sum(map(len, pieces)) > len(text)
     keep = [i for i, o in enumerate(offsets) if o < len(text) or not cut]
     if chat:
-        return {"content": [{"token": pieces[i], "logprob": lps[i], "bytes": list(pieces[i].encode()), "top_logprobs": []} for i in keep]}
-    return {"tokens": [pieces[i] for i in keep], "token_logprobs": [lps[i] for i in keep], "top_logprobs": None, "text_offset": [offsets[i] for i in keep]}
+        return {
+            "content": [
+                {"token": pieces[i], "logprob": lps[i], "bytes": list(pieces[i].encode()), "top_logprobs": []}
+                for i in keep
+            ]
+        }
+    return {
+        "tokens": [pieces[i] for i in keep],
+        "token_logprobs": [lps[i] for i in keep],
+        "top_logprobs": None,
+        "text_offset": [offsets[i] for i in keep],
+    }
 
 
-def choices(groups: list[P.Group], stop: str | list[str] | None, chat: bool, pieces: list[list[str]] | None) -> tuple[list[dict], dict]:
-    """OpenAI choices (prompt-major, n per prompt) and the usage block; `pieces` (the text of each token) adds logprobs."""
+def choices(
+    groups: list[P.Group], stop: str | list[str] | None, chat: bool, pieces: list[list[str]] | None
+) -> tuple[list[dict], dict]:
+    """OpenAI choices (prompt-major, n per prompt) and the usage block; `pieces` (the text of each token) adds
+    logprobs."""
     out, prompt_tokens, completion_tokens = [], 0, 0
     for g in groups:
         prompt_tokens += len(g.prompt_token_ids)
@@ -97,10 +112,22 @@ def choices(groups: list[P.Group], stop: str | list[str] | None, chat: bool, pie
             body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             out.append({"index": len(out), **body, "logprobs": lp, "finish_reason": reason})
             completion_tokens += len(s.token_ids)
-    return out, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return out, {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response(kind: str, model: str, groups: list[P.Group], stop, chat: bool, pieces: list[list[str]] | None = None) -> dict:
+def response(
+    kind: str, model: str, groups: list[P.Group], stop, chat: bool, pieces: list[list[str]] | None = None
+) -> dict:
     picked, usage = choices(groups, stop, chat, pieces)
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": model, "choices": picked, "usage": usage}
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": picked,
+        "usage": usage,
+    }

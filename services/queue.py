@@ -45,7 +45,13 @@ class Item:
     deadline: float = 0.0
 
     def wire(self) -> P.QueueItem:
-        return P.QueueItem(item_id=self.item_id, prompt=self.prompt, group=self.group, weight_version=self.weight_version, deliveries=self.deliveries)
+        return P.QueueItem(
+            item_id=self.item_id,
+            prompt=self.prompt,
+            group=self.group,
+            weight_version=self.weight_version,
+            deliveries=self.deliveries,
+        )
 
 
 class Source:
@@ -57,8 +63,13 @@ class Source:
         self.leased: dict[str, Item] = {}
         self.delivered: set[str] = set()  # delivered and not yet acked
         self.acked: set[str] = set()
-        self.seq, self.nonce = itertools.count(), uuid.uuid4().hex[:8]  # ids never repeat, even for a source added again
-        self.dropped: dict[str, P.Prompt] = {}  # delivered, then dropped as stale: a late ack withdraws the regeneration
+        self.seq, self.nonce = (
+            itertools.count(),
+            uuid.uuid4().hex[:8],
+        )  # ids never repeat, even for a source added again
+        self.dropped: dict[
+            str, P.Prompt
+        ] = {}  # delivered, then dropped as stale: a late ack withdraws the regeneration
         self.withdrawn: list[P.Prompt] = []
         self.redelivered = self.stale_dropped = 0
         self.generating, self.error = False, None
@@ -105,15 +116,22 @@ class Source:
         now = time.monotonic()
         expired = sum(i.deadline <= now for i in self.leased.values())
         return P.QueueSourceState(
-            name=self.spec.name, dataset=self.spec.dataset, pending_prompts=len(self.pending),
-            ready=len(self.ready) + expired, leased=len(self.leased) - expired, acked=len(self.acked),
-            redelivered=self.redelivered, stale_dropped=self.stale_dropped, generating=self.generating,
+            name=self.spec.name,
+            dataset=self.spec.dataset,
+            pending_prompts=len(self.pending),
+            ready=len(self.ready) + expired,
+            leased=len(self.leased) - expired,
+            acked=len(self.acked),
+            redelivered=self.redelivered,
+            stale_dropped=self.stale_dropped,
+            generating=self.generating,
             error=self.error,
         )
 
 
 class TrajectoryQueue:
-    """The sources of one ingress. `generate(request)` returns the groups of a RolloutRequest; `version()` the committed version."""
+    """The sources of one ingress. `generate(request)` returns the groups of a RolloutRequest; `version()` the
+    committed version."""
 
     def __init__(self, generate, version, batch_groups: int):
         self.generate, self.version, self.batch_groups = generate, version, batch_groups
@@ -122,11 +140,21 @@ class TrajectoryQueue:
 
     def add_source(self, spec: P.QueueSource) -> P.QueueSourceState:
         if spec.name in self.sources:
-            raise Conflict(f"source {spec.name!r} exists: DELETE /v1/queue/sources/{spec.name} first, "
-                           "or pick another name")
+            raise Conflict(
+                f"source {spec.name!r} exists: DELETE /v1/queue/sources/{spec.name} first, or pick another name"
+            )
         src = self.sources[spec.name] = Source(spec)
         src.task = asyncio.create_task(self._run(src))
-        log.info(json.dumps({"event": "queue_source_added", "source": spec.name, "dataset": spec.dataset, "prompts": len(spec.prompts)}))
+        log.info(
+            json.dumps(
+                {
+                    "event": "queue_source_added",
+                    "source": spec.name,
+                    "dataset": spec.dataset,
+                    "prompts": len(spec.prompts),
+                }
+            )
+        )
         return src.state()
 
     def add_prompts(self, name: str, prompts: list[P.Prompt]) -> P.QueueSourceState:
@@ -143,8 +171,9 @@ class TrajectoryQueue:
 
     def get(self, name: str) -> Source:
         if name not in self.sources:
-            raise NotFound(f"no queue source {name!r}; registered: {', '.join(self.sources) or 'none'} "
-                           "(POST /v1/queue/sources)")
+            raise NotFound(
+                f"no queue source {name!r}; registered: {', '.join(self.sources) or 'none'} (POST /v1/queue/sources)"
+            )
         return self.sources[name]
 
     def states(self) -> list[P.QueueSourceState]:
@@ -160,9 +189,15 @@ class TrajectoryQueue:
                 src.wake.clear()
                 await src.wake.wait()
                 continue
-            params = spec.sampling_params if spec.sampling_params.seed is None else spec.sampling_params.model_copy(update={"seed": (spec.sampling_params.seed + batch) % 2**63})
+            params = (
+                spec.sampling_params
+                if spec.sampling_params.seed is None
+                else spec.sampling_params.model_copy(update={"seed": (spec.sampling_params.seed + batch) % 2**63})
+            )
             reward = spec.reward or (TASKS.get(spec.dataset).reward if spec.dataset else None)
-            req = P.RolloutRequest(prompts=prompts, n=spec.n, sampling_params=params, sampler=spec.sampler, reward=reward)
+            req = P.RolloutRequest(
+                prompts=prompts, n=spec.n, sampling_params=params, sampler=spec.sampler, reward=reward
+            )
             src.generating, batch = True, batch + 1
             try:
                 groups = await self.generate(req)
@@ -177,11 +212,15 @@ class TrajectoryQueue:
             finally:
                 src.generating = False
             src.error = None
-            for prompt, group in ((prompts[g.prompt_index], g) for g in groups):  # a filtering sampler returns only some
+            for prompt, group in (
+                (prompts[g.prompt_index], g) for g in groups
+            ):  # a filtering sampler returns only some
                 if any(p is prompt for p in src.withdrawn):
                     src.withdrawn = [p for p in src.withdrawn if p is not prompt]
                     continue
-                version = min((min(s.token_weight_versions or [s.weight_version]) for s in group.samples), default=self.version())
+                version = min(
+                    (min(s.token_weight_versions or [s.weight_version]) for s in group.samples), default=self.version()
+                )
                 src.ready.append(Item(f"{spec.name}:{src.nonce}:{next(src.seq)}", prompt, group, version))
             metrics.QUEUE_GENERATED.labels(spec.name).inc(len(groups))
             src.signal()
@@ -228,7 +267,13 @@ class TrajectoryQueue:
         metrics.QUEUE_STALE.labels(src.spec.name).inc(dropped)
         if len(src.ready) < src.spec.target_groups:
             src.wake.set()
-        return P.PullResponse(lease_id=lease, lease_expires_s=req.lease_s, current_version=current, items=[i.wire() for i in taken], stale_dropped=dropped)
+        return P.PullResponse(
+            lease_id=lease,
+            lease_expires_s=req.lease_s,
+            current_version=current,
+            items=[i.wire() for i in taken],
+            stale_dropped=dropped,
+        )
 
     def ack(self, item_ids: list[str]) -> P.AckResponse:
         """Settle delivered groups, whatever their lease state; acking again changes nothing."""
@@ -244,7 +289,9 @@ class TrajectoryQueue:
                 src.acked.add(item_id)
                 if src.leased.pop(item_id, None) is None:  # its lease ran out: it may wait for redelivery ...
                     src.ready = deque(i for i in src.ready if i.item_id != item_id)
-                    if (prompt := src.dropped.pop(item_id, None)) is not None:  # ... or was dropped as stale: withdraw its regeneration
+                    if (
+                        prompt := src.dropped.pop(item_id, None)
+                    ) is not None:  # ... or was dropped as stale: withdraw its regeneration
                         src.withdraw(prompt)
                     src.wake.set()
                 metrics.QUEUE_ACKED.labels(src.spec.name).inc()
@@ -259,10 +306,12 @@ class QueueGauges:
         self.queue = queue
 
     def collect(self):
-        ready = GaugeMetricFamily("farm_queue_ready_groups", "Queue depth: generated groups waiting to be pulled",
-                                  labels=["source"])
-        leased = GaugeMetricFamily("farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked",
-                                   labels=["source"])
+        ready = GaugeMetricFamily(
+            "farm_queue_ready_groups", "Queue depth: generated groups waiting to be pulled", labels=["source"]
+        )
+        leased = GaugeMetricFamily(
+            "farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked", labels=["source"]
+        )
         for s in self.queue.states():
             ready.add_metric([s.name], s.ready)
             leased.add_metric([s.name], s.leased)

@@ -38,7 +38,11 @@ class Registry(Generic[T]):
         module, sep, attr = name.partition(":")
         if sep and (modules is None or module in modules):
             found = getattr(importlib.import_module(module), attr, None)
-            if self.base is not None and found is not None and not (isinstance(found, type) and issubclass(found, self.base)):
+            if (
+                self.base is not None
+                and found is not None
+                and not (isinstance(found, type) and issubclass(found, self.base))
+            ):
                 raise KeyError(f"{name!r} is not a {self.base.__name__} subclass")
             if found is not None:
                 return found

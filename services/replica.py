@@ -58,9 +58,16 @@ class EngineServer:
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # rollouts --------------------------------------------------------------------------------------------
-    async def rollout(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, reward: str | None,
-                      min_version: int = 0, meta: dict | None = None,
-                      sampler: P.SamplerSpec | None = None) -> list[P.Group]:
+    async def rollout(
+        self,
+        prompts: list[P.Prompt],
+        n: int,
+        params: P.SamplingParams,
+        reward: str | None,
+        min_version: int = 0,
+        meta: dict | None = None,
+        sampler: P.SamplerSpec | None = None,
+    ) -> list[P.Group]:
         """The groups of these prompts, n samples each. Rollouts take at most all but two of the control slots
         waiting; past that the replica is full (429)."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
@@ -74,8 +81,16 @@ class EngineServer:
             if self.engine.weight_version < min_version:
                 await self.catch_up(min_version)
             spec = sampler or P.SamplerSpec()
-            return await sample_groups(self._generate_rerun, self.engine.tokenizer, prompts, n, params, reward,
-                                       meta or {"sampler": "plain"}, make_sampler(spec, self.settings.plugins))
+            return await sample_groups(
+                self._generate_rerun,
+                self.engine.tokenizer,
+                prompts,
+                n,
+                params,
+                reward,
+                meta or {"sampler": "plain"},
+                make_sampler(spec, self.settings.plugins),
+            )
         finally:
             self.rollout_slots.release()
 
@@ -83,7 +98,9 @@ class EngineServer:
         """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
         outs = await self._generate(prompts, params)
         for _ in range(ABORT_RERUNS):
-            served = await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
+            served = (
+                await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
+            )
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
@@ -108,7 +125,8 @@ class EngineServer:
 
     # weights ---------------------------------------------------------------------------------------------
     async def catch_up(self, min_version: int) -> None:
-        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for min_version."""
+        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for
+        min_version."""
         deadline = time.monotonic() + self.settings.min_version_wait_s
         while True:
             async with self.catch_up_lock:
@@ -122,7 +140,8 @@ class EngineServer:
             if time.monotonic() > deadline:
                 raise VersionNotReached(
                     f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S="
-                    f"{self.settings.min_version_wait_s}; this replica serves {self.engine.weight_version}")
+                    f"{self.settings.min_version_wait_s}; this replica serves {self.engine.weight_version}"
+                )
             await asyncio.sleep(0.05)
 
     async def stage(self, source: tuple, version: int) -> int:
@@ -171,20 +190,38 @@ class EngineServer:
         """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
         Blocks (off the event loop) until the trainer and every replica have joined."""
         rank = group.rank_offset + replica_ids.index(replica_id()) * self.engine.ranks_per_engine
-        await asyncio.to_thread(self.engine.init_weights_update_group, group.master_address, group.master_port, rank,
-                                group.world_size, group.group_name, group.backend)
+        await asyncio.to_thread(
+            self.engine.init_weights_update_group,
+            group.master_address,
+            group.master_port,
+            rank,
+            group.world_size,
+            group.group_name,
+            group.backend,
+        )
         return rank
 
     async def update_weights_from_distributed(self, update: P.DistributedUpdate, replica_ids: list[str]) -> int:
-        await asyncio.to_thread(self.engine.update_weights_from_distributed, update.names, update.dtypes, update.shapes,
-                                update.version, update.group_name)
+        await asyncio.to_thread(
+            self.engine.update_weights_from_distributed,
+            update.names,
+            update.dtypes,
+            update.shapes,
+            update.version,
+            update.group_name,
+        )
         return self.engine.weight_version
 
     # control and health ----------------------------------------------------------------------------------
     def state(self) -> P.ReplicaState:
         e = self.engine
-        return P.ReplicaState(replica=replica_id(), weight_version=e.weight_version, paused=e.paused, busy=e.busy,
-                              generated_tokens=e.generated_tokens)
+        return P.ReplicaState(
+            replica=replica_id(),
+            weight_version=e.weight_version,
+            paused=e.paused,
+            busy=e.busy,
+            generated_tokens=e.generated_tokens,
+        )
 
     def pause(self) -> P.ReplicaState:
         """Stop admitting generate calls; calls already running finish."""
@@ -213,7 +250,9 @@ class EngineServer:
     def render_chat(self, messages: list[dict]) -> str | None:
         """Messages through the model's chat template, ready for generation; None without a template."""
         tok = self.engine.tokenizer
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
+        return (
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
+        )
 
     def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
         return [openai_compat.token_pieces(self.engine.tokenizer, ids) for ids in samples]

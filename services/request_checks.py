@@ -22,8 +22,15 @@ class RequestChecks:
     async def rollout(self, req: P.RolloutRequest | P.QueueSource) -> None:
         """A rollout request or a queue source (whose sampler runs over an endless stream of prompts)."""
         if req.reward is not None and req.reward not in rewards.REWARDS.names():
-            raise Invalid([{"field": "reward", "message": f"unknown reward {req.reward!r}; valid names: "
-                            f"{', '.join(rewards.REWARDS.names())} (add your own with FARM_PLUGINS)"}])
+            raise Invalid(
+                [
+                    {
+                        "field": "reward",
+                        "message": f"unknown reward {req.reward!r}; valid names: "
+                        f"{', '.join(rewards.REWARDS.names())} (add your own with FARM_PLUGINS)",
+                    }
+                ]
+            )
         prompts = len(req.prompts) if isinstance(req, P.RolloutRequest) else None
         if bad := self.sampler_problems(req.sampler, "sampler", prompts):
             raise Invalid(bad)
@@ -46,7 +53,13 @@ class RequestChecks:
     async def tokens(self, prompts: list[P.Prompt]) -> None:
         if self.vocab is None:
             self.vocab = await self.replicas.call("vocab_size")
-        bad = [{"field": f"prompts.{i}.token_ids", "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary"}
-               for i, p in enumerate(prompts) if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)]
+        bad = [
+            {
+                "field": f"prompts.{i}.token_ids",
+                "message": f"token ids must be in [0, {self.vocab}): the model's vocabulary",
+            }
+            for i, p in enumerate(prompts)
+            if p.token_ids and not all(0 <= t < self.vocab for t in p.token_ids)
+        ]
         if bad:
             raise Invalid(bad)

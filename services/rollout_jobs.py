@@ -139,8 +139,9 @@ class RolloutJobs:
             yield P.StreamEnd(groups=len(job.groups), error=error.message, status=error.status).model_dump_json() + "\n"
 
     def _abandoned(self, job: Job, request_id: str | None) -> None:
-        """A caller went away. With none left, the engine work is cancelled: at once without a request_id, else after
-        FARM_DISCONNECT_GRACE_S unless a retry under the same id (a client whose read timed out) waits for it by then."""
+        """A caller went away. With none left, the engine work is cancelled: at once without a request_id, else
+        after FARM_DISCONNECT_GRACE_S unless a retry under the same id (a client whose read timed out) waits for it
+        by then."""
         if job.waiters > 0:
             return
         if not request_id or self.settings.disconnect_grace_s == 0:

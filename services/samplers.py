@@ -42,7 +42,9 @@ class SamplerState(BaseModel):
 class Sampler:
     Params: type[BaseModel] = NoParams
     filters_groups = False  # True: runs at the ingress over whole groups (see DynamicGroupFilter)
-    wants_log_ratio = False  # True: each candidate's sampler_meta gets log_ratio = log p/q (raw policy over the distribution sampled)
+    wants_log_ratio = (
+        False  # True: each candidate's sampler_meta gets log_ratio = log p/q (raw policy over the distribution sampled)
+    )
 
     def __init__(self, params: BaseModel):
         self.params = params
@@ -61,7 +63,8 @@ class Sampler:
         return n
 
     def round_size(self, n: int) -> int:
-        """In the replica: samples generated per group and round; a group whose samples are `enough` gets no more rounds."""
+        """In the replica: samples generated per group and round; a group whose samples are `enough` gets no more
+        rounds."""
         return self.candidates(n)
 
     def enough(self, samples: list[P.Sample], n: int) -> bool:
@@ -98,24 +101,35 @@ class Plain(Sampler):
 
 
 class KLAdaptiveParams(NoParams):
-    base_temperature: float = Field(0.7, ge=0, le=100, description="Temperature while the reported KL is low (or not reported).")
-    low_temperature: float = Field(0.5, ge=0, le=100, description="Temperature once the reported KL is above kl_threshold.")
+    base_temperature: float = Field(
+        0.7, ge=0, le=100, description="Temperature while the reported KL is low (or not reported)."
+    )
+    low_temperature: float = Field(
+        0.5, ge=0, le=100, description="Temperature once the reported KL is above kl_threshold."
+    )
     top_p: float = Field(0.9, gt=0, le=1, description="Nucleus mass, whatever the KL.")
     kl_threshold: float = Field(0.02, ge=0, description="Reported KL above which the temperature drops.")
-    schedule: Literal["step", "smooth"] = Field("step", description="'step' switches at the threshold; 'smooth' follows a logistic curve around it.")
-    smooth_width: float = Field(0.005, gt=0, description="For 'smooth': the KL distance over which the temperature moves most of the way.")
+    schedule: Literal["step", "smooth"] = Field(
+        "step", description="'step' switches at the threshold; 'smooth' follows a logistic curve around it."
+    )
+    smooth_width: float = Field(
+        0.005, gt=0, description="For 'smooth': the KL distance over which the temperature moves most of the way."
+    )
 
     @model_validator(mode="after")
     def _low_below_base(self) -> "KLAdaptiveParams":
         if self.low_temperature > self.base_temperature:
-            raise ValueError("low_temperature must not exceed base_temperature: the sampler cools the policy when KL grows")
+            raise ValueError(
+                "low_temperature must not exceed base_temperature: the sampler cools the policy when KL grows"
+            )
         return self
 
 
 @SAMPLERS.register("kl_adaptive_temperature")
 class KLAdaptiveTemperature(Sampler):
-    """Temperature that falls from base_temperature to low_temperature when the trainer's reported KL passes kl_threshold
-    (a step, or a smooth logistic schedule); top_p fixed. The request's temperature and top_p are replaced."""
+    """Temperature that falls from base_temperature to low_temperature when the trainer's reported KL passes
+    kl_threshold (a step, or a smooth logistic schedule); top_p fixed. The request's temperature and top_p are
+    replaced."""
 
     Params = KLAdaptiveParams
 
@@ -125,18 +139,28 @@ class KLAdaptiveTemperature(Sampler):
             return p.base_temperature
         if p.schedule == "step":
             return p.low_temperature if kl > p.kl_threshold else p.base_temperature
-        x = max(-60.0, min(60.0, (kl - p.kl_threshold) / p.smooth_width * 4))  # 4: the logistic's ~12%..88% span per width
+        x = max(
+            -60.0, min(60.0, (kl - p.kl_threshold) / p.smooth_width * 4)
+        )  # 4: the logistic's ~12%..88% span per width
         return p.base_temperature - (p.base_temperature - p.low_temperature) / (1 + math.exp(-x))
 
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
         t = self.temperature(state.stats.kl)
-        return sampling.model_copy(update={"temperature": t, "top_p": self.params.top_p}), {"temperature": t, "kl": state.stats.kl}
+        return sampling.model_copy(update={"temperature": t, "top_p": self.params.top_p}), {
+            "temperature": t,
+            "kl": state.stats.kl,
+        }
 
 
 class ImportanceParams(NoParams):
-    candidates: int | None = Field(None, ge=1, le=P.MAX_N * 4, description="Candidates m generated per group (m >= n); default 2n.")
-    target: Literal["reward_tilt", "policy_ratio"] = Field("reward_tilt", description="'reward_tilt': target density proportional to q(x) exp(beta r(x)); "
-                                                           "'policy_ratio': the raw policy p(x) (temperature 1, no top-p/k), from candidates drawn with the request's sampling params q.")
+    candidates: int | None = Field(
+        None, ge=1, le=P.MAX_N * 4, description="Candidates m generated per group (m >= n); default 2n."
+    )
+    target: Literal["reward_tilt", "policy_ratio"] = Field(
+        "reward_tilt",
+        description="'reward_tilt': target density proportional to q(x) exp(beta r(x)); 'policy_ratio': the raw "
+        "policy p(x) (temperature 1, no top-p/k), from candidates drawn with the request's sampling params q.",
+    )
     beta: float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 resamples uniformly.")
 
 
@@ -153,7 +177,13 @@ class ImportanceResampling(Sampler):
 
     def problems(self, prompts: int | None, engine: str) -> list[dict]:
         if self.params.target == "policy_ratio" and engine != "torch":
-            return [{"field": "target", "message": f"'policy_ratio' needs the sampling logprobs that only the torch engine reports (FARM_ENGINE={engine}); use 'reward_tilt'"}]
+            return [
+                {
+                    "field": "target",
+                    "message": "'policy_ratio' needs the sampling logprobs that only the torch engine reports "
+                    f"(FARM_ENGINE={engine}); use 'reward_tilt'",
+                }
+            ]
         return []
 
     @property
@@ -164,24 +194,50 @@ class ImportanceResampling(Sampler):
         return max(n, self.params.candidates or 2 * n)
 
     def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
-        scored = [self.params.beta * s.reward for s in samples] if self.params.target == "reward_tilt" else [s.sampler_meta["log_ratio"] for s in samples]
+        scored = (
+            [self.params.beta * s.reward for s in samples]
+            if self.params.target == "reward_tilt"
+            else [s.sampler_meta["log_ratio"] for s in samples]
+        )
         top = max(scored)
         w = [math.exp(x - top) for x in scored]  # shifted: no overflow
         probs = [x / sum(w) for x in w]
         ess = 1 / sum(p * p for p in probs)
         picks = rng.choices(range(len(samples)), weights=probs, k=n)
-        return [samples[i].model_copy(update={"sampler_meta": {**samples[i].sampler_meta, "importance_weight": 1 / (len(samples) * probs[i]),
-                                                               "candidates": len(samples), "ess": ess}}) for i in picks]
+        return [
+            samples[i].model_copy(
+                update={
+                    "sampler_meta": {
+                        **samples[i].sampler_meta,
+                        "importance_weight": 1 / (len(samples) * probs[i]),
+                        "candidates": len(samples),
+                        "ess": ess,
+                    }
+                }
+            )
+            for i in picks
+        ]
 
 
 class PatternParams(NoParams):
-    pattern: str = Field(r"(?s).*#### -?[0-9]+", max_length=2000, description="A regular expression the whole generated text must match "
-                         "(the default: a chain ending in GSM8K's '#### <number>').")
-    mode: Literal["filter", "constrained"] = Field("filter", description="'filter': generate, then keep matches; 'constrained': the engine "
-                                                   "masks tokens that cannot lead to a match (SGLang's regex, the torch engine's RegexMask), then keep matches.")
-    max_candidates: int | None = Field(None, ge=1, le=P.MAX_N * 4, description="Most candidates per group, generated n per round; default 4n.")
+    pattern: str = Field(
+        r"(?s).*#### -?[0-9]+",
+        max_length=2000,
+        description="A regular expression the whole generated text must match "
+        "(the default: a chain ending in GSM8K's '#### <number>').",
+    )
+    mode: Literal["filter", "constrained"] = Field(
+        "filter",
+        description="'filter': generate, then keep matches; 'constrained': the engine "
+        "masks tokens that cannot lead to a match (SGLang's regex, the torch engine's RegexMask), then keep matches.",
+    )
+    max_candidates: int | None = Field(
+        None, ge=1, le=P.MAX_N * 4, description="Most candidates per group, generated n per round; default 4n."
+    )
 
-    _compiles = field_validator("pattern")(P.SamplingParams._regex_compiles.__func__)  # the same check, and message, as sampling_params.regex
+    _compiles = field_validator("pattern")(
+        P.SamplingParams._regex_compiles.__func__
+    )  # the same check, and message, as sampling_params.regex
 
 
 @SAMPLERS.register("pattern_conditional")
@@ -224,12 +280,25 @@ class PatternConditional(Sampler):
 
 
 class FilterParams(NoParams):
-    target_groups: int | None = Field(None, ge=1, le=P.MAX_PROMPTS, description="Informative groups to return; default: one per prompt "
-                                      "(no over-sampling). Send more prompts than this to over-sample.")
-    max_groups: int | None = Field(None, ge=1, le=P.MAX_PROMPTS, description="Cap on groups started; default: every prompt.")
-    std_tolerance: float = Field(1e-6, ge=0, le=1e3, description="A group whose reward std is at most this is zero-variance and dropped.")
-    prompts_per_call: int = Field(2, ge=1, le=64, description="Prompts per engine call: smaller calls let the filter stop sooner.")
-    inner: P.SamplerSpec = Field(default_factory=P.SamplerSpec, description="The sampler that draws each group (any but dynamic_group_filter).")
+    target_groups: int | None = Field(
+        None,
+        ge=1,
+        le=P.MAX_PROMPTS,
+        description="Informative groups to return; default: one per prompt "
+        "(no over-sampling). Send more prompts than this to over-sample.",
+    )
+    max_groups: int | None = Field(
+        None, ge=1, le=P.MAX_PROMPTS, description="Cap on groups started; default: every prompt."
+    )
+    std_tolerance: float = Field(
+        1e-6, ge=0, le=1e3, description="A group whose reward std is at most this is zero-variance and dropped."
+    )
+    prompts_per_call: int = Field(
+        2, ge=1, le=64, description="Prompts per engine call: smaller calls let the filter stop sooner."
+    )
+    inner: P.SamplerSpec = Field(
+        default_factory=P.SamplerSpec, description="The sampler that draws each group (any but dynamic_group_filter)."
+    )
 
     @field_validator("inner")
     @classmethod
@@ -260,9 +329,19 @@ class DynamicGroupFilter(Sampler):
         out = []
         for name in ("target_groups", "max_groups"):
             if prompts is None and getattr(self.params, name):
-                out.append({"field": name, "message": "a queue source keeps its target_groups informative groups ready: leave this unset"})
+                out.append(
+                    {
+                        "field": name,
+                        "message": "a queue source keeps its target_groups informative groups ready: leave this unset",
+                    }
+                )
             elif prompts is not None and (getattr(self.params, name) or 0) > prompts:
-                out.append({"field": name, "message": f"at most the number of prompts ({prompts}): send more prompts to over-sample from"})
+                out.append(
+                    {
+                        "field": name,
+                        "message": f"at most the number of prompts ({prompts}): send more prompts to over-sample from",
+                    }
+                )
         return out
 
     def zero_variance(self, group: P.Group) -> bool:

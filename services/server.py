@@ -31,12 +31,19 @@ def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: 
     settings = with_model_folder(settings)
     if not ray.is_initialized():
         cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            configure_logging=False,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        )
         on_ray_started()
     serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config={"log_level": "WARNING"})
-    serve.run(build_app(settings), name=settings.app_name, route_prefix=route_prefix,
-              logging_config={"log_level": "WARNING"})
+    serve.run(
+        build_app(settings), name=settings.app_name, route_prefix=route_prefix, logging_config={"log_level": "WARNING"}
+    )
     url = f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
     log.info("service_ready", extra={"url": url, "model": settings.model, "replicas": settings.replicas})
     return settings

@@ -14,27 +14,51 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
     app_name: str = Field("farm", description="Ray Serve application name.")
-    engine: str = Field("torch", description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'bench' (no model; service-layer "
-                        "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS.")
+    engine: str = Field(
+        "torch",
+        description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'bench' (no model; service-layer "
+        "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS.",
+    )
     bench_token_latency_s: float = Field(0.01, ge=0, description="Seconds per decode step of the 'bench' engine.")
     replicas: int = Field(1, ge=1, description="Engine replicas (the initial number when autoscaling).")
-    max_replicas: int = Field(0, ge=0, description="Above `replicas`, Serve autoscales engine replicas up to this many.")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="Autoscaling target of ongoing requests per engine replica.")
+    max_replicas: int = Field(
+        0, ge=0, description="Above `replicas`, Serve autoscales engine replicas up to this many."
+    )
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Autoscaling target of ongoing requests per engine replica."
+    )
     engine_max_ongoing_requests: int = Field(16, ge=1, description="Requests queued per engine replica.")
-    engine_max_queued_requests: int = Field(64, ge=1, description="Requests waiting for an engine replica before new ones get 429.")
+    engine_max_queued_requests: int = Field(
+        64, ge=1, description="Requests waiting for an engine replica before new ones get 429."
+    )
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
-    engine_threads: int | None = Field(None, ge=1, description="torch threads per replica; default: all cores / replicas.")
+    engine_threads: int | None = Field(
+        None, ge=1, description="torch threads per replica; default: all cores / replicas."
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
     dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
-    plugins: list[str] = Field(default_factory=list, description='Modules imported at start-up to register rewards and samplers, e.g. ["my_pkg.rewards"]; '
-                               'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".')
-    idempotency_cache_size: int = Field(1024, ge=1, description="Rollout results kept per ingress replica for request_id replays.")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description='Modules imported at start-up to register rewards and samplers, e.g. ["my_pkg.rewards"]; '
+        'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".',
+    )
+    idempotency_cache_size: int = Field(
+        1024, ge=1, description="Rollout results kept per ingress replica for request_id replays."
+    )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
-    max_upload_bytes: int = Field(64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes.")
-    disconnect_grace_s: float = Field(30.0, ge=0, description="A rollout with a request_id whose last caller disconnects runs on this long, "
-                                      "for the caller's retry under the same id to pick it up; then it is cancelled (0: at once).")
-    min_version_wait_s: float = Field(60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed.")
+    max_upload_bytes: int = Field(
+        64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes."
+    )
+    disconnect_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="A rollout with a request_id whose last caller disconnects runs on this long, "
+        "for the caller's retry under the same id to pick it up; then it is cancelled (0: at once).",
+    )
+    min_version_wait_s: float = Field(
+        60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed."
+    )
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")
 

@@ -78,7 +78,10 @@ class GSM8KTask(Task):
     def _load(self, split: str) -> list[Problem]:
         rows = [json.loads(line) for line in (DATA / "gsm8k" / f"{split}.jsonl").open()]
         return [
-            Problem(prompt=f"{r['question']} {self.instruction}", answer=r["answer"].split("####")[-1].strip().replace(",", ""))
+            Problem(
+                prompt=f"{r['question']} {self.instruction}",
+                answer=r["answer"].split("####")[-1].strip().replace(",", ""),
+            )
             for r in rows
         ]
 

@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 import math
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 class WeightsError(ValueError):
@@ -21,7 +34,7 @@ def read_header(data: bytes) -> dict[str, tuple[list[int], str]]:
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise WeightsError([f"safetensors header says {n} bytes but only {len(data) - 8} arrived: the upload was cut"])
-    return _parse(data[8:8 + n], len(data) - 8 - n)
+    return _parse(data[8 : 8 + n], len(data) - 8 - n)
 
 
 def read_header_file(path) -> dict[str, tuple[list[int], str]]:
@@ -48,13 +61,24 @@ def _parse(raw: bytes, payload: int) -> dict[str, tuple[list[int], str]]:
         if name == "__metadata__":
             continue
         try:
-            shape, dtype, (begin, end) = [int(x) for x in info["shape"]], str(info["dtype"]), map(int, info["data_offsets"])
+            shape, dtype, (begin, end) = (
+                [int(x) for x in info["shape"]],
+                str(info["dtype"]),
+                map(int, info["data_offsets"]),
+            )
         except (KeyError, TypeError, ValueError):
-            raise WeightsError([f"tensor {name!r} has a malformed header entry: need shape, dtype and data_offsets"]) from None
+            raise WeightsError(
+                [f"tensor {name!r} has a malformed header entry: need shape, dtype and data_offsets"]
+            ) from None
         if end > payload:
             raise WeightsError([f"tensor {name!r} ends at byte {end} of a {payload}-byte payload: the upload was cut"])
         if dtype in DTYPE_BYTES and end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise WeightsError([f"tensor {name!r} holds {end - begin} bytes, but shape {shape} of {dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]}"])
+            raise WeightsError(
+                [
+                    f"tensor {name!r} holds {end - begin} bytes, but shape {shape} of {dtype} needs "
+                    f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
+                ]
+            )
         spec[name] = (shape, dtype)
     return spec
 

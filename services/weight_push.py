@@ -72,8 +72,14 @@ class WeightPush:
             raise Invalid([{"field": "path", "message": f"{body.path} is outside FARM_WEIGHTS_DIR={root}"}])
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
-            raise Invalid([{"field": "path", "message": f"no *.safetensors files in {body.path}: "
-                            "give a folder the service can read"}])
+            raise Invalid(
+                [
+                    {
+                        "field": "path",
+                        "message": f"no *.safetensors files in {body.path}: give a folder the service can read",
+                    }
+                ]
+            )
 
         async def check(spec):
             got = {}
@@ -86,8 +92,9 @@ class WeightPush:
         size = sum(f.stat().st_size for f in files)
         return run_to_end(self._push(body.version, body.policy, check, lambda: ("path", str(folder)), size))
 
-    async def _push(self, version: int, policy: str, check: Callable, source: Callable[[], tuple],
-                    size: int) -> P.WeightsPushResponse:
+    async def _push(
+        self, version: int, policy: str, check: Callable, source: Callable[[], tuple], size: int
+    ) -> P.WeightsPushResponse:
         async with self.lock:
             start = time.perf_counter()
             current = await self._newer_than_served(version)
@@ -96,34 +103,44 @@ class WeightPush:
             try:
                 tensors = await check(self.spec)
             except WeightsError as e:
-                raise Invalid([{"field": "body", "message": m} for m in e.problems],
-                              "weights refused; the old version keeps serving") from None
+                raise Invalid(
+                    [{"field": "body", "message": m} for m in e.problems],
+                    "weights refused; the old version keeps serving",
+                ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
             if failed := await self.replicas.failures("stage", source, version, timeout_s=timeout):
                 await self.replicas.each("discard", version)
                 log.error("weight_stage_failed", extra={"version": version, "errors": failed})
-                raise ReplicasFailed(f"{len(failed)} replicas failed to stage version {version}; every replica stays "
-                                     f"on version {current}", [{"field": "replica", "message": f} for f in failed])
+                raise ReplicasFailed(
+                    f"{len(failed)} replicas failed to stage version {version}; every replica stays "
+                    f"on version {current}",
+                    [{"field": "replica", "message": f} for f in failed],
+                )
             await self.replicas.call("record", version, source)  # first: a replica starting from now on loads this
             if failed := await self.replicas.failures("commit", version, policy, source, timeout_s=timeout):
                 log.error("weight_commit_failed", extra={"version": version, "errors": failed})
-                raise ReplicasFailed(f"{len(failed)} replicas failed to commit version {version}",
-                                     [{"field": "replica", "message": f} for f in failed])
+                raise ReplicasFailed(
+                    f"{len(failed)} replicas failed to commit version {version}",
+                    [{"field": "replica", "message": f} for f in failed],
+                )
             self.committed = version
             seconds = time.perf_counter() - start
         metrics.VERSION.set(version)
         metrics.SYNC_SECONDS.observe(seconds)
         metrics.SYNC_BYTES.inc(size)
-        log.info("weights_pushed", extra={"version": version, "bytes": size, "policy": policy,
-                                          "seconds": round(seconds, 3)})
+        log.info(
+            "weights_pushed", extra={"version": version, "bytes": size, "policy": policy, "seconds": round(seconds, 3)}
+        )
         return P.WeightsPushResponse(version=version, tensors=tensors, bytes=size, seconds=seconds)
 
     async def _newer_than_served(self, version: int) -> int:
         """The newest version any replica serves; 409 unless `version` is above it."""
         current = max((await self.replicas.versions()).values())
         if version <= current:
-            raise Conflict(f"version {version} is not newer than the served version {current}: "
-                           f"push version {current + 1} or higher")
+            raise Conflict(
+                f"version {version} is not newer than the served version {current}: "
+                f"push version {current + 1} or higher"
+            )
         return current
 
     def init_distributed(self, group: P.DistributedGroup) -> Awaitable[dict]:
@@ -140,7 +157,9 @@ class WeightPush:
             if isinstance(body, P.DistributedUpdate):
                 await self._newer_than_served(body.version)
             # every replica gets the sorted replica ids, so each knows its own rank
-            results = await self.replicas.all(method, body, sorted(served), timeout_s=self.settings.weight_sync_timeout_s)
+            results = await self.replicas.all(
+                method, body, sorted(served), timeout_s=self.settings.weight_sync_timeout_s
+            )
             if isinstance(body, P.DistributedUpdate):
                 self.committed = max(self.committed, body.version)
                 metrics.VERSION.set(body.version)

@@ -18,7 +18,9 @@ NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, contro
 
 
 def create_api() -> FastAPI:
-    api = FastAPI(title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning.")
+    api = FastAPI(
+        title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning."
+    )
     errors.install(api)
     api.add_middleware(BodyLimit)
     api.middleware("http")(record_request)

@@ -52,7 +52,14 @@ def install(api: FastAPI) -> None:
             log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
         return response(error)
 
-    for kind in (ServiceError, BackPressureError, NotImplementedError, ValidationError, RequestValidationError, HTTPException):
+    for kind in (
+        ServiceError,
+        BackPressureError,
+        NotImplementedError,
+        ValidationError,
+        RequestValidationError,
+        HTTPException,
+    ):
         api.add_exception_handler(kind, expected)
 
     @api.exception_handler(Exception)

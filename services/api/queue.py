@@ -10,10 +10,14 @@ from services.api.uploads import prompts_from_body, read_body
 
 router = APIRouter(tags=["queue"])
 admin = APIRouter(tags=["queue"])  # needs the token
-JSONL_BODY = {"requestBody": {"content": {
-    "application/json": {"schema": P.QueuePrompts.model_json_schema()},
-    "application/x-ndjson": {"schema": {"type": "string", "description": "One Prompt per line (JSONL)"}},
-}}}
+JSONL_BODY = {
+    "requestBody": {
+        "content": {
+            "application/json": {"schema": P.QueuePrompts.model_json_schema()},
+            "application/x-ndjson": {"schema": {"type": "string", "description": "One Prompt per line (JSONL)"}},
+        }
+    }
+}
 
 
 @router.get("/v1/queue/sources", response_model=list[P.QueueSourceState])
@@ -22,33 +26,45 @@ async def queue_sources(farm=Depends(ingress)):
     return farm.queue.states()
 
 
-@admin.post("/v1/queue/sources", response_model=P.QueueSourceState,
-            responses={code: {"model": P.ErrorResponse} for code in (409, 422)})
+@admin.post(
+    "/v1/queue/sources",
+    response_model=P.QueueSourceState,
+    responses={code: {"model": P.ErrorResponse} for code in (409, 422)},
+)
 async def queue_add_source(spec: P.QueueSource, farm=Depends(ingress)):
     """Register a prompt source; the service starts generating groups from it in the background."""
     await farm.checks.rollout(spec)
     return farm.queue.add_source(spec)
 
 
-@admin.delete("/v1/queue/sources/{name}", response_model=P.QueueSourceState,
-              responses={404: {"model": P.ErrorResponse}})
+@admin.delete(
+    "/v1/queue/sources/{name}", response_model=P.QueueSourceState, responses={404: {"model": P.ErrorResponse}}
+)
 async def queue_remove_source(name: str, farm=Depends(ingress)):
     """Stop a source and forget its groups (leased ones included)."""
     return farm.queue.remove(name)
 
 
-@admin.post("/v1/queue/sources/{name}/prompts", response_model=P.QueueSourceState, openapi_extra=JSONL_BODY,
-            responses={code: {"model": P.ErrorResponse} for code in (404, 413, 422)})
+@admin.post(
+    "/v1/queue/sources/{name}/prompts",
+    response_model=P.QueueSourceState,
+    openapi_extra=JSONL_BODY,
+    responses={code: {"model": P.ErrorResponse} for code in (404, 413, 422)},
+)
 async def queue_add_prompts(request: Request, name: str, farm=Depends(ingress)):
     """Add prompts to a source: a JSON QueuePrompts body, or an uploaded JSONL file (Content-Type
     application/x-ndjson), one Prompt per line."""
-    body, _ = await read_body(request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "send the prompts in parts")
+    body, _ = await read_body(
+        request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "send the prompts in parts"
+    )
     prompts = prompts_from_body(body, request.headers.get("content-type"))
     await farm.checks.tokens(prompts)
     return farm.queue.add_prompts(name, prompts)
 
 
-@admin.post("/v1/queue/pull", response_model=P.PullResponse, responses={code: {"model": P.ErrorResponse} for code in (404, 422)})
+@admin.post(
+    "/v1/queue/pull", response_model=P.PullResponse, responses={code: {"model": P.ErrorResponse} for code in (404, 422)}
+)
 async def queue_pull(req: P.PullRequest, farm=Depends(ingress)):
     """Lease up to max_groups ready groups (waiting up to wait_s for one). Ack them before lease_s runs out, or they
     are delivered again (same item_id). Groups older than max_staleness versions are dropped and generated again."""

@@ -13,7 +13,8 @@ from services.errors import Invalid, TooLarge, pydantic_fields
 
 
 async def read_body(request: Request, limit: int, setting: str, fix: str) -> tuple[bytes, str]:
-    """The whole body and its hex SHA-256; 413 (naming the setting) once it passes `limit` bytes, declared or counted."""
+    """The whole body and its hex SHA-256; 413 (naming the setting) once it passes `limit` bytes, declared or
+    counted."""
     too_large = TooLarge(f"body larger than {setting}={limit}: {fix}")
     if int(request.headers.get("content-length") or 0) > limit:
         raise too_large
@@ -29,8 +30,14 @@ async def read_body(request: Request, limit: int, setting: str, fix: str) -> tup
 def check_sha256(declared: str | None, actual: str) -> None:
     """422 when the client's x-content-sha256 differs from the body's."""
     if declared and not hmac.compare_digest(declared.lower(), actual):
-        raise Invalid([{"field": "x-content-sha256", "message": f"body has SHA-256 {actual}, not {declared}: "
-                        "the upload was damaged; send it again"}])
+        raise Invalid(
+            [
+                {
+                    "field": "x-content-sha256",
+                    "message": f"body has SHA-256 {actual}, not {declared}: the upload was damaged; send it again",
+                }
+            ]
+        )
 
 
 def prompts_from_body(body: bytes, content_type: str | None) -> list[P.Prompt]:

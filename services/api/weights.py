@@ -24,15 +24,20 @@ async def weights_version(farm=Depends(ingress)):
 async def push_weights(
     request: Request,
     version: int = Query(..., ge=1, description="The new version; higher than the served one."),
-    policy: P.InFlightPolicy = Query("finish", description="In-flight samples: finish on the old weights, "
-                                     "abort and rerun, or go on (partial)."),
+    policy: P.InFlightPolicy = Query(
+        "finish", description="In-flight samples: finish on the old weights, abort and rerun, or go on (partial)."
+    ),
     x_content_sha256: str | None = Header(None, description="Hex SHA-256 of the body; a mismatch is refused."),
     farm=Depends(ingress),
 ):
     """Upload a safetensors state dict (raw body, streamed) as `version`. Two phases: every replica
     stages it, then all commit; if any replica refuses, none changes. Returns once all serve it."""
-    data, digest = await read_body(request, farm.settings.max_weights_bytes, "FARM_MAX_WEIGHTS_BYTES",
-                                   "raise it, or push a folder by path (POST /v1/weights/path)")
+    data, digest = await read_body(
+        request,
+        farm.settings.max_weights_bytes,
+        "FARM_MAX_WEIGHTS_BYTES",
+        "raise it, or push a folder by path (POST /v1/weights/path)",
+    )
     check_sha256(x_content_sha256, digest)
     return await farm.weights.upload(data, version, policy)
 

@@ -117,19 +117,31 @@ class Engine(abc.ABC):
         """Drop the weights staged as `version`, if any."""
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         backend: str = "nccl",
     ) -> None:
         """Join the trainer's NCCL group at rank rank_offset (SGLang's init_weights_update_group)."""
-        raise EngineVerbMissing.of(self, "NCCL weight transport (init_weights_update_group)", "run FARM_ENGINE=sglang on GPUs")
+        raise EngineVerbMissing.of(
+            self, "NCCL weight transport (init_weights_update_group)", "run FARM_ENGINE=sglang on GPUs"
+        )
 
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int,
         group_name: str = "weight_update_group",
     ) -> None:
         """Receive the tensors the trainer broadcasts and serve them as `version`."""
-        raise EngineVerbMissing.of(self, "NCCL weight transport (update_weights_from_distributed)",
-                                   "run FARM_ENGINE=sglang on GPUs")
+        raise EngineVerbMissing.of(
+            self, "NCCL weight transport (update_weights_from_distributed)", "run FARM_ENGINE=sglang on GPUs"
+        )
 
     # lifecycle ------------------------------------------------------------------------------------
     @abc.abstractmethod

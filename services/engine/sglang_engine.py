@@ -43,7 +43,11 @@ from services.engine.state_dict import spec_of
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weight_checks import WeightsError, check_state_dict, read_header_file
 
-TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # SGLang's distributed update wants torch names
+TORCH_DTYPE_NAMES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+}  # SGLang's distributed update wants torch names
 
 
 class _LoopThread:
@@ -58,6 +62,7 @@ class _LoopThread:
     def submit(self, awaitable):
         async def run():
             return await awaitable
+
         return asyncio.run_coroutine_threadsafe(run(), self.loop)
 
     def run_until_complete(self, awaitable):
@@ -115,7 +120,9 @@ class SGLangEngine(Engine):
         return next(i for i in (t.bos_token_id, t.pad_token_id, t.eos_token_id, 0) if i is not None)
 
     # generation ------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+    ) -> list[EngineOutput]:
         cancel = cancel or threading.Event()
         with self._cv:
             while self._paused or self._committing:
@@ -126,11 +133,20 @@ class SGLangEngine(Engine):
             version = self.weight_version
         try:
             rids = [uuid.uuid4().hex for _ in prompts]
-            sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "max_new_tokens": params.max_new_tokens,
-                        "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos, "sampling_seed": params.seed}
+            sampling = {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "max_new_tokens": params.max_new_tokens,
+                "stop_token_ids": params.stop_token_ids,
+                "ignore_eos": params.ignore_eos,
+                "sampling_seed": params.seed,
+            }
             if params.regex is not None:  # SGLang's grammar backend (xgrammar/outlines) constrains the whole output
                 sampling["regex"] = params.regex
-            done = self._loop.submit(self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids))
+            done = self._loop.submit(
+                self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids)
+            )
             while True:
                 try:
                     results = done.result(timeout=0.05)
@@ -150,7 +166,11 @@ class SGLangEngine(Engine):
     @staticmethod
     def _output(result: dict, p: SamplingParams, version: int) -> EngineOutput:
         meta = result["meta_info"]
-        ids, lps, reason = list(result["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], meta["finish_reason"]["type"]
+        ids, lps, reason = (
+            list(result["output_ids"]),
+            [lp for lp, _, _ in meta["output_token_logprobs"]],
+            meta["finish_reason"]["type"],
+        )
         if p.ignore_eos and p.stop_token_ids:
             cut = next((i + 1 for i, t in enumerate(ids) if t in p.stop_token_ids), None)
             if cut is not None:
@@ -188,7 +208,9 @@ class SGLangEngine(Engine):
         self._staged = (version, str(path))
 
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
+        if (
+            version <= self.weight_version
+        ):  # already served: a replica's catch-up and the push's own commit can both land
             return
         if self._staged is None or self._staged[0] != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
@@ -226,16 +248,33 @@ class SGLangEngine(Engine):
     # NCCL transport: the trainer is rank 0 of the group and broadcasts each tensor ----------------
     ranks_per_engine = 1  # one GPU (tp_size 1) per engine: replica i is rank rank_offset + i
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-                                  backend: str = "nccl") -> None:
-        ok, message = self.llm.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        ok, message = self.llm.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
         if not ok:
             raise RuntimeError(message)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                                        group_name: str = "weight_update_group") -> None:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int,
+        group_name: str = "weight_update_group",
+    ) -> None:
         with self._exclusive():
-            ok, message = self.llm.update_weights_from_distributed(names, [TORCH_DTYPE_NAMES.get(d, d) for d in dtypes], shapes, group_name)
+            ok, message = self.llm.update_weights_from_distributed(
+                names, [TORCH_DTYPE_NAMES.get(d, d) for d in dtypes], shapes, group_name
+            )
             if not ok:
                 raise WeightsRejected(message)
             self.weight_version = version

@@ -54,15 +54,22 @@ class RegexMask:
     def allowed(self, ids: list[int], token: int) -> bool:
         if token in self.stop_ids:
             return self.pattern.fullmatch(self.tok.decode(ids, skip_special_tokens=True)) is not None
-        return self.pattern.fullmatch(self.tok.decode(ids + [token], skip_special_tokens=True), partial=True) is not None
+        return (
+            self.pattern.fullmatch(self.tok.decode(ids + [token], skip_special_tokens=True), partial=True) is not None
+        )
 
     def pick(self, ids: list[int], raw: torch.Tensor, proc: torch.Tensor | None, gen: torch.Generator) -> int | None:
         """The next token for one row (its (V,) raw logits, and processed ones unless greedy), or None at a dead end."""
+
         def ranked():
             if proc is not None:
-                keys = proc - torch.log(-torch.log(torch.rand(proc.shape, generator=gen, device=proc.device).clamp_min(1e-20)))
+                keys = proc - torch.log(
+                    -torch.log(torch.rand(proc.shape, generator=gen, device=proc.device).clamp_min(1e-20))
+                )
                 yield from keys.argsort(descending=True)[: int(torch.isfinite(proc).sum())].tolist()
-            yield from raw.argsort(descending=True)[: self.limit].tolist()  # only reached when the nucleus has no allowed token
+            yield from raw.argsort(descending=True)[
+                : self.limit
+            ].tolist()  # only reached when the nucleus has no allowed token
 
         tried = set()
         for token in ranked():
@@ -83,7 +90,9 @@ class TorchEngine(Engine):
             torch.set_num_threads(threads)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        )
         eos = self.model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_ids = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -135,7 +144,9 @@ class TorchEngine(Engine):
         self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
 
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        if version <= self.weight_version:  # already served: a replica's catch-up and the push's own commit can both land
+        if (
+            version <= self.weight_version
+        ):  # already served: a replica's catch-up and the push's own commit can both land
             return
         if self._staged is None or self._staged[0] != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
@@ -143,7 +154,9 @@ class TorchEngine(Engine):
             self._commit = policy or "finish"
         if policy == "abort":
             self._abort_epoch += 1
-        while not self._lock.acquire(timeout=0.005):  # "partial": the running generate call applies it at its next token
+        while not self._lock.acquire(
+            timeout=0.005
+        ):  # "partial": the running generate call applies it at its next token
             if self.weight_version >= version:
                 return
         try:
@@ -167,7 +180,9 @@ class TorchEngine(Engine):
         self.weight_version, self._staged, self._commit = version, None, None
 
     # generation ------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+    ) -> list[EngineOutput]:
         cancel = cancel or threading.Event()
         while not self._admit.wait(0.05):
             if cancel.is_set():
@@ -179,7 +194,9 @@ class TorchEngine(Engine):
                 return self._generate(prompts, params, cancel)
             finally:
                 self._busy = False
-                if self._commit == "abort":  # the commit that cut this call is served before the caller sees its outputs (and reruns them)
+                if (
+                    self._commit == "abort"
+                ):  # the commit that cut this call is served before the caller sees its outputs (and reruns them)
                     self._apply_staged()
 
     def _generate(self, prompts: list[list[int]], p: SamplingParams, cancel: threading.Event) -> list[EngineOutput]:
@@ -187,12 +204,14 @@ class TorchEngine(Engine):
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, L), dtype=torch.long)
         for i, prompt in enumerate(prompts):  # left padding: every row's next token sits at column L
-            ids[i, L - len(prompt):] = torch.tensor(prompt)
-            mask[i, L - len(prompt):] = 1
+            ids[i, L - len(prompt) :] = torch.tensor(prompt)
+            mask[i, L - len(prompt) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-        stop = torch.tensor(sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)), dtype=torch.long, device=dev)
+        stop = torch.tensor(
+            sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)), dtype=torch.long, device=dev
+        )
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), p.max_new_tokens, dtype=torch.long)
         toks, lps, slps, versions, past, epoch, aborted = [], [], [], [], None, self._abort_epoch, False
@@ -208,20 +227,33 @@ class TorchEngine(Engine):
                 aborted = True
                 lengths[~done.cpu()] = t
                 break
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
+            out = self.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True
+            )
             past, logits = out.past_key_values, out.logits[:, -1, :].float()
             proc = None if p.temperature == 0 else processed_logits(logits, p)
             if rx is None:
-                live_tok = logits.argmax(-1) if proc is None else torch.multinomial(torch.softmax(proc, -1), 1, generator=gen).squeeze(-1)
+                live_tok = (
+                    logits.argmax(-1)
+                    if proc is None
+                    else torch.multinomial(torch.softmax(proc, -1), 1, generator=gen).squeeze(-1)
+                )
             else:
-                picks = [None if done[i] else rx.pick(texts[i], logits[j], None if proc is None else proc[j], gen) for j, i in enumerate(rows.tolist())]
+                picks = [
+                    None if done[i] else rx.pick(texts[i], logits[j], None if proc is None else proc[j], gen)
+                    for j, i in enumerate(rows.tolist())
+                ]
                 for i, pick in zip(rows.tolist(), picks):
                     if pick is None and not done[i]:  # a dead end: the row ends before this token
                         dead[i], done[i], lengths[i] = True, True, t
                     elif pick is not None:
                         texts[i].append(pick)
                 live_tok = torch.tensor([self.pad_id if x is None else x for x in picks], dtype=torch.long, device=dev)
-            tok, lp, slp = torch.full((B,), self.pad_id, dtype=torch.long, device=dev), torch.zeros(B, device=dev), torch.zeros(B, device=dev)
+            tok, lp, slp = (
+                torch.full((B,), self.pad_id, dtype=torch.long, device=dev),
+                torch.zeros(B, device=dev),
+                torch.zeros(B, device=dev),
+            )
             tok[rows] = live_tok
             lp[rows] = torch.log_softmax(logits, -1).gather(-1, live_tok[:, None]).squeeze(-1)
             if proc is not None:
@@ -247,8 +279,21 @@ class TorchEngine(Engine):
         outs = []
         for i in range(B):
             n = int(lengths[i])
-            reason = "stop" if bool(done[i]) and not bool(dead[i]) else ("abort" if aborted and not bool(dead[i]) else "length")
-            outs.append(EngineOutput(tok_mat[i][:n], lp_mat[i][:n], reason, versions[0] if n else self.weight_version, versions[:n], slp_mat[i][:n]))
+            reason = (
+                "stop"
+                if bool(done[i]) and not bool(dead[i])
+                else ("abort" if aborted and not bool(dead[i]) else "length")
+            )
+            outs.append(
+                EngineOutput(
+                    tok_mat[i][:n],
+                    lp_mat[i][:n],
+                    reason,
+                    versions[0] if n else self.weight_version,
+                    versions[:n],
+                    slp_mat[i][:n],
+                )
+            )
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
 
@@ -257,4 +302,3 @@ class TorchEngine(Engine):
         """Which of the batch's live rows stay for the next step: the unfinished ones (a finished row leaves the
         batch and its KV cache)."""
         return ~done[rows]
-

@@ -1,0 +1,109 @@
+"""The pull-mode trajectory queue: the service generates from a registered prompt source in the background;
+a trainer pulls leased groups and acks them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from services.protocol.common import MAX_N, Prompt, SamplingParams
+from services.protocol.rollouts import Group, SamplerSpec
+
+
+class QueueSource(BaseModel):
+    """POST /v1/queue/sources: register a prompt source; the service keeps `target_groups` groups ready from it."""
+
+    name: str = Field(
+        ..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Source name: letters, digits, '_', '.', '-'."
+    )
+    dataset: Literal["arith", "gsm8k"] | None = Field(
+        None, description="A dataset in the repo (its train split, cycled); or none, to add prompts later."
+    )
+    prompts: list[Prompt] = Field(
+        default_factory=list, max_length=100_000, description="Prompts to start with (more: POST .../prompts)."
+    )
+    n: int = Field(4, ge=1, le=MAX_N, description="Samples per prompt (one group).")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    reward: str | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
+    target_groups: int = Field(8, ge=1, le=4096, description="Groups kept generated ahead of the trainer.")
+    seed: int = Field(0, ge=0, description="Order of the dataset's prompts.")
+
+    @model_validator(mode="after")
+    def _dataset_or_prompts(self) -> "QueueSource":
+        if self.dataset and self.prompts:
+            raise ValueError("give a dataset or prompts, not both")
+        return self
+
+
+class QueuePrompts(BaseModel):
+    """POST /v1/queue/sources/{name}/prompts as JSON (or send JSONL: one Prompt per line)."""
+
+    prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
+
+
+class QueueSourceState(BaseModel):
+    name: str
+    dataset: str | None
+    pending_prompts: int = Field(
+        ..., description="Prompts not yet generated (a dataset source cycles: 0 means endless)."
+    )
+    ready: int = Field(..., description="Groups generated and waiting to be pulled.")
+    leased: int = Field(..., description="Groups pulled and not yet acked.")
+    acked: int
+    redelivered: int = Field(..., description="Groups delivered again after their lease expired.")
+    stale_dropped: int = Field(
+        ..., description="Groups dropped for exceeding a pull's max_staleness (their prompts are generated again)."
+    )
+    generating: bool
+    error: str | None = Field(None, description="The last generation failure, if the newest attempt failed.")
+
+
+class PullRequest(BaseModel):
+    """POST /v1/queue/pull: lease up to max_groups groups from a source."""
+
+    source: str
+    max_groups: int = Field(8, ge=1, le=4096)
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Largest allowed gap between the current version and a group's; older groups are dropped and "
+        "generated again.",
+    )
+    lease_s: float = Field(300.0, gt=0, le=86400, description="Seconds until unacked groups are delivered again.")
+    wait_s: float = Field(0.0, ge=0, le=600, description="Wait up to this long for at least one group.")
+
+
+class QueueItem(BaseModel):
+    item_id: str = Field(
+        ..., description="Unique per group; the same on redelivery, so a trainer can drop a duplicate."
+    )
+    prompt: Prompt
+    group: Group
+    weight_version: int = Field(..., description="The oldest weight version among the group's tokens.")
+    deliveries: int = Field(..., description="1 on first delivery; more after lease expiries.")
+
+
+class PullResponse(BaseModel):
+    lease_id: str
+    lease_expires_s: float = Field(
+        ..., description="Seconds from now until these groups are delivered again unless acked."
+    )
+    current_version: int = Field(..., description="The committed weight version when pulled.")
+    items: list[QueueItem]
+    stale_dropped: int = Field(0, description="Groups this pull dropped as too stale.")
+
+
+class AckRequest(BaseModel):
+    """POST /v1/queue/ack: the groups the trainer has used. Acking twice is harmless."""
+
+    item_ids: list[str] = Field(..., min_length=1, max_length=100_000)
+
+
+class AckResponse(BaseModel):
+    acked: list[str] = Field(..., description="Newly acked.")
+    already_acked: list[str] = Field(..., description="Acked before: nothing changes.")
+    unknown: list[str] = Field(
+        ..., description="Ids this service never delivered (a typo, or a source that was removed or added again)."
+    )

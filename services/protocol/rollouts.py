@@ -1,0 +1,144 @@
+"""POST /v1/rollouts and what it returns: groups of samples, streamed or whole; the policy stats samplers read."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.protocol.common import MAX_N, MAX_PROMPTS, FinishReason, Prompt, SamplingParams
+
+
+class PolicyStats(BaseModel):
+    """POST /v1/policy_stats: what the trainer reports about its policy; samplers read it, /metrics exports it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kl: float | None = Field(
+        None,
+        ge=0,
+        description="KL between the current and the reference (or behaviour) policy, as the trainer estimates it.",
+    )
+    reward_var: float | None = Field(None, ge=0, description="Variance of the rewards of the last batch.")
+    step: int | None = Field(None, ge=0, description="The trainer's step.")
+
+
+class SamplerSpec(BaseModel):
+    """A registered sampler and its params (GET /v1/samplers lists them)."""
+
+    name: str = Field("plain", description="Registered sampler name.")
+    params: dict = Field(default_factory=dict, description="The sampler's own params; checked by the sampler.")
+
+
+class RolloutRequest(BaseModel):
+    """POST /v1/rollouts: n samples for each prompt, scored by a reward function."""
+
+    prompts: list[Prompt] = Field(..., min_length=1, max_length=MAX_PROMPTS, description="The prompts, one group each.")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Samples per prompt, 1..{MAX_N}.")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="Shared by every sample.")
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each group is drawn.")
+    reward: str | None = Field(None, description="Registered reward function name, or none for reward 0.")
+    min_weight_version: int = Field(
+        0, ge=0, description="Run only on replicas serving this weight version or later (waits for it)."
+    )
+    request_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Idempotency key: a retry with the same id returns the first result and generates nothing.",
+    )
+    stream: bool = Field(
+        False, description="Answer NDJSON, one line per group as it finishes (a GroupEvent), then a StreamEnd line."
+    )
+
+
+class Sample(BaseModel):
+    """One trajectory. A failed sample carries finish_reason 'error' instead of failing the batch."""
+
+    token_ids: list[int] = Field(..., description="Generated token ids, the stop token included.")
+    logprobs: list[float] = Field(..., description="Raw-model log-probability of each generated token.")
+    text: str = Field(..., description="Decoded generated text, special tokens skipped.")
+    finish_reason: FinishReason = Field(..., description="Why generation ended.")
+    reward: float = Field(0.0, description="Reward function's score of this sample.")
+    weight_version: int = Field(
+        ..., description="Weight version of the first token (the oldest, when a commit landed mid-sample)."
+    )
+    token_weight_versions: list[int] | None = Field(
+        None, description="Version of each token; only set when they differ (in-flight policy 'partial')."
+    )
+    sampler_meta: dict = Field(default_factory=dict, description="What the sampler reports about this sample.")
+
+
+class Group(BaseModel):
+    """The n samples of one prompt and their reward statistics."""
+
+    prompt_token_ids: list[int] = Field(..., description="The prompt as the engine saw it.")
+    samples: list[Sample]
+    reward_mean: float
+    reward_std: float = Field(..., description="Population std of the group's rewards.")
+    zero_variance: bool = Field(..., description="True when every reward in the group is equal (std < 1e-6).")
+    prompt_index: int | None = Field(
+        None, description="The prompt's index in the request (a filtering sampler returns only some)."
+    )
+    candidates: int | None = Field(
+        None, description="Samples generated for this group, when the sampler may generate more than n."
+    )
+    rejected: int | None = Field(
+        None, description="Candidates the sampler rejected (pattern_conditional: those not matching)."
+    )
+    generated_tokens: int | None = Field(
+        None, description="Tokens of every candidate generated for this group (returned or not)."
+    )
+
+
+class FilterReport(BaseModel):
+    """What dynamic_group_filter generated and kept: the zero-variance fraction and the over-sampling waste."""
+
+    target_groups: int = Field(..., description="Informative groups asked for.")
+    target_reached: bool
+    generated_groups: int = Field(..., description="Groups that finished generating.")
+    kept_groups: int
+    zero_variance_groups: int = Field(..., description="Dropped: reward std within std_tolerance.")
+    zero_variance_fraction: float = Field(..., description="zero_variance_groups / generated_groups.")
+    surplus_groups: int = Field(
+        ..., description="Informative groups that finished after the target was reached (dropped)."
+    )
+    cancelled_groups: int = Field(
+        ..., description="Groups still generating when the target was reached: their engine work was aborted."
+    )
+    generated_tokens: int = Field(
+        ..., description="Tokens of every candidate of every finished group (cancelled work not included)."
+    )
+    kept_tokens: int
+    waste_fraction: float = Field(..., description="1 - kept_tokens / generated_tokens: the over-sampling waste.")
+
+
+class RolloutResponse(BaseModel):
+    groups: list[Group] = Field(
+        ..., description="One group per prompt, in request order (dynamic_group_filter: the kept ones)."
+    )
+    filter: FilterReport | None = Field(None, description="Set by dynamic_group_filter.")
+
+
+class GroupEvent(BaseModel):
+    """One NDJSON line of a streamed rollout: a finished group and its prompt's index in the request."""
+
+    index: int
+    group: Group
+
+
+class StreamEnd(BaseModel):
+    """The last NDJSON line of a streamed rollout; `error` is set when it ended early."""
+
+    done: bool = True
+    groups: int = Field(..., description="Groups sent before this line.")
+    error: str | None = None
+    status: int | None = Field(
+        None,
+        description="With an error: the HTTP status it would have had (409 cancelled or version not reached, "
+        "429 queues full).",
+    )
+    filter: FilterReport | None = Field(None, description="Set by dynamic_group_filter.")
+
+
+class CancelResponse(BaseModel):
+    request_id: str
+    cancelled: bool = Field(..., description="False when no request with this id was running.")
