@@ -33,7 +33,7 @@ from services.client import FarmClient
 from services.engine.torch_engine import canonical_state_dict
 from services.models import resolve_model
 from services.tasks import TASKS, Problem
-from trainer import algos, checkpoint, distributed
+from trainer import checkpoint, distributed, losses
 from trainer.config import Config
 from trainer.estimators import ESTIMATORS, AdvInput
 from trainer.evaluate import evaluate
@@ -226,22 +226,22 @@ class Trainer:
             ref_lp = in_micro_batches(lambda mb: response_logprobs(self.ref, mb)[0], b, micro)
             old_lp = b.rollout_logprobs if a.old_logprobs == "rollout" else in_micro_batches(lambda mb: response_logprobs(self.policy, mb)[0], b, micro)
             values = in_micro_batches(lambda mb: response_values(self.critic, mb), b, critic_micro) if self.critic is not None else None
-        token_rewards = algos.outcome_to_token_rewards(b.rewards, b.response_mask)
+        token_rewards = losses.outcome_to_token_rewards(b.rewards, b.response_mask)
         metrics = {}
         if alg.use_kl_in_reward:  # verl's apply_kl_penalty: r_t - beta * KL_t, then the controller moves beta
-            kld = algos.kl_penalty(old_lp, ref_lp, alg.kl_penalty) * b.response_mask
+            kld = losses.kl_penalty(old_lp, ref_lp, alg.kl_penalty) * b.response_mask
             token_rewards = token_rewards - self.kl_ctrl.value * kld
-            current = algos.masked_mean(kld, b.response_mask).item()
+            current = losses.masked_mean(kld, b.response_mask).item()
             self.kl_ctrl.update(current_kl=current, n_steps=len(b))
             metrics["kl_in_reward"] = current
         adv, returns, info = ESTIMATORS.get(alg.adv_estimator)(AdvInput(
             token_rewards, b.response_mask, b.group_ids, values=values, gamma=alg.gamma, lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, variance_threshold=alg.variance_threshold))
-        metrics.update(info, adv_var=algos.masked_var(adv, b.response_mask).item())
+        metrics.update(info, adv_var=losses.masked_var(adv, b.response_mask).item())
         if a.old_logprobs == "recompute":  # truncated importance sampling against the rollout's behaviour logprobs
             tis = torch.exp(old_lp - b.rollout_logprobs).clamp(max=alg.rollout_is_threshold) * b.response_mask
             adv = adv * tis
-            metrics["rollout_is_mean"] = algos.masked_mean(tis, b.response_mask).item()
+            metrics["rollout_is_mean"] = losses.masked_mean(tis, b.response_mask).item()
         metrics.update(self.update(b, adv, old_lp, ref_lp, values, returns))
         return metrics
 
@@ -266,9 +266,9 @@ class Trainer:
                 for m in micros:
                     mb, mask = b.select(m), b.response_mask[m]
                     lp, entropy = response_logprobs(self.policy, mb, with_entropy=True)
-                    pg_loss, pg = algos.ppo_loss(old_lp[m], lp, adv[m], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
-                    kl = algos.share_mean(algos.kl_penalty(lp, ref_lp[m], a.kl_loss_type), mask, share["batch_num_tokens"])
-                    ent = algos.share_mean(entropy, mask, share["batch_num_tokens"])
+                    pg_loss, pg = losses.ppo_loss(old_lp[m], lp, adv[m], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
+                    kl = losses.share_mean(losses.kl_penalty(lp, ref_lp[m], a.kl_loss_type), mask, share["batch_num_tokens"])
+                    ent = losses.share_mean(entropy, mask, share["batch_num_tokens"])
                     (pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)).backward()
                     totals += torch.stack([pg_loss, kl, ent]).detach()
                     for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
