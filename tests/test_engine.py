@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from services.engine import WeightsRejected
 from services.engine.torch_engine import TorchEngine, canonical_state_dict
 from services.protocol import SamplingParams
-from trainer.policy import make_batch, response_logprobs
+from trainer.batch import make_batch
+from trainer.forward import response_logprobs
 from services.protocol import Group, Sample
 
 

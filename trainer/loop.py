@@ -38,7 +38,8 @@ from trainer.config import Config
 from trainer.estimators import ESTIMATORS, AdvInput
 from trainer.evaluate import evaluate
 from trainer.guards import STEP_GAUGES, Guard
-from trainer.policy import Batch, broadcast_batch, in_micro_batches, make_batch, response_logprobs, response_values
+from trainer.batch import Batch, broadcast_batch, make_batch
+from trainer.forward import in_micro_batches, response_logprobs, response_values
 
 log = logging.getLogger("farm.trainer")
 GUARD_ACTIONS = ("rollback", "raise_mini_batch")
