@@ -47,14 +47,15 @@ PLOTS = {"reward_mean": "reward (mean over the batch)", "kl_ref": "KL to the ref
 
 def run(url: str, name: str, seed: int, a, out: Path) -> list[dict]:
     from trainer.config import load
-    from trainer.loop import Trainer
+    from trainer.loop import train
+    from trainer.run import TrainingRun
 
     folder = out / f"{name}-seed{seed}"
     cfg = load(None, [f"trainer.service_url={url}", "actor_rollout_ref.model.path=arith-tiny", f"trainer.total_training_steps={a.steps}",
                       f"trainer.eval_size={a.eval_size}", f"trainer.test_freq={a.test_freq}", f"trainer.seed={seed}",
                       f"trainer.default_local_dir={folder}", "trainer.resume_mode=disable", *CONFIGS[name]])
     t = time.perf_counter()
-    Trainer(cfg, TOKEN).run()
+    train(TrainingRun(cfg, TOKEN))
     log(f"{name} seed {seed}: {time.perf_counter() - t:.0f} s")
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 

@@ -70,7 +70,8 @@ def budget_run(url: str, name: str, budget: int) -> dict:
 
 def train(url: str, name: str, seed: int, steps: int, eval_size: int, out: Path) -> dict:
     from trainer.config import load
-    from trainer.loop import Trainer
+    from trainer import loop
+    from trainer.run import TrainingRun
 
     spec, over = CONFIGS[name]
     folder = out / f"{name}-seed{seed}"
@@ -79,8 +80,8 @@ def train(url: str, name: str, seed: int, steps: int, eval_size: int, out: Path)
                       f"actor_rollout_ref.rollout.sampler_params={json.dumps(spec.get('params', {}))}", f"data.oversample={over}",
                       f"trainer.default_local_dir={folder}", "trainer.resume_mode=disable"])
     t = time.perf_counter()
-    trainer = Trainer(cfg, TOKEN)
-    summary = trainer.run()
+    trainer = TrainingRun(cfg, TOKEN)
+    summary = loop.train(trainer)
     steps_log = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return {"sampler": name, "seed": seed, "before": summary["before"]["accuracy"], "after": summary["after"]["accuracy"],
             "reward_std": statistics.fmean(m["reward_std"] for m in steps_log), "reward_mean": statistics.fmean(m["reward_mean"] for m in steps_log),

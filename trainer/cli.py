@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> None:
         run_forever(settings)
     elif args.cmd == "train":
         from trainer.config import ConfigError
-        from trainer.loop import Trainer
+        from trainer.loop import train
+        from trainer.run import TrainingRun
 
         try:
             cfg = train_config(args)
         except ConfigError as e:
             sys.exit(str(e))
-        Trainer(cfg, os.environ.get("FARM_API_TOKEN", "")).run()
+        train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))
     elif args.cmd == "demo":
         from trainer.demo import run_demo
 

@@ -11,14 +11,11 @@ The trainer carries the actions out; each is logged (event guard_action) and cou
 
 from __future__ import annotations
 
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
-from prometheus_client import Counter, Gauge
 
+GUARD_ACTIONS = ("rollback", "raise_mini_batch")  # what Guard.check may ask for
 ACTIONS = Counter("farm_trainer_guard_actions_total", "Guard actions the trainer took", ["action"])
-STEP_GAUGES = {key: Gauge(f"farm_trainer_{key}", help) for key, help in {
-    "step": "Last finished training step", "kl_ref": "KL of the policy to the reference, last step", "reward_std": "Batch reward std, last step",
-    "kl_coef": "KL coefficient (the controller's value)", "adv_var": "Variance of the advantages, last step", "weight_version": "Last pushed weight version",
-}.items()}
 
 
 class GuardConfig(BaseModel):
