@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 
+from services import logs
+
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    for noisy in ("httpx", "urllib3", "ray", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """One JSON object per log line on stdout (services/logs.py)."""
+    logs.setup()
 
 
 TRAIN_FLAGS = {  # short flags for the most used keys (verl names: dotted overrides)

@@ -3,7 +3,6 @@ to the last checkpoint. Each action is logged as a guard_action event."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,9 @@ def carry_out(run: TrainingRun, action: str) -> None:
 def raise_mini_batch(run: TrainingRun) -> None:
     """Bigger mini-batches from now on: they average the noisier gradient."""
     was, run.mini_batch_size = run.mini_batch_size, run.cfg.guards.raised_mini_batch_size
-    event = {"event": "guard_action", "action": "raise_mini_batch", "step": run.step, "from": was}
-    log.warning(json.dumps({**event, "to": run.mini_batch_size}))
+    log.warning(
+        "guard_action", extra={"action": "raise_mini_batch", "step": run.step, "from": was, "to": run.mini_batch_size}
+    )
 
 
 def rollback(run: TrainingRun) -> None:
@@ -44,5 +44,6 @@ def rollback(run: TrainingRun) -> None:
     finally:
         if run.rank == 0:
             run.client.control("resume")
-    event = {"event": "guard_action", "action": "rollback", "step": bad_step, "to_step": run.step}
-    log.warning(json.dumps({**event, "version": run.version}))
+    log.warning(
+        "guard_action", extra={"action": "rollback", "step": bad_step, "to_step": run.step, "version": run.version}
+    )

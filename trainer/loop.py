@@ -45,7 +45,7 @@ def train(run: TrainingRun) -> dict:
         start = time.perf_counter()
         batch = broadcast_batch(rollouts.pull(run) if run.rank == 0 else None)
         if batch is None:  # every group was filtered out: nothing to learn from this step
-            log.warning(json.dumps({"event": "empty_batch", "step": step}))
+            log.warning("empty_batch", extra={"step": step})
             continue
         batch = batch.to(run.device)
         metrics = train_step(run, batch)

@@ -8,7 +8,6 @@ weights are pushed, so a group leased by a trainer that died comes back when its
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -124,7 +123,7 @@ def add_queue_source(run: TrainingRun, name: str) -> None:
         target_groups=run.cfg.data.train_batch_size,
     )
     run.client.queue_add_source(source)
-    log.info(json.dumps({"event": "queue_source_added", "source": name}))
+    log.info("queue_source_added", extra={"source": name})
 
 
 def ack(run: TrainingRun) -> None:

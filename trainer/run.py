@@ -6,7 +6,6 @@ owns generation. They meet only over HTTP: trajectories come back as JSON, weigh
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from pathlib import Path
@@ -75,7 +74,7 @@ class TrainingRun:
         resumed = checkpoint.latest(self.out) if self.out and self.cfg.trainer.resume_mode == "auto" else None
         if resumed:
             self.restore(resumed)
-            log.info(json.dumps({"event": "resumed", "checkpoint": str(resumed), "step": self.step, "rank": self.rank}))
+            log.info("resumed", extra={"checkpoint": str(resumed), "step": self.step, "rank": self.rank})
         if resumed or self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
             self.push()
         if self.out and not resumed:

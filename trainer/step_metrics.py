@@ -41,12 +41,10 @@ def batch_metrics(b: Batch, seconds: float) -> dict:
 
 def record(out: Path | None, metrics: dict) -> None:
     """Log the step, append it to out/metrics.jsonl and set the gauges."""
-    line = json.dumps(
-        {"event": "train_step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}}
-    )
-    log.info(line)
+    rounded = {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}
+    log.info("train_step", extra=rounded)
     if out:
         with (out / "metrics.jsonl").open("a") as f:
-            f.write(line + "\n")
+            f.write(json.dumps({"event": "train_step", **rounded}) + "\n")
     for key, gauge in STEP_GAUGES.items():
         gauge.set(metrics.get(key, 0.0))
