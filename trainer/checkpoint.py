@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.torch_engine import canonical_state_dict
+from services.engine.state_dict import canonical_state_dict, cpu_state_dict
 
 
 def _rng_state() -> dict:
@@ -49,9 +49,9 @@ def save(root: Path, step: int, policy: torch.nn.Module, optimizers: dict[str, t
     final, tmp = base / f"step_{step}", base / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(policy).items()}, tmp / "policy.safetensors")
+    save_file(cpu_state_dict(policy), tmp / "policy.safetensors")
     if critic is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(critic).items()}, tmp / "critic.safetensors")
+        save_file(cpu_state_dict(critic), tmp / "critic.safetensors")
     torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, tmp / "optim.pt")
     rng = _state_to_json(_rng_state())
     if trainer_rng is not None:

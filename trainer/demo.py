@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ from pathlib import Path
 
 from services.client import FarmClient
 from services.models import resolve_model
+from services.net import free_port
 from trainer.evaluate import paired_gain
 
 DEMO_STEPS = 80
 DEMO_EVAL_SIZE = 1000  # capped by the task's held-out split
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> int:

@@ -44,23 +44,23 @@ def init_from_env(device: torch.device = torch.device("cpu")) -> tuple[int, int]
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def shard_groups(n_groups: int, rank: int, world: int) -> list[int]:
-    """The group indices this rank trains on: every world-th one."""
-    return list(range(rank, n_groups, world))
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
 def active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over ranks, in place."""
+    if active():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
 def sum_gradients(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one)."""
+    """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one).
+
+    Not DistributedDataParallel: its hooks all-reduce during backward, so a rank with no samples in a mini-batch
+    (no backward pass) would leave the others waiting; it averages where the global-share losses need a sum; and
+    micro-batches would need no_sync. One flat all-reduce after the mini-batch's backward passes does it all."""
     if not active():
         return
     for p in model.parameters():
