@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,16 +35,12 @@ def main() -> None:
 
     from services.client import FarmClient
     from services.tasks import TASKS
+    from trainer.evaluate import Accuracy, score
+    from trainer.rollouts import render_prompt
 
     path = resolve(a.model)
     tok, task = AutoTokenizer.from_pretrained(path), TASKS.get("gsm8k")()
-
-    def render(p):
-        if tok.chat_template:
-            return tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True)
-        return p.prompt
-
-    from trainer.evaluate import Accuracy, score
+    render = partial(render_prompt, tok)  # the trainer's prompts: through the chat template
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     progress = RESULTS / f"gsm8k_{Path(a.model).name}_progress.jsonl"  # one line per scored problem: a rerun goes on from there

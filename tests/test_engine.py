@@ -11,7 +11,8 @@ from services.engine import WeightsRejected
 from services.engine.state_dict import canonical_state_dict
 from services.engine.torch_engine import TorchEngine
 from services.protocol import SamplingParams
-from trainer.policy import make_batch, response_logprobs
+from trainer.batch import make_batch
+from trainer.forward import response_logprobs
 from services.protocol import Group, Sample
 
 

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from services import protocol as P
 from services.client import FarmClient, FarmError
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
-from trainer.policy import make_batch, response_logprobs
+from trainer.batch import make_batch
+from trainer.forward import response_logprobs
 
 pytestmark = pytest.mark.integration
 

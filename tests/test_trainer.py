@@ -30,14 +30,15 @@ def config(service, tiny_model, tmp_path, *overrides):
               "actor_rollout_ref.actor.use_kl_loss=true"]),
 ])
 def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, tmp_path, estimator, extra):
-    from trainer.loop import Trainer
+    from trainer.loop import train
+    from trainer.run import TrainingRun
 
-    trainer = Trainer(config(service, tiny_model, tmp_path, f"algorithm.adv_estimator={estimator}", *extra), TOKEN)
+    trainer = TrainingRun(config(service, tiny_model, tmp_path, f"algorithm.adv_estimator={estimator}", *extra), TOKEN)
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    summary = trainer.run()
+    summary = train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["step"] == 1 and summary["final_weight_version"] == trainer.version
-    from trainer.guards import STEP_GAUGES
+    from trainer.step_metrics import STEP_GAUGES
 
     assert STEP_GAUGES["weight_version"]._value.get() == trainer.version and STEP_GAUGES["step"]._value.get() == 1
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())  # the policy moved
@@ -55,14 +56,15 @@ def test_micro_batches_add_up_to_the_same_step(service, tiny_model, tmp_path, lo
     """ppo_micro_batch_size_per_gpu=3 (gradient accumulation over uneven micro-batches: 16 samples -> 3+3+3+3+3+1) takes
     the step the whole mini-batch takes: same rollouts (same seed, same starting weights), same losses, same gradients.
     (Weights are not compared: Adam turns rounding-level differences in near-zero gradients into steps of lr.)"""
-    from trainer.loop import Trainer
+    from trainer.loop import train
+    from trainer.run import TrainingRun
 
     trainers, rows = [], []
     for name, micro in (("whole", []), ("micro", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])):
-        trainer = Trainer(config(service, tiny_model, tmp_path / name, "trainer.resume_mode=disable", "algorithm.adv_estimator=control_variate",
+        trainer = TrainingRun(config(service, tiny_model, tmp_path / name, "trainer.resume_mode=disable", "algorithm.adv_estimator=control_variate",
                                  f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                  *micro), TOKEN)
-        trainer.run()
+        train(trainer)
         trainers.append(trainer)
         rows.append(json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1]))
     for key in ("reward_mean", "pg_loss", "kl_ref", "entropy", "grad_norm", "vf_loss"):
@@ -91,12 +93,13 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     from transformers import AutoModelForCausalLM
 
     from trainer.guards import ACTIONS
-    from trainer.loop import Trainer
+    from trainer.loop import train
+    from trainer.run import TrainingRun
 
     rollbacks = ACTIONS.labels("rollback")._value.get()
-    trainer = Trainer(config(service, tiny_model, tmp_path, "guards.enable=true", "guards.kl_rollback=1e-9", "actor_rollout_ref.actor.optim.lr=0.05"), TOKEN)
+    trainer = TrainingRun(config(service, tiny_model, tmp_path, "guards.enable=true", "guards.kl_rollback=1e-9", "actor_rollout_ref.actor.optim.lr=0.05"), TOKEN)
     start = trainer.version
-    trainer.run()
+    train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["guard_actions"] == ["rollback"] and ACTIONS.labels("rollback")._value.get() == rollbacks + 1
     assert trainer.version == start + 2 and client.weights_version().version == trainer.version  # the step's push, then the rollback's
@@ -190,14 +193,15 @@ def test_a_trainer_on_cuda_takes_the_same_first_step_as_on_the_cpu(service, tiny
     """trainer.device=cuda: models, batch and collectives on the GPU; the service may stay on the CPU. The first
     step's losses match a CPU trainer's: both start from the model's weights and draw with the same seed, so the service
     returns them the same rollouts."""
-    from trainer.loop import Trainer
+    from trainer.loop import train
+    from trainer.run import TrainingRun
 
     rows = []
     for device in ("cpu", "cuda"):
-        trainer = Trainer(config(service, tiny_model, tmp_path / device, f"trainer.device={device}", "trainer.resume_mode=disable",
+        trainer = TrainingRun(config(service, tiny_model, tmp_path / device, f"trainer.device={device}", "trainer.resume_mode=disable",
                                  "algorithm.adv_estimator=control_variate"), TOKEN)
         assert next(trainer.policy.parameters()).device.type == device
-        trainer.run()
+        train(trainer)
         rows.append(json.loads((tmp_path / device / "metrics.jsonl").read_text().splitlines()[-1]))
     for key in ("reward_mean", "pg_loss", "vf_loss"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-3, abs=1e-5), key

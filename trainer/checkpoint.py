@@ -2,7 +2,8 @@
 
 A checkpoint is a folder `step_<N>/` under `<dir>/checkpoints/`:
   policy.safetensors, critic.safetensors   weights (safetensors: no pickle for tensors)
-  optim.pt                                 optimizer states (torch.save of plain tensors and numbers; loaded with weights_only)
+  optim.pt                                 optimizer states (torch.save of plain tensors and numbers; loaded
+                                           with weights_only)
   state.json                               step, weight version, KL controller value, RNG states, config
 It is written to `step_<N>.tmp/` and renamed into place, then `latest` (a text file, also replaced by
 rename) names it, so a crash at any moment leaves the previous checkpoint intact and `latest` valid.
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.torch_engine import canonical_state_dict
+from services.engine.state_dict import canonical_state_dict, cpu_state_dict
 
 
 def _rng_state() -> dict:
@@ -30,28 +31,42 @@ def _rng_state() -> dict:
 def _state_to_json(state: dict) -> dict:
     py = state["python"]
     np_state = state["numpy"]
-    return {"python": [py[0], list(py[1]), py[2]], "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": state["torch"].tolist()}
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": state["torch"].tolist(),
+    }
 
 
 def _state_from_json(d: dict) -> dict:
     py = d["python"]
     np_state = d["numpy"]
-    return {"python": (py[0], tuple(py[1]), py[2]), "numpy": (np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]),
-            "torch": torch.tensor(d["torch"], dtype=torch.uint8)}
+    return {
+        "python": (py[0], tuple(py[1]), py[2]),
+        "numpy": (np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]),
+        "torch": torch.tensor(d["torch"], dtype=torch.uint8),
+    }
 
 
-def save(root: Path, step: int, policy: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], state: dict,
-         critic: torch.nn.Module | None = None, trainer_rng: random.Random | None = None, keep: int = 2) -> Path:
+def save(
+    root: Path,
+    step: int,
+    policy: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    state: dict,
+    critic: torch.nn.Module | None = None,
+    trainer_rng: random.Random | None = None,
+    keep: int = 2,
+) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; keep the newest `keep`."""
     base = root / "checkpoints"
     base.mkdir(parents=True, exist_ok=True)
     final, tmp = base / f"step_{step}", base / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(policy).items()}, tmp / "policy.safetensors")
+    save_file(cpu_state_dict(policy), tmp / "policy.safetensors")
     if critic is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(critic).items()}, tmp / "critic.safetensors")
+        save_file(cpu_state_dict(critic), tmp / "critic.safetensors")
     torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, tmp / "optim.pt")
     rng = _state_to_json(_rng_state())
     if trainer_rng is not None:
@@ -66,7 +81,9 @@ def save(root: Path, step: int, policy: torch.nn.Module, optimizers: dict[str, t
     latest_tmp = base / "latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, base / "latest")
-    for old in sorted((p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), key=lambda p: int(p.name[5:]))[:-keep]:
+    for old in sorted(
+        (p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), key=lambda p: int(p.name[5:])
+    )[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -79,9 +96,16 @@ def latest(root: Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def load(path: Path, policy: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], critic: torch.nn.Module | None = None,
-         trainer_rng: random.Random | None = None, rngs: bool = True) -> dict:
-    """Restore weights, optimizers and (unless rngs=False) RNG states from a checkpoint folder; returns its state.json."""
+def load(
+    path: Path,
+    policy: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None = None,
+    trainer_rng: random.Random | None = None,
+    rngs: bool = True,
+) -> dict:
+    """Restore weights, optimizers and (unless rngs=False) RNG states from a checkpoint folder; returns its
+    state.json."""
     with torch.no_grad():
         params = canonical_state_dict(policy)
         for name, t in load_file(path / "policy.safetensors").items():
@@ -90,7 +114,8 @@ def load(path: Path, policy: torch.nn.Module, optimizers: dict[str, torch.optim.
             cparams = canonical_state_dict(critic)
             for name, t in load_file(path / "critic.safetensors").items():
                 cparams[name].copy_(t)
-    states = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")  # load_state_dict moves them to the params' device
+    # on the CPU: load_state_dict moves them to the params' device
+    states = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")
     for name, opt in optimizers.items():
         if name in states:
             opt.load_state_dict(states[name])

@@ -3,34 +3,48 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import logging
 import os
 import sys
 
+from services import logs
+
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    for noisy in ("httpx", "urllib3", "ray", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """One JSON object per log line on stdout (services/logs.py)."""
+    logs.setup()
 
 
 TRAIN_FLAGS = {  # short flags for the most used keys (verl names: dotted overrides)
-    "service_url": ("trainer.service_url", str), "model": ("actor_rollout_ref.model.path", str), "task": ("trainer.task", str),
-    "steps": ("trainer.total_training_steps", int), "train_batch_size": ("data.train_batch_size", int), "n": ("actor_rollout_ref.rollout.n", int),
-    "ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size", int), "lr": ("actor_rollout_ref.actor.optim.lr", float),
-    "entropy_coeff": ("actor_rollout_ref.actor.entropy_coeff", float), "eval_size": ("trainer.eval_size", int), "seed": ("trainer.seed", int),
-    "out": ("trainer.default_local_dir", str), "adv_estimator": ("algorithm.adv_estimator", str), "sampler": ("actor_rollout_ref.rollout.sampler", str),
+    "service_url": ("trainer.service_url", str),
+    "model": ("actor_rollout_ref.model.path", str),
+    "task": ("trainer.task", str),
+    "steps": ("trainer.total_training_steps", int),
+    "train_batch_size": ("data.train_batch_size", int),
+    "n": ("actor_rollout_ref.rollout.n", int),
+    "ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size", int),
+    "lr": ("actor_rollout_ref.actor.optim.lr", float),
+    "entropy_coeff": ("actor_rollout_ref.actor.entropy_coeff", float),
+    "eval_size": ("trainer.eval_size", int),
+    "seed": ("trainer.seed", int),
+    "out": ("trainer.default_local_dir", str),
+    "adv_estimator": ("algorithm.adv_estimator", str),
+    "sampler": ("actor_rollout_ref.rollout.sampler", str),
 }
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="run the trainer against a running service",
-                       description="Config: --config FILE (YAML with verl's keys; trainer/presets/design.yaml is the design's list), then "
-                                   "dotted overrides such as actor_rollout_ref.rollout.n=16, then the short flags below. Token: FARM_API_TOKEN.")
+    p = sub.add_parser(
+        "train",
+        help="run the trainer against a running service",
+        description="Config: --config FILE (YAML with verl's keys; trainer/presets/design.yaml is the design's "
+        "list), then dotted overrides such as actor_rollout_ref.rollout.n=16, then the short flags below. "
+        "Token: FARM_API_TOKEN.",
+    )
     p.add_argument("--config", help="YAML file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. algorithm.adv_estimator=rloo")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. algorithm.adv_estimator=rloo"
+    )
     for name, (key, kind) in TRAIN_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=key)
 
@@ -38,7 +52,11 @@ def _train_parser(sub) -> None:
 def train_config(args):
     from trainer.config import load
 
-    flags = [f"{key}={json.dumps(getattr(args, name))}" for name, (key, _) in TRAIN_FLAGS.items() if getattr(args, name) is not None]
+    flags = [
+        f"{key}={json.dumps(getattr(args, name))}"
+        for name, (key, _) in TRAIN_FLAGS.items()
+        if getattr(args, name) is not None
+    ]
     return load(args.config, [*args.overrides, *flags])
 
 
@@ -62,12 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     _setup_logging()
 
     if args.cmd == "serve":
+        from pydantic import ValidationError
+
         from services.server import run_forever
         from services.settings import ServiceSettings
 
-        from pydantic import ValidationError
-
-        overrides = {k: v for k, v in {"model": args.model, "port": args.port, "replicas": args.replicas}.items() if v is not None}
+        given = {"model": args.model, "port": args.port, "replicas": args.replicas}
+        overrides = {k: v for k, v in given.items() if v is not None}
         try:
             settings = ServiceSettings(**overrides)
         except ValidationError as e:
@@ -75,13 +94,14 @@ def main(argv: list[str] | None = None) -> None:
         run_forever(settings)
     elif args.cmd == "train":
         from trainer.config import ConfigError
-        from trainer.loop import Trainer
+        from trainer.loop import train
+        from trainer.run import TrainingRun
 
         try:
             cfg = train_config(args)
         except ConfigError as e:
             sys.exit(str(e))
-        Trainer(cfg, os.environ.get("FARM_API_TOKEN", "")).run()
+        train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))
     elif args.cmd == "demo":
         from trainer.demo import run_demo
 
@@ -97,11 +117,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _service_parsers(sub) -> None:
-    """`farm rollout | weights | control | cancel | queue ...`: each makes client calls (set as `call`) and prints JSON."""
+    """`farm rollout | weights | control | cancel | queue ...`: each makes client calls (set as `call`) and prints
+    JSON."""
 
     def cmd(parent, name: str, call, help: str):
         p = parent.add_parser(name, help=help)
-        p.add_argument("--url", default=os.environ.get("FARM_URL", "http://127.0.0.1:8000"), help="service URL (FARM_URL); token: FARM_API_TOKEN")
+        p.add_argument(
+            "--url",
+            default=os.environ.get("FARM_URL", "http://127.0.0.1:8000"),
+            help="service URL (FARM_URL); token: FARM_API_TOKEN",
+        )
         p.set_defaults(call=call)
         return p
 
@@ -114,21 +139,39 @@ def _service_parsers(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--seed", type=int)
     r.add_argument("--reward")
-    r.add_argument("--sampler", default="plain", help="a registered sampler (GET /v1/samplers), or pkg.module:Class from FARM_PLUGINS")
-    r.add_argument("--sampler-params", default="{}", help='the sampler\'s params as JSON, e.g. \'{"target_groups": 4}\'')
+    r.add_argument(
+        "--sampler",
+        default="plain",
+        help="a registered sampler (GET /v1/samplers), or pkg.module:Class from FARM_PLUGINS",
+    )
+    r.add_argument("--sampler-params", default="{}", help="the sampler's params as JSON, e.g. '{\"target_groups\": 4}'")
     r.add_argument("--min-weight-version", type=int, default=0, help="wait for replicas serving this version")
     r.add_argument("--request-id", help="idempotency key, also for `farm cancel`")
     r.add_argument("--stream", action="store_true", help="print one JSON line per group as it finishes")
     w = cmd(sub, "weights", _weights, "push weights as a new version, or show the served version")
     w.add_argument("action", choices=["push", "version"])
-    w.add_argument("file", nargs="?", help="for push: a safetensors file (uploaded), or a folder of them that every replica can read")
+    w.add_argument(
+        "file",
+        nargs="?",
+        help="for push: a safetensors file (uploaded), or a folder of them that every replica can read",
+    )
     w.add_argument("--version", type=int, help="for push; default: the served version + 1")
-    w.add_argument("--policy", choices=["finish", "abort", "partial"], default="finish", help="for push: what happens to samples in flight")
-    cmd(sub, "control", lambda client, a: client.control(a.action), "pause, resume or abort sampling on every replica").add_argument(
-        "action", choices=["pause", "resume", "abort"])
-    cmd(sub, "cancel", lambda client, a: client.cancel(a.request_id), "cancel a running rollout by its request id").add_argument("request_id")
+    w.add_argument(
+        "--policy",
+        choices=["finish", "abort", "partial"],
+        default="finish",
+        help="for push: what happens to samples in flight",
+    )
+    c = cmd(
+        sub, "control", lambda client, a: client.control(a.action), "pause, resume or abort sampling on every replica"
+    )
+    c.add_argument("action", choices=["pause", "resume", "abort"])
+    c = cmd(sub, "cancel", lambda client, a: client.cancel(a.request_id), "cancel a running rollout by its request id")
+    c.add_argument("request_id")
     q = sub.add_parser("queue", help="the pull-mode trajectory queue").add_subparsers(dest="queue_cmd", required=True)
-    a = cmd(q, "add", _queue, "register a prompt source: a dataset, a JSONL file of prompts, or neither (add prompts later)")
+    a = cmd(
+        q, "add", _queue, "register a prompt source: a dataset, a JSONL file of prompts, or neither (add prompts later)"
+    )
     a.add_argument("name")
     given = a.add_mutually_exclusive_group()
     given.add_argument("--dataset", choices=["arith", "gsm8k"])
@@ -181,8 +224,15 @@ def _rollout(client, a):
     except json.JSONDecodeError as e:
         return f"--sampler-params is not JSON: {e}"
     params = P.SamplingParams(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens, seed=a.seed)
-    req = P.RolloutRequest(prompts=[P.Prompt(text=p, ground_truth=t) for p, t in zip(a.prompt, truths)], n=a.n, sampling_params=params,
-                           sampler=P.SamplerSpec(name=a.sampler, params=sampler_params), reward=a.reward, min_weight_version=a.min_weight_version, request_id=a.request_id)
+    req = P.RolloutRequest(
+        prompts=[P.Prompt(text=p, ground_truth=t) for p, t in zip(a.prompt, truths)],
+        n=a.n,
+        sampling_params=params,
+        sampler=P.SamplerSpec(name=a.sampler, params=sampler_params),
+        reward=a.reward,
+        min_weight_version=a.min_weight_version,
+        request_id=a.request_id,
+    )
     if not a.stream:
         return client.rollouts(req)
     for event in client.rollouts_stream(req):
@@ -196,7 +246,8 @@ def _weights(client, a):
         return client.weights_version()
     if not a.file:
         return "farm weights push needs a safetensors FILE, or a FOLDER of them"
-    version = a.version or max(client.weights_version().replicas.values(), default=0) + 1  # the newest any replica serves
+    # by default one above the newest version any replica serves
+    version = a.version or max(client.weights_version().replicas.values(), default=0) + 1
     path = Path(a.file)
     if path.is_dir():  # the service reads it from there: no upload
         return client.push_weights_path(str(path.resolve()), version, a.policy)
@@ -212,12 +263,29 @@ def _queue(client, a):
         lines = Path(a.jsonl).read_text().splitlines() if a.jsonl else []
         prompts = [P.Prompt.model_validate_json(line) for line in lines if line.strip()]
         params = P.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
-        return client.queue_add_source(P.QueueSource(name=a.name, dataset=a.dataset, prompts=prompts, n=a.n, target_groups=a.target_groups,
-                                                     sampling_params=params, reward=a.reward))
+        return client.queue_add_source(
+            P.QueueSource(
+                name=a.name,
+                dataset=a.dataset,
+                prompts=prompts,
+                n=a.n,
+                target_groups=a.target_groups,
+                sampling_params=params,
+                reward=a.reward,
+            )
+        )
     if a.queue_cmd == "list":
         return client.queue_sources()
     if a.queue_cmd == "pull":
-        return client.queue_pull(P.PullRequest(source=a.name, max_groups=a.max_groups, max_staleness=a.max_staleness, lease_s=a.lease_s, wait_s=a.wait_s))
+        return client.queue_pull(
+            P.PullRequest(
+                source=a.name,
+                max_groups=a.max_groups,
+                max_staleness=a.max_staleness,
+                lease_s=a.lease_s,
+                wait_s=a.wait_s,
+            )
+        )
     if a.queue_cmd == "ack":
         return client.queue_ack(a.item_ids)
     return client.queue_remove_source(a.name)

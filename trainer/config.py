@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.guards import GuardConfig
@@ -44,20 +46,31 @@ class RolloutConfig(_Strict):
 class ActorConfig(_Strict):
     optim: Optim = Field(default_factory=Optim)
     ppo_epochs: int = Field(1, ge=1)
-    ppo_mini_batch_size: int = Field(32, ge=1, description="in prompts (groups), as verl; above data.train_batch_size it is one mini-batch")
-    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description="samples per forward/backward pass; the gradients of a mini-batch's "
-                                                     "micro-batches add up to one optimizer step. Also sizes the no-grad passes (reference, "
-                                                     "recomputed old logprobs). None: a process's whole share of the mini-batch at once")
+    ppo_mini_batch_size: int = Field(
+        32, ge=1, description="in prompts (groups), as verl; above data.train_batch_size it is one mini-batch"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="samples per forward/backward pass; the gradients of a mini-batch's "
+        "micro-batches add up to one optimizer step. Also sizes the no-grad passes (reference, "
+        "recomputed old logprobs). None: a process's whole share of the mini-batch at once",
+    )
     clip_ratio: float = Field(0.2, gt=0, lt=1)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages; must exceed 1")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     entropy_coeff: float = Field(0.0, ge=0)
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
     grad_clip: float = Field(1.0, gt=0)
-    old_logprobs: Literal["rollout", "recompute"] = Field("rollout", description="rollout: the service's logprobs (same weights); "
-                                                          "recompute: a forward pass, with truncated importance weights against the rollout's")
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description="rollout: the service's logprobs (same weights); "
+        "recompute: a forward pass, with truncated importance weights against the rollout's",
+    )
 
 
 class ActorRolloutRef(_Strict):
@@ -67,10 +80,14 @@ class ActorRolloutRef(_Strict):
 
 
 class CriticConfig(_Strict):
-    enable: bool | None = Field(None, description="None: on when the estimator needs values (gae, adaptive_gae, control_variate)")
+    enable: bool | None = Field(
+        None, description="None: on when the estimator needs values (gae, adaptive_gae, control_variate)"
+    )
     optim: Optim = Field(default_factory=lambda: Optim(lr=1e-5, weight_decay=0.01))
     cliprange_value: float = Field(0.5, gt=0)
-    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description="samples per critic forward/backward pass; None: the actor's")
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="samples per critic forward/backward pass; None: the actor's"
+    )
 
 
 class KLCtrl(_Strict):
@@ -81,42 +98,70 @@ class KLCtrl(_Strict):
 
 
 class Algorithm(_Strict):
-    adv_estimator: str = Field("grpo", description="gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, adaptive_gae, control_variate")
+    adv_estimator: str = Field(
+        "grpo",
+        description="gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, adaptive_gae, control_variate",
+    )
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
     kl_ctrl: KLCtrl = Field(default_factory=KLCtrl)
-    variance_threshold: float = Field(0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95")
-    rollout_is_threshold: float = Field(2.0, gt=0, description="old_logprobs=recompute: the cap on exp(old - rollout) per token")
+    variance_threshold: float = Field(
+        0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95"
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=0, description="old_logprobs=recompute: the cap on exp(old - rollout) per token"
+    )
 
 
 class Data(_Strict):
     train_batch_size: int = Field(32, ge=1, le=512, description="prompts per step")
     max_response_length: int | None = Field(None, ge=1, le=4096, description="None: the task's default")
-    oversample: float = Field(1.0, ge=1, le=16, description="prompts sent per step / train_batch_size (dynamic_group_filter)")
+    oversample: float = Field(
+        1.0, ge=1, le=16, description="prompts sent per step / train_batch_size (dynamic_group_filter)"
+    )
 
 
-class Trainer(_Strict):
+class TrainerConfig(_Strict):
     total_training_steps: int = Field(40, ge=1)
     seed: int = 0
     task: str = "arith"
     reward: str | None = Field(None, description="the service's reward function; None: the task's (gsm8k)")
     service_url: str = "http://127.0.0.1:8000"
     eval_size: int = Field(0, ge=0, description="held-out problems scored greedily before and after; 0 skips")
-    test_freq: int = Field(-1, description="also score them every this many steps (val_accuracy in metrics.jsonl); -1: never")
+    test_freq: int = Field(
+        -1, description="also score them every this many steps (val_accuracy in metrics.jsonl); -1: never"
+    )
     default_local_dir: str | None = Field(None, description="metrics.jsonl, summary.json and checkpoints go here")
     save_freq: int = Field(-1, description="checkpoint every this many steps; -1: only at the end (and step 0)")
-    rollout_source: Literal["request", "queue"] = Field("request", description="request: POST /v1/rollouts each step; queue: the service's "
-                                                        "trajectory queue (pull, ack after the step): a restarted trainer gets its unacked groups again")
+    rollout_source: Literal["request", "queue"] = Field(
+        "request",
+        description="request: POST /v1/rollouts each step; queue: the service's "
+        "trajectory queue (pull, ack after the step): a restarted trainer gets its unacked groups again",
+    )
     queue_source: str | None = Field(None, description="queue source name; default farm-trainer-<task>-<seed>")
-    queue_lease_s: float = Field(120.0, gt=0, le=86400, description="seconds until pulled-but-unacked groups are delivered again")
-    queue_max_staleness: int = Field(0, ge=0, description="drop (and regenerate) groups this many versions behind; above 0 needs old_logprobs=recompute")
-    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where the trainer's models live: auto (a GPU if there is "
-                        "one; under torchrun each rank takes cuda:LOCAL_RANK), cpu, cuda or cuda:i")
-    resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the newest checkpoint in default_local_dir")
+    queue_lease_s: float = Field(
+        120.0, gt=0, le=86400, description="seconds until pulled-but-unacked groups are delivered again"
+    )
+    queue_max_staleness: int = Field(
+        0,
+        ge=0,
+        description="drop (and regenerate) groups this many versions behind; above 0 needs old_logprobs=recompute",
+    )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port"
+    )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where the trainer's models live: auto (a GPU if there is "
+        "one; under torchrun each rank takes cuda:LOCAL_RANK), cpu, cuda or cuda:i",
+    )
+    resume_mode: Literal["auto", "disable"] = Field(
+        "auto", description="auto: continue from the newest checkpoint in default_local_dir"
+    )
 
 
 class Config(_Strict):
@@ -124,20 +169,25 @@ class Config(_Strict):
     actor_rollout_ref: ActorRolloutRef = Field(default_factory=ActorRolloutRef)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     algorithm: Algorithm = Field(default_factory=Algorithm)
-    trainer: Trainer = Field(default_factory=Trainer)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guards: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
         from trainer.estimators import ESTIMATORS
 
-        if self.algorithm.adv_estimator not in ESTIMATORS.names():
-            raise ValueError(f"algorithm.adv_estimator: unknown {self.algorithm.adv_estimator!r}; use one of {', '.join(ESTIMATORS.names())}")
+        estimator = self.algorithm.adv_estimator
+        if estimator not in ESTIMATORS.names():
+            raise ValueError(
+                f"algorithm.adv_estimator: unknown {estimator!r}; use one of {', '.join(ESTIMATORS.names())}"
+            )
         if self.trainer.queue_max_staleness > 0 and self.actor_rollout_ref.actor.old_logprobs == "rollout":
-            raise ValueError("trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
-                             "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)")
-        if self.critic.enable is False and self.algorithm.adv_estimator in NEEDS_CRITIC:
-            raise ValueError(f"critic.enable: {self.algorithm.adv_estimator} needs the critic's values; set it true (or leave it unset)")
+            raise ValueError(
+                "trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
+                "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
+            )
+        if self.critic.enable is False and estimator in NEEDS_CRITIC:
+            raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
         return self
 
     @property
@@ -152,34 +202,48 @@ class ConfigError(ValueError):
     """A configuration problem, with the dotted key and the fix."""
 
 
-def set_dotted(tree: dict, key: str, value) -> None:
-    parts = key.split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {p} is a value, not a section")
-    node[parts[-1]] = value
-
-
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """The YAML file (or the defaults), then each `dotted.key=value` override, validated."""
     tree = yaml.safe_load(Path(path).read_text()) if path else {}
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (data, actor_rollout_ref, critic, algorithm, trainer)")
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections (data, actor_rollout_ref, critic, algorithm, trainer)"
+        )
+    try:
+        merged = OmegaConf.create(tree)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {e}") from None
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r}: write dotted.key=value, e.g. actor_rollout_ref.rollout.n=16")
-        set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        _override(merged, item)
+    return _validate(OmegaConf.to_container(merged))
+
+
+def _override(tree: DictConfig, item: str) -> None:
+    """Set one `dotted.key=value`, the value parsed as YAML. It replaces what was there (a mapping too, not merged)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: write dotted.key=value, e.g. actor_rollout_ref.rollout.n=16")
+    section = key.rpartition(".")[0]
+    if section and not isinstance(OmegaConf.select(tree, section, default={}), (DictConfig, dict)):
+        raise ConfigError(f"{key}: {section} is a value, not a section")
+    try:
+        OmegaConf.update(tree, key, yaml.safe_load(raw), merge=False)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _validate(tree: dict) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         lines = []
         for err in e.errors():
             key = ".".join(str(x) for x in err["loc"])
-            hint = " (not a key this trainer has: check the spelling against trainer/config.py)" if err["type"] == "extra_forbidden" else ""
+            hint = ""
+            if err["type"] == "extra_forbidden":
+                hint = " (not a key this trainer has: check the spelling against trainer/config.py)"
             lines.append(f"{key or 'config'}: {err['msg']}{hint}")
         raise ConfigError("invalid trainer config:\n  " + "\n  ".join(lines)) from None

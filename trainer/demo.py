@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ from pathlib import Path
 
 from services.client import FarmClient
 from services.models import resolve_model
+from services.net import free_port
 from trainer.evaluate import paired_gain
 
 DEMO_STEPS = 80
 DEMO_EVAL_SIZE = 1000  # capped by the task's held-out split
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> int:
@@ -48,8 +42,20 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
             print(f"starting the rollout service on {url} (log: {out_dir / 'service.log'})", flush=True)
             with FarmClient(url) as client:
                 client.wait_ready(timeout_s=300)
-            train = farm + ["train", "--service-url", url, "--model", str(path), "--steps", str(steps), "--eval-size", str(eval_size), "--out", str(out_dir),
-                             "trainer.resume_mode=disable"]  # a demo starts from the model, not from the last run
+            train = farm + [
+                "train",
+                "--service-url",
+                url,
+                "--model",
+                str(path),
+                "--steps",
+                str(steps),
+                "--eval-size",
+                str(eval_size),
+                "--out",
+                str(out_dir),
+                "trainer.resume_mode=disable",
+            ]  # a demo starts from the model, not from the last run
             subprocess.run(train, env=env, check=True)
         finally:
             service.send_signal(signal.SIGTERM)
@@ -69,7 +75,9 @@ def report(summary: dict, wall_s: float) -> None:
     print(f"\nheld-out accuracy on {before['n']} problems never seen in pretraining or RL (greedy):")
     print(f"  before RL : {fmt(before)}")
     print(f"  after RL  : {fmt(after)}   weight version {summary['final_weight_version']}")
-    print(f"  gain      : {gain:+.3f} ± {half:.3f} (paired 95% CI) -> {'beyond noise' if gain - half > 0 else 'NOT beyond noise'}")
+    verdict = "beyond noise" if gain - half > 0 else "NOT beyond noise"
+    print(f"  gain      : {gain:+.3f} ± {half:.3f} (paired 95% CI) -> {verdict}")
     if "number_accuracy" in before:
-        print(f"  right number in any format (not rewarded): {before['number_accuracy']:.3f} -> {after['number_accuracy']:.3f}")
+        numbers = f"{before['number_accuracy']:.3f} -> {after['number_accuracy']:.3f}"
+        print(f"  right number in any format (not rewarded): {numbers}")
     print(f"  wall time : {wall_s:.0f} s")

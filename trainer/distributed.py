@@ -17,12 +17,12 @@ import os
 import torch
 import torch.distributed as dist
 
-
 DEVICE = torch.device("cpu")  # where collectives put their tensors: the trainer's device
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto': this process's GPU (LOCAL_RANK under torchrun) when CUDA is there, else the CPU; or 'cpu', 'cuda', 'cuda:i'."""
+    """'auto': this process's GPU (LOCAL_RANK under torchrun) when CUDA is there, else the CPU; or 'cpu', 'cuda',
+    'cuda:i'."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -33,7 +33,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def init_from_env(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
-    """(rank, world_size); joins the process group (nccl on a GPU, gloo on the CPU) when launched by torchrun with WORLD_SIZE > 1."""
+    """(rank, world_size); joins the process group (nccl on a GPU, gloo on the CPU) when launched by torchrun with
+    WORLD_SIZE > 1."""
     global DEVICE
     DEVICE = device
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -44,23 +45,23 @@ def init_from_env(device: torch.device = torch.device("cpu")) -> tuple[int, int]
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def shard_groups(n_groups: int, rank: int, world: int) -> list[int]:
-    """The group indices this rank trains on: every world-th one."""
-    return list(range(rank, n_groups, world))
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
 def active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over ranks, in place."""
+    if active():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
 def sum_gradients(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one)."""
+    """Sum every parameter's gradient across ranks (each rank's loss is already its share of the global one).
+
+    Not DistributedDataParallel: its hooks all-reduce during backward, so a rank with no samples in a mini-batch
+    (no backward pass) would leave the others waiting; it averages where the global-share losses need a sum; and
+    micro-batches would need no_sync. One flat all-reduce after the mini-batch's backward passes does it all."""
     if not active():
         return
     for p in model.parameters():
@@ -71,15 +72,21 @@ def sum_gradients(model: torch.nn.Module) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
-def broadcast_tensors(tensors: list[torch.Tensor] | None, shapes: list[tuple], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+def broadcast_tensors(
+    tensors: list[torch.Tensor] | None, shapes: list[tuple], dtypes: list[torch.dtype]
+) -> list[torch.Tensor]:
     """Rank 0's tensors on every rank (the others pass None). Plain tensors only: nothing is pickled."""
     if not active():
         return tensors
-    out = [t.to(DEVICE) for t in tensors] if dist.get_rank() == 0 else [torch.empty(s, dtype=d, device=DEVICE) for s, d in zip(shapes, dtypes)]
+    out = (
+        [t.to(DEVICE) for t in tensors]
+        if dist.get_rank() == 0
+        else [torch.empty(s, dtype=d, device=DEVICE) for s, d in zip(shapes, dtypes)]
+    )
     for t in out:
         dist.broadcast(t, src=0)
     return out

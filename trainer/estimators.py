@@ -34,7 +34,8 @@ LAMBDA_MIN, LAMBDA_MAX = 0.90, 0.98
 
 @dataclass
 class AdvInput:
-    token_rewards: torch.Tensor  # (B, R): outcome reward on each sample's last token, minus the KL penalty when use_kl_in_reward
+    # (B, R): outcome reward on each sample's last token, minus the KL penalty when use_kl_in_reward
+    token_rewards: torch.Tensor
     response_mask: torch.Tensor  # (B, R)
     group_ids: np.ndarray  # (B,): samples of one prompt share an id
     values: torch.Tensor | None = None  # (B, R): the critic's values, for gae, adaptive_gae and control_variate
@@ -58,14 +59,21 @@ ESTIMATORS: Registry = Registry("advantage estimator")
 
 @ESTIMATORS.register("gae")
 def gae(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    adv, ret = core_algos.compute_gae_advantage_return(x.token_rewards, x.need_values("gae"), x.response_mask.float(), x.gamma, x.lam)
+    adv, ret = core_algos.compute_gae_advantage_return(
+        x.token_rewards, x.need_values("gae"), x.response_mask.float(), x.gamma, x.lam
+    )
     return adv * x.response_mask, ret * x.response_mask, {"lam": x.lam}
 
 
 @ESTIMATORS.register("grpo")
 def grpo(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    adv, ret = core_algos.compute_grpo_outcome_advantage(x.token_rewards, x.response_mask.float(), x.group_ids, epsilon=1e-6,
-                                                         norm_adv_by_std_in_grpo=x.norm_adv_by_std_in_grpo)
+    adv, ret = core_algos.compute_grpo_outcome_advantage(
+        x.token_rewards,
+        x.response_mask.float(),
+        x.group_ids,
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=x.norm_adv_by_std_in_grpo,
+    )
     return adv, ret, {}
 
 
@@ -77,13 +85,17 @@ def rloo(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 @ESTIMATORS.register("reinforce_plus_plus")
 def reinforce_plus_plus(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    adv, ret = core_algos.compute_reinforce_plus_plus_outcome_advantage(x.token_rewards, x.response_mask.float(), config=AlgoConfig(gamma=x.gamma))
+    adv, ret = core_algos.compute_reinforce_plus_plus_outcome_advantage(
+        x.token_rewards, x.response_mask.float(), config=AlgoConfig(gamma=x.gamma)
+    )
     return adv, ret, {}
 
 
 @ESTIMATORS.register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    adv, ret = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(x.token_rewards, x.response_mask.float(), x.group_ids)
+    adv, ret = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        x.token_rewards, x.response_mask.float(), x.group_ids
+    )
     return adv, ret, {}
 
 
@@ -126,7 +138,8 @@ def control_variate(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
     loo, has_others = _leave_one_out_means(r, x.group_ids)
     loo = torch.where(has_others, loo, v)  # a lone sample: the critic alone
     y, d = r - v, loo - v
-    fold = torch.as_tensor(np.unique(x.group_ids, return_inverse=True)[1] % 2 == 1, device=r.device)  # whole groups per fold
+    group_index = np.unique(x.group_ids, return_inverse=True)[1]
+    fold = torch.as_tensor(group_index % 2 == 1, device=r.device)  # whole groups per fold
     c = torch.empty_like(r)
     cs = []
     for f in (False, True):
@@ -135,5 +148,6 @@ def control_variate(x: AdvInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
         c[fold == f] = cs[-1]
     b = v + c * d
     adv = (r - b)[:, None] * mask
-    returns = torch.flip(torch.cumsum(torch.flip(x.token_rewards, [-1]), -1), [-1]) * mask  # reward-to-go: the critic's target
+    # reward-to-go: the critic's target
+    returns = torch.flip(torch.cumsum(torch.flip(x.token_rewards, [-1]), -1), [-1]) * mask
     return adv, returns, {"cv_coef": sum(cs) / 2}

@@ -58,15 +58,28 @@ def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
     return mean, Z95 * math.sqrt(var / n)
 
 
-def score(client: FarmClient, task: Task, render: Callable[[Problem], str], problems: list[Problem], chunk: int = 256) -> Iterator[list[dict]]:
+def score(
+    client: FarmClient, task: Task, render: Callable[[Problem], str], problems: list[Problem], chunk: int = 256
+) -> Iterator[list[dict]]:
     """Greedy answers through the service, a chunk at a time: per problem, whether the reward counts it correct,
     whether its last number is right in any format, and its length in tokens."""
     params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
     for i in range(0, len(problems), chunk):
-        part = problems[i:i + chunk]
-        req = P.RolloutRequest(prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part], n=1, sampling_params=params, reward=task.reward)
-        yield [{"correct": g.samples[0].reward > 0.5, "number": last_number(g.samples[0].text) == p.answer, "tokens": len(g.samples[0].token_ids)}
-               for g, p in zip(client.rollouts(req).groups, part)]
+        part = problems[i : i + chunk]
+        req = P.RolloutRequest(
+            prompts=[P.Prompt(text=render(p), ground_truth=p.answer) for p in part],
+            n=1,
+            sampling_params=params,
+            reward=task.reward,
+        )
+        yield [
+            {
+                "correct": g.samples[0].reward > 0.5,
+                "number": last_number(g.samples[0].text) == p.answer,
+                "tokens": len(g.samples[0].token_ids),
+            }
+            for g, p in zip(client.rollouts(req).groups, part)
+        ]
 
 
 def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:

@@ -6,31 +6,35 @@ Off unless `guards.enable` (the design preset turns them on, with its adaptive K
     reward variance > reward_var_raise   raise ppo_mini_batch_size to raised_mini_batch_size (64 -> 128):
       (0.3)                              bigger mini-batches average the noisier gradient
 The targets (KL < 0.02, reward std < 0.2) are only reported: `guard_kl_over_target`, `guard_reward_std_over_target`.
-The trainer carries the actions out; each is logged (event guard_action) and counted (farm_trainer_guard_actions_total{action}).
+The trainer carries the actions out (trainer/guard_actions.py); each is logged (event guard_action) and counted
+(farm_trainer_guard_actions_total{action}).
 """
 
 from __future__ import annotations
 
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
-from prometheus_client import Counter, Gauge
 
+GUARD_ACTIONS = ("rollback", "raise_mini_batch")  # what Guard.check may ask for
 ACTIONS = Counter("farm_trainer_guard_actions_total", "Guard actions the trainer took", ["action"])
-STEP_GAUGES = {key: Gauge(f"farm_trainer_{key}", help) for key, help in {
-    "step": "Last finished training step", "kl_ref": "KL of the policy to the reference, last step", "reward_std": "Batch reward std, last step",
-    "kl_coef": "KL coefficient (the controller's value)", "adv_var": "Variance of the advantages, last step", "weight_version": "Last pushed weight version",
-}.items()}
 
 
 class GuardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enable: bool = Field(False, description="off by default: without a KL penalty the KL to the reference grows by design (farm demo passes 0.1)")
+    enable: bool = Field(
+        False,
+        description="off by default: without a KL penalty the KL to the reference grows by design "
+        "(farm demo passes 0.1)",
+    )
     kl_target: float = Field(0.02, gt=0, description="reported as over target above this")
     kl_rollback: float = Field(0.05, gt=0, description="roll back to the last checkpoint above this")
     reward_std_target: float = Field(0.2, gt=0)
     reward_var_raise: float = Field(0.3, gt=0, description="raise the mini-batch size above this reward variance")
     raised_mini_batch_size: int = Field(128, ge=1)
-    max_rollbacks: int = Field(3, ge=0, description="stop with an error after this many rollbacks in a row without progress")
+    max_rollbacks: int = Field(
+        3, ge=0, description="stop with an error after this many rollbacks in a row without progress"
+    )
 
 
 class Guard:
@@ -41,14 +45,20 @@ class Guard:
     def check(self, kl: float, reward_var: float, mini_batch_size: int) -> tuple[list[str], dict]:
         """The actions for this step's statistics, and flags to log."""
         c = self.cfg
-        flags = {"guard_kl_over_target": kl > c.kl_target, "guard_reward_std_over_target": reward_var ** 0.5 > c.reward_std_target}
+        flags = {
+            "guard_kl_over_target": kl > c.kl_target,
+            "guard_reward_std_over_target": reward_var**0.5 > c.reward_std_target,
+        }
         if not c.enable:
             return [], flags
         actions = []
         if kl > c.kl_rollback:
             self.rollbacks_in_a_row += 1
             if self.rollbacks_in_a_row > c.max_rollbacks:
-                raise RuntimeError(f"KL stayed above {c.kl_rollback} after {c.max_rollbacks} rollbacks: lower the learning rate or raise kl_coef")
+                raise RuntimeError(
+                    f"KL stayed above {c.kl_rollback} after {c.max_rollbacks} rollbacks: "
+                    "lower the learning rate or raise kl_coef"
+                )
             actions.append("rollback")
         else:
             self.rollbacks_in_a_row = 0

@@ -1,4 +1,5 @@
-"""RL math as pure tensor functions. verl's core_algos does the estimators and losses; this wraps shapes.
+"""The PPO loss and its pieces (token rewards, KL estimates, masked means) as pure tensor functions.
+verl's core_algos does the math; this wraps shapes.
 
 Shapes: B samples, R response tokens (right-padded), V vocabulary.
 """
@@ -8,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
-from verl.workers.config import ActorConfig
+from verl.workers import config as verl_config
 
 
 def outcome_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -22,28 +22,40 @@ def outcome_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor)
     return out
 
 
-def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True) -> torch.Tensor:
-    """GRPO outcome advantages (B, R): (r - group mean) / (group std + 1e-6), through verl."""
-    adv, _ = core_algos.compute_grpo_outcome_advantage(
-        outcome_to_token_rewards(rewards, response_mask), response_mask.float(), group_ids, epsilon=1e-6, norm_adv_by_std_in_grpo=norm_by_std
-    )
-    return adv
-
-
 @lru_cache(maxsize=8)
-def _actor_config(clip_ratio: float, clip_ratio_c: float, loss_agg_mode: str) -> ActorConfig:
-    return ActorConfig(strategy="fsdp", clip_ratio=clip_ratio, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio, clip_ratio_c=clip_ratio_c,
-                       loss_agg_mode=loss_agg_mode, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+def _verl_actor_config(clip_ratio: float, clip_ratio_c: float, loss_agg_mode: str) -> verl_config.ActorConfig:
+    return verl_config.ActorConfig(
+        strategy="fsdp",
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio,
+        clip_ratio_high=clip_ratio,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+    )
 
 
-def ppo_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-             clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", global_batch: dict | None = None) -> tuple[torch.Tensor, dict]:
+def ppo_loss(
+    old_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_batch: dict | None = None,
+) -> tuple[torch.Tensor, dict]:
     """verl's dual-clip PPO policy loss over (B, R) tensors; returns (scalar loss, metrics). With data parallelism,
-    `global_batch` ({"batch_num_tokens", "global_batch_size"}) makes each rank's loss its share of the whole mini-batch's."""
-    cfg = _actor_config(clip_ratio, clip_ratio_c, loss_agg_mode)
+    `global_batch` ({"batch_num_tokens", "global_batch_size"}) makes each rank's loss its share of the whole
+    mini-batch's."""
+    cfg = _verl_actor_config(clip_ratio, clip_ratio_c, loss_agg_mode)
     if global_batch:
         cfg = dataclasses.replace(cfg, global_batch_info={"dp_size": 1, **global_batch})
-    return core_algos.compute_policy_loss_vanilla(old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg)
+    return core_algos.compute_policy_loss_vanilla(
+        old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg
+    )
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""What the trainer does when a guard trips (trainer/guards.py decides): raise the mini-batch size, or roll back
+to the last checkpoint. Each action is logged as a guard_action event."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from trainer import checkpoint
+
+if TYPE_CHECKING:
+    from trainer.run import TrainingRun
+
+log = logging.getLogger("farm.trainer")
+
+
+def carry_out(run: TrainingRun, action: str) -> None:
+    if action == "raise_mini_batch":
+        raise_mini_batch(run)
+    elif action == "rollback":
+        rollback(run)
+
+
+def raise_mini_batch(run: TrainingRun) -> None:
+    """Bigger mini-batches from now on: they average the noisier gradient."""
+    was, run.mini_batch_size = run.mini_batch_size, run.cfg.guards.raised_mini_batch_size
+    log.warning(
+        "guard_action", extra={"action": "raise_mini_batch", "step": run.step, "from": was, "to": run.mini_batch_size}
+    )
+
+
+def rollback(run: TrainingRun) -> None:
+    """Pause sampling, restore the last checkpoint (not its RNG states: the same draws could lead to the same
+    blow-up), push its weights as a new version, resume sampling."""
+    ckpt = checkpoint.latest(run.out) if run.out else None
+    if ckpt is None:
+        raise RuntimeError("KL guard: no checkpoint to roll back to; set trainer.default_local_dir")
+    if run.rank == 0:
+        run.client.control("pause")
+    try:
+        bad_step = run.step
+        run.restore(ckpt, rngs=False)
+        run.push()
+    finally:
+        if run.rank == 0:
+            run.client.control("resume")
+    log.warning(
+        "guard_action", extra={"action": "rollback", "step": bad_step, "to_step": run.step, "version": run.version}
+    )

@@ -1,0 +1,33 @@
+"""Mini-batches of whole groups for the PPO epochs, this rank's share of each, and its micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from trainer.batch import Batch
+
+
+@dataclass
+class MiniBatch:
+    idx: torch.Tensor  # this rank's samples of the mini-batch (indices into the step's batch); may be empty
+    share: dict  # {"batch_num_tokens", "global_batch_size"} of the whole mini-batch: each rank's loss is its share
+
+
+def mini_batches(b: Batch, size: int, rank: int = 0, world: int = 1) -> Iterator[MiniBatch]:
+    """One epoch: the batch's groups in a random order (torch's RNG), cut into mini-batches of `size` groups.
+    Every rank sees each whole mini-batch and trains every world-th group of it."""
+    n_groups = int(b.group_ids.max()) + 1
+    group_ids = torch.as_tensor(b.group_ids)
+    for chunk in torch.randperm(n_groups).split(size):
+        whole = torch.isin(group_ids, chunk)
+        idx = torch.nonzero(torch.isin(group_ids, chunk[rank::world])).squeeze(-1)
+        share = {"batch_num_tokens": b.response_mask[whole].sum().item(), "global_batch_size": int(whole.sum())}
+        yield MiniBatch(idx, share)
+
+
+def micro_batches(idx: torch.Tensor, size: int | None) -> tuple[torch.Tensor, ...]:
+    """idx in pieces of `size` samples (None: one piece); none when idx is empty."""
+    return idx.split(size or max(1, len(idx))) if len(idx) else ()

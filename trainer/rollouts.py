@@ -1,0 +1,133 @@
+"""Each step's rollouts from the service, as a Batch (rank 0 only).
+
+The step's prompts (the task's training problems, through the model's chat template) are either requested
+(`trainer.rollout_source=request`: POST /v1/rollouts with the step's sampling seed and the configured sampler)
+or fed to the trainer's queue source and leased from it (`queue`); leased groups are acked once the step's
+weights are pushed, so a group leased by a trainer that died comes back when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from services import protocol as P
+from services.tasks import Problem
+from trainer.batch import Batch, make_batch
+
+if TYPE_CHECKING:
+    from trainer.run import TrainingRun
+
+log = logging.getLogger("farm.trainer")
+QUEUE_WAIT_S = 600  # for a step's groups from the queue
+
+
+def render_prompt(tok, p: Problem) -> str:
+    """The prompt text sent to the service: through the chat template when the model has one."""
+    if tok.chat_template:
+        return tok.apply_chat_template(
+            [{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return p.prompt
+
+
+def pull(run: TrainingRun) -> Batch | None:
+    """This step's rollouts; None when every group came back empty (filtered out by the sampler)."""
+    d = run.cfg.data
+    problems = run.task.train_batch(run.rng, math.ceil(d.train_batch_size * d.oversample))
+    prompts = [P.Prompt(text=render_prompt(run.tok, p), ground_truth=p.answer) for p in problems]
+    groups = lease_groups(run, prompts) if run.cfg.trainer.rollout_source == "queue" else request_groups(run, prompts)
+    groups = [g for g in groups if g.samples]
+    if not groups:
+        return None
+    batch = make_batch(groups, run.pad_id)
+    stale = [v for v in batch.weight_versions if v != run.version]
+    if stale and run.cfg.actor_rollout_ref.actor.old_logprobs == "rollout":
+        raise RuntimeError(
+            f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {run.version}: "
+            "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with a truncated importance correction"
+        )
+    return batch
+
+
+def sampling(run: TrainingRun) -> tuple[P.SamplingParams, P.SamplerSpec]:
+    """The step's sampling params (a fresh seed from the run's RNG) and the configured sampler."""
+    d, r = run.cfg.data, run.cfg.actor_rollout_ref.rollout
+    max_new_tokens = d.max_response_length or run.task.max_new_tokens
+    params = P.SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, seed=run.rng.getrandbits(31), max_new_tokens=max_new_tokens
+    )
+    return params, P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
+
+
+def request_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
+    """POST /v1/rollouts: n samples of each prompt from the weights the trainer holds."""
+    d, t = run.cfg.data, run.cfg.trainer
+    params, sampler = sampling(run)
+    if sampler.name == "dynamic_group_filter" and len(prompts) > d.train_batch_size:
+        sampler.params.setdefault("target_groups", d.train_batch_size)
+    req = P.RolloutRequest(
+        prompts=prompts,
+        n=run.cfg.actor_rollout_ref.rollout.n,
+        sampling_params=params,
+        sampler=sampler,
+        reward=t.reward or run.task.reward,
+        min_weight_version=run.version,
+    )
+    out = run.client.rollouts(req)
+    run.generated_tokens += (
+        out.filter.generated_tokens if out.filter else sum(g.generated_tokens or 0 for g in out.groups)
+    )
+    return out.groups
+
+
+def lease_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
+    """Feed the prompts to the trainer's queue source and lease train_batch_size groups from it; `ack` settles
+    them after the step. A group leased by a trainer that died comes back once its lease runs out."""
+    t, want = run.cfg.trainer, run.cfg.data.train_batch_size
+    name = t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
+    if not any(s.name == name for s in run.client.queue_sources()):
+        add_queue_source(run, name)
+    run.client.queue_add_prompts(name, prompts)
+    items: list[P.QueueItem] = []
+    deadline = time.monotonic() + QUEUE_WAIT_S
+    while len(items) < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"queue source {name!r} delivered {len(items)} of {want} groups in {QUEUE_WAIT_S} s")
+        req = P.PullRequest(
+            source=name,
+            max_groups=want - len(items),
+            max_staleness=t.queue_max_staleness,
+            lease_s=t.queue_lease_s,
+            wait_s=30,
+        )
+        items += run.client.queue_pull(req).items
+    run.leased = [i.item_id for i in items]
+    run.redelivered += sum(i.deliveries > 1 for i in items)
+    run.generated_tokens += sum(i.group.generated_tokens or 0 for i in items)
+    return [i.group for i in items]
+
+
+def add_queue_source(run: TrainingRun, name: str) -> None:
+    """The trainer's queue source: the service generates its groups ahead, with the run's sampling params."""
+    t = run.cfg.trainer
+    params, sampler = sampling(run)
+    source = P.QueueSource(
+        name=name,
+        n=run.cfg.actor_rollout_ref.rollout.n,
+        sampling_params=params.model_copy(update={"seed": None}),
+        sampler=sampler,
+        reward=t.reward or run.task.reward,
+        target_groups=run.cfg.data.train_batch_size,
+    )
+    run.client.queue_add_source(source)
+    log.info("queue_source_added", extra={"source": name})
+
+
+def ack(run: TrainingRun) -> None:
+    """Settle the step's leased queue groups: they are used, the queue may forget them."""
+    if run.leased:
+        run.client.queue_ack(run.leased)
+        run.leased = []
