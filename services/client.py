@@ -111,6 +111,13 @@ class _Stream:
     def __init__(self, req: P.RolloutRequest):
         self.body = _rollout_body(req, stream=True)
         self.status, self.started, self.done = 0, False, False
+        self.partial = ""
+
+    def lines(self, text: str) -> list[str]:
+        """The whole lines in the text received so far. NDJSON splits on "\n" alone: httpx's iter_lines would also
+        split on characters a sample's text may hold (\x1c-\x1e, \x85, \u2028), breaking its JSON line."""
+        *whole, self.partial = (self.partial + text).split("\n")
+        return whole
 
     def retryable(self, e: BaseException) -> bool:  # e.g. queues full before any group: that job is forgotten
         return not self.started and _retryable(e, replay=True)
@@ -286,11 +293,12 @@ class FarmClient(_Api):
                 if r.is_error:
                     r.read()
                 s.open(r)
-                for line in r.iter_lines():
-                    if event := s.read(line):
-                        yield event
-                    elif s.done:
-                        return
+                for text in r.iter_text():
+                    for line in s.lines(text):
+                        if event := s.read(line):
+                            yield event
+                        elif s.done:
+                            return
                 raise s.cut()
 
 
@@ -324,9 +332,10 @@ class AsyncFarmClient(_Api):
                     if r.is_error:
                         await r.aread()
                     s.open(r)
-                    async for line in r.aiter_lines():
-                        if event := s.read(line):
-                            yield event
-                        elif s.done:
-                            return
+                    async for text in r.aiter_text():
+                        for line in s.lines(text):
+                            if event := s.read(line):
+                                yield event
+                            elif s.done:
+                                return
                     raise s.cut()

@@ -33,7 +33,7 @@ from services.weight_push import WeightPush
 class Ingress:
     async def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
         load_plugins(settings)
-        logs.setup_farm_loggers()
+        logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         self.replicas = Replicas(engine)
         self.weights = WeightPush(self.replicas, settings)

@@ -34,7 +34,7 @@ def setup(level: int = logging.INFO, stream=sys.stdout) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def setup_farm_loggers(level: int = logging.INFO, stream=sys.stderr) -> None:
+def setup_farm_loggers(level: int | str = logging.INFO, stream=sys.stderr) -> None:
     """In a Ray worker (an engine or ingress replica): JSON lines for the `farm.*` loggers only, leaving the
     root logger to Ray. The worker's stderr goes to its log file (and the driver's console)."""
     farm = logging.getLogger("farm")

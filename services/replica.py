@@ -42,7 +42,7 @@ class EngineServer:
         from services.models import resolve_model
 
         load_plugins(settings)
-        logs.setup_farm_loggers()
+        logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         kind = ENGINES.get(settings.engine, settings.plugins)
         model = str(resolve_model(settings.model)) if kind.needs_model else settings.model

@@ -60,6 +60,12 @@ class ServiceSettings(BaseSettings):
         60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed."
     )
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
+    log_level: str = Field(
+        "INFO",
+        pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
+        description="Level of the service's JSON log "
+        "lines (the replicas' too, which Ray copies to `farm serve`'s output).",
+    )
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")
 
     @model_validator(mode="after")

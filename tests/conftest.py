@@ -43,7 +43,8 @@ def service(tiny_model):
     settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
                                engine_max_ongoing_requests=2, engine_max_queued_requests=2,  # small, so 429 is reachable
                                min_version_wait_s=MIN_VERSION_WAIT_S, disconnect_grace_s=DISCONNECT_GRACE_S,
-                               plugins=["tests.farm_plugins"])  # a user's sampler and reward
+                               plugins=["tests.farm_plugins"],  # a user's sampler and reward
+                               log_level="WARNING")  # the replicas' INFO lines would fill the test output
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()
@@ -58,7 +59,8 @@ def bench_service(service):
 
     port = int(service.rsplit(":", 1)[1])
     settings = ServiceSettings(api_token=TOKEN, port=port, app_name="bench", engine="tests.farm_plugins:EchoEngine",
-                               bench_token_latency_s=0.001, engine_num_cpus=0, plugins=["tests.farm_plugins"])
+                               bench_token_latency_s=0.001, engine_num_cpus=0, plugins=["tests.farm_plugins"],
+                               log_level="WARNING")
     server.start(settings, route_prefix="/bench")
     yield f"{service}/bench"
     from ray import serve

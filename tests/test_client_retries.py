@@ -196,3 +196,17 @@ async def test_wait_ready_polls_until_healthy_or_times_out(face):
     c = make(face, answer(503))
     with pytest.raises(TimeoutError, match="not healthy after 0s"):
         await call(c, "wait_ready", timeout_s=0)
+
+
+async def test_stream_lines_split_on_newlines_only(face):
+    """A sample's text may hold characters that str.splitlines() (and httpx's iter_lines) treat as line breaks;
+    the stream's NDJSON lines end at "\\n" alone (json.dumps leaves them raw with ensure_ascii=False)."""
+    sample = {"token_ids": [5], "logprobs": [-0.1], "text": "a\x1eb\u2028c\x85d", "finish_reason": "stop",
+              "weight_version": 0}
+    group = {**GROUP, "samples": [sample]}
+    body = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in
+                   [{"index": 0, "group": group}, {"done": True, "groups": 1}])
+    assert len(body.splitlines()) > 2  # the negative control: a splitlines reader would cut the group's line
+    c = make(face, httpx.Response(200, content=body.encode()))
+    events = await stream(c, P.RolloutRequest(prompts=[P.Prompt(text="x")]))
+    assert [e.group.samples[0].text for e in events] == [sample["text"]]

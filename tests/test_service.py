@@ -214,7 +214,7 @@ def test_restarted_replica_catches_up_before_serving(client, fresh_weights, tiny
     state = load_file(tiny_model / "model.safetensors")
     client.push_weights(save({k: v * 1.01 for k, v in state.items()}), fresh_weights + 1)
     old = client.weights_version().replicas
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "engine" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::farm#engine")]
     assert len(names) == 2
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
     deadline = time.monotonic() + 120
