@@ -22,6 +22,8 @@ demo: $(STAMP)
 	$(VENV)/bin/farm demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q
 
 clean:

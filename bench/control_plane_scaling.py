@@ -64,12 +64,21 @@ def main() -> None:
     ap.add_argument("--per-replica", type=int, default=4, help="concurrent clients per engine replica")
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--duration-s", type=float, default=20.0)
-    ap.add_argument("--max-foreign", type=float, default=0.1, help="measure again (twice at most) if other processes used more of the cores")
+    ap.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.1,
+        help="measure again (twice at most) if other processes used more of the cores",
+    )
     args = ap.parse_args()
     counts = [int(x) for x in args.replicas.split(",")]
 
-    body = {"prompts": [{"text": "Q: 37+8\nA:", "ground_truth": "45"}], "n": args.n, "reward": "gsm8k",
-            "sampling_params": {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "seed": 1}}
+    body = {
+        "prompts": [{"text": "Q: 37+8\nA:", "ground_truth": "45"}],
+        "n": args.n,
+        "reward": "gsm8k",
+        "sampling_params": {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "seed": 1},
+    }
     path, port, rows, runs = resolve("arith-tiny"), free_port(), [], []  # the bench engine needs only the tokenizer
     ideal_one = args.n / (args.max_new_tokens * args.token_latency_s)
     try:
@@ -79,21 +88,42 @@ def main() -> None:
 
                 serve.delete("farm")
             log(f"deploying {R} bench replicas")
-            url = start_service(model=str(path), port=port, engine="bench", bench_token_latency_s=args.token_latency_s, replicas=R,
-                                engine_num_cpus=0, engine_max_ongoing_requests=2 * args.per_replica,
-                                engine_max_queued_requests=max(64, 4 * args.per_replica * R))
+            url = start_service(
+                model=str(path),
+                port=port,
+                engine="bench",
+                bench_token_latency_s=args.token_latency_s,
+                replicas=R,
+                engine_num_cpus=0,
+                engine_max_ongoing_requests=2 * args.per_replica,
+                engine_max_queued_requests=max(64, 4 * args.per_replica * R),
+            )
             for attempt in range(3):
                 wait_quiet()
-                log(f"{R} replicas: {args.per_replica * R} clients, {args.warmup_s:.0f}s warm-up + {args.duration_s:.0f}s")
+                log(
+                    f"{R} replicas: {args.per_replica * R} clients, "
+                    f"{args.warmup_s:.0f}s warm-up + {args.duration_s:.0f}s"
+                )
                 res = asyncio.run(load(url, args.per_replica * R, body, args.warmup_s, args.duration_s))
                 if res["cpu_foreign"] <= args.max_foreign:
                     break
                 log(f"other processes used {res['cpu_foreign']:.0%} of the cores meanwhile: measuring again")
             thr = res["samples"] / args.duration_s
             lat = sorted(res["latency"]) or [float("nan")]
-            runs.append({"replicas": R, "clients": args.per_replica * R, "samples_s": thr, "requests": res["requests"],
-                         "rejected_429": res["rejected"], "latency_p50_s": lat[len(lat) // 2], "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
-                         "cpu_busy": res["cpu_busy"], "other_processes_cpu": res["cpu_foreign"], "ideal_samples_s": R * ideal_one})
+            runs.append(
+                {
+                    "replicas": R,
+                    "clients": args.per_replica * R,
+                    "samples_s": thr,
+                    "requests": res["requests"],
+                    "rejected_429": res["rejected"],
+                    "latency_p50_s": lat[len(lat) // 2],
+                    "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
+                    "cpu_busy": res["cpu_busy"],
+                    "other_processes_cpu": res["cpu_foreign"],
+                    "ideal_samples_s": R * ideal_one,
+                }
+            )
             log(f"{R} replicas: {thr:.1f} samples/s, p50 {lat[len(lat) // 2]:.3f}s, CPU {res['cpu_busy']:.0%}")
     finally:
         stop_service()
@@ -101,15 +131,48 @@ def main() -> None:
     base = runs[0]["samples_s"] / runs[0]["replicas"]
     for run in runs:
         run["efficiency"] = run["samples_s"] / (run["replicas"] * base)
-        rows.append([run["replicas"], run["clients"], run["samples_s"], run["ideal_samples_s"], run["efficiency"],
-                     run["latency_p50_s"], run["latency_p95_s"], run["rejected_429"], f"{run['cpu_busy']:.0%}", f"{run['other_processes_cpu']:.0%}"])
+        rows.append(
+            [
+                run["replicas"],
+                run["clients"],
+                run["samples_s"],
+                run["ideal_samples_s"],
+                run["efficiency"],
+                run["latency_p50_s"],
+                run["latency_p95_s"],
+                run["rejected_429"],
+                f"{run['cpu_busy']:.0%}",
+                f"{run['other_processes_cpu']:.0%}",
+            ]
+        )
     last = runs[-1]
-    print(f"control-plane scaling: bench engine, {args.token_latency_s * 1000:g} ms/token x {args.max_new_tokens} tokens, "
-          f"1 prompt x {args.n} samples per request, {args.per_replica} clients per replica, {args.duration_s:g}s each")
-    print(table(["replicas", "clients", "samples/s", "ideal", "efficiency", "p50 s", "p95 s", "429s", "CPU busy", "other procs"], rows))
+    print(
+        f"control-plane scaling: bench engine, {args.token_latency_s * 1000:g} ms/token x "
+        f"{args.max_new_tokens} tokens, "
+        f"1 prompt x {args.n} samples per request, {args.per_replica} clients per replica, {args.duration_s:g}s each"
+    )
+    print(
+        table(
+            [
+                "replicas",
+                "clients",
+                "samples/s",
+                "ideal",
+                "efficiency",
+                "p50 s",
+                "p95 s",
+                "429s",
+                "CPU busy",
+                "other procs",
+            ],
+            rows,
+        )
+    )
     met = last["efficiency"] >= 0.8
     print(f"efficiency at {last['replicas']}: {last['efficiency']:.2f}  (goal >= 0.8: {'met' if met else 'NOT met'})")
-    write_json("control_plane_scaling", {"args": vars(args), "runs": runs, "goal": ">= 0.8 at the largest count", "met": met})
+    write_json(
+        "control_plane_scaling", {"args": vars(args), "runs": runs, "goal": ">= 0.8 at the largest count", "met": met}
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores")
+    ap.add_argument(
+        "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
+    )
     args = ap.parse_args()
 
     import torch
@@ -45,15 +47,22 @@ def main() -> None:
             return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
 
     path = str(resolve(args.model))
-    engines = {True: TorchEngine(path, "cpu", "float32", args.threads), False: KeepFinishedRows(path, "cpu", "float32", args.threads)}
+    engines = {
+        True: TorchEngine(path, "cpu", "float32", args.threads),
+        False: KeepFinishedRows(path, "cpu", "float32", args.threads),
+    }
     tok = engines[True].tokenizer
 
     def render(prompt: str) -> str:
         if tok.chat_template:
-            return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         return prompt
 
-    batch = [tok(render(p.prompt), add_special_tokens=False).input_ids for p in TASKS.get(args.task)().heldout(args.prompts)]
+    batch = [
+        tok(render(p.prompt), add_special_tokens=False).input_ids for p in TASKS.get(args.task)().heldout(args.prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
 
     def timed(drop: bool) -> tuple[float, float, list]:
@@ -78,13 +87,24 @@ def main() -> None:
         rows.append([len(rows) + 1, res[True][0], res[False][0], res[True][0] / res[False][0], foreign])
         log(f"round {len(rows)}/{args.rounds}: drop {res[True][0]:.1f} tokens/s, keep {res[False][0]:.1f} tokens/s")
     q1, ratio, q3 = quartiles([r[3] for r in rows])
-    print(f"engine batching: {args.model}, {args.prompts} {args.task} prompts, greedy, up to {args.max_new_tokens} tokens, {args.threads} threads; "
-          f"answers {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}")
+    print(
+        f"engine batching: {args.model}, {args.prompts} {args.task} prompts, greedy, up to {args.max_new_tokens} "
+        f"tokens, {args.threads} threads; "
+        f"answers {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}"
+    )
     print(table(["round", "drop finished tokens/s", "keep finished tokens/s", "ratio", "other procs CPU"], rows))
     print(f"median ratio drop / keep: {ratio:.2f}, quartiles {q1:.2f}-{q3:.2f}")
     keys = ["round", "drop_tokens_s", "keep_tokens_s", "ratio", "other_processes_cpu_share"]
-    write_json("engine_batching", {"args": vars(args), "answer_lengths": lengths, "rounds": [dict(zip(keys, r)) for r in rows],
-                                   "median_ratio": ratio, "quartiles": [q1, q3]})
+    write_json(
+        "engine_batching",
+        {
+            "args": vars(args),
+            "answer_lengths": lengths,
+            "rounds": [dict(zip(keys, r)) for r in rows],
+            "median_ratio": ratio,
+            "quartiles": [q1, q3],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1319, help="test problems, from the first (1319: all)")
     ap.add_argument("--chunk", type=int, default=64, help="problems per request (one engine batch)")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
     from tqdm import tqdm
+    from transformers import AutoTokenizer
 
     from services.client import FarmClient
     from services.tasks import TASKS
@@ -43,20 +42,29 @@ def main() -> None:
     render = partial(render_prompt, tok)  # the trainer's prompts: through the chat template
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    progress = RESULTS / f"gsm8k_{Path(a.model).name}_progress.jsonl"  # one line per scored problem: a rerun goes on from there
+    progress = (
+        RESULTS / f"gsm8k_{Path(a.model).name}_progress.jsonl"
+    )  # one line per scored problem: a rerun goes on from there
     done = {}
     if progress.exists():
-        done = {d["i"]: d for d in map(json.loads, progress.read_text().splitlines()) if d.get("max_new_tokens") == task.max_new_tokens}
+        done = {
+            d["i"]: d
+            for d in map(json.loads, progress.read_text().splitlines())
+            if d.get("max_new_tokens") == task.max_new_tokens
+        }
     problems = task.heldout(a.size)
     todo = [i for i in range(len(problems)) if i not in done]
     log(f"{len(done)} of {len(problems)} problems scored already; {len(todo)} to go")
     if todo:
         url = start_service(model=str(path), replicas=1)
         try:
-            with FarmClient(url, TOKEN, timeout=3600) as client, progress.open("a") as f:  # a chunk of long greedy answers takes minutes
+            with (
+                FarmClient(url, TOKEN, timeout=3600) as client,
+                progress.open("a") as f,
+            ):  # a chunk of long greedy answers takes minutes
                 chunks = score(client, task, render, [problems[i] for i in todo], a.chunk)
                 for k, part in enumerate(tqdm(chunks, desc="evaluating", unit="chunk", total=-(-len(todo) // a.chunk))):
-                    for i, row in zip(todo[k * a.chunk:(k + 1) * a.chunk], part):
+                    for i, row in zip(todo[k * a.chunk : (k + 1) * a.chunk], part):
                         done[i] = {"i": i, **row, "max_new_tokens": task.max_new_tokens}
                         f.write(json.dumps(done[i]) + "\n")
                     f.flush()
@@ -65,10 +73,22 @@ def main() -> None:
     rows = [done[i] for i in range(len(problems))]
     acc = Accuracy([r["correct"] for r in rows], [r["number"] for r in rows])
     lo, hi = acc.wilson()
-    print(f"\nGSM8K test pass@1 (greedy), {a.model}, {acc.n} problems: {acc.value:.3f} (95% CI {lo:.3f}-{hi:.3f}); "
-          f"right number in any format: {acc.as_dict()['number_accuracy']:.3f}; mean response {sum(r['tokens'] for r in rows) / len(rows):.0f} tokens")
-    write_json(f"gsm8k_{Path(a.model).name}", {"model": a.model, "size": acc.n, "accuracy": acc.value, "ci95": [lo, hi],
-                                               "number_accuracy": acc.as_dict()["number_accuracy"], "max_new_tokens": task.max_new_tokens})
+    print(
+        f"\nGSM8K test pass@1 (greedy), {a.model}, {acc.n} problems: {acc.value:.3f} (95% CI {lo:.3f}-{hi:.3f}); "
+        f"right number in any format: {acc.as_dict()['number_accuracy']:.3f}; "
+        f"mean response {sum(r['tokens'] for r in rows) / len(rows):.0f} tokens"
+    )
+    write_json(
+        f"gsm8k_{Path(a.model).name}",
+        {
+            "model": a.model,
+            "size": acc.n,
+            "accuracy": acc.value,
+            "ci95": [lo, hi],
+            "number_accuracy": acc.as_dict()["number_accuracy"],
+            "max_new_tokens": task.max_new_tokens,
+        },
+    )
     log("done")
 
 

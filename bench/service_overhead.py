@@ -31,7 +31,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=2, help="calls per side per round")
-    ap.add_argument("--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores")
+    ap.add_argument(
+        "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
+    )
     args = ap.parse_args()
 
     from services.client import FarmClient
@@ -42,13 +44,17 @@ def main() -> None:
     url = start_service(model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1)
     try:
         engine = TorchEngine(str(path), "cpu", "float32", args.threads)
-        ids = [engine.tokenizer(f"Q: {10 + i % 90}+{i % 10}\nA:", add_special_tokens=False).input_ids for i in range(args.prompts)]
+        ids = [
+            engine.tokenizer(f"Q: {10 + i % 90}+{i % 10}\nA:", add_special_tokens=False).input_ids
+            for i in range(args.prompts)
+        ]
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=1)
         req = RolloutRequest(prompts=[Prompt(token_ids=x) for x in ids], n=args.n, sampling_params=params)
         batch = [x for x in ids for _ in range(args.n)]
         samples = len(batch)
 
         with FarmClient(url, TOKEN) as client:
+
             def rest() -> int:
                 groups = client.rollouts(req).groups
                 return sum(len(s.token_ids) for g in groups for s in g.samples)
@@ -62,7 +68,9 @@ def main() -> None:
                     t = time.perf_counter()
                     for _ in range(args.reps):
                         tokens = fn()
-                        assert tokens == samples * args.max_new_tokens, f"{tokens} tokens, expected {samples * args.max_new_tokens}"
+                        assert tokens == samples * args.max_new_tokens, (
+                            f"{tokens} tokens, expected {samples * args.max_new_tokens}"
+                        )
                     rate = args.reps * samples / (time.perf_counter() - t)
                 return rate, m.foreign
 
@@ -84,14 +92,29 @@ def main() -> None:
         stop_service()
 
     q1, ratio, q3 = quartiles([row[3] for row in rows])
-    print(f"service overhead: {args.model}, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} tokens, "
-          f"{args.threads} threads, {args.reps} calls per side per round")
+    print(
+        f"service overhead: {args.model}, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} tokens, "
+        f"{args.threads} threads, {args.reps} calls per side per round"
+    )
     print(table(["round", "REST samples/s", "in-process samples/s", "ratio", "other procs CPU"], rows))
-    print(f"median ratio REST / in-process: {ratio:.3f}, quartiles {q1:.3f}-{q3:.3f}  (goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")
+    print(
+        f"median ratio REST / in-process: {ratio:.3f}, quartiles {q1:.3f}-{q3:.3f}  "
+        f"(goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})"
+    )
     keys = ["round", "rest_samples_s", "inprocess_samples_s", "ratio", "other_processes_cpu_share"]
-    write_json("service_overhead", {"args": vars(args), "model_path": str(path), "samples_per_call": samples,
-                                    "rounds": [dict(zip(keys, r)) for r in rows], "median_ratio": ratio, "quartiles": [q1, q3],
-                                    "goal": ">= 0.95", "met": ratio >= 0.95})
+    write_json(
+        "service_overhead",
+        {
+            "args": vars(args),
+            "model_path": str(path),
+            "samples_per_call": samples,
+            "rounds": [dict(zip(keys, r)) for r in rows],
+            "median_ratio": ratio,
+            "quartiles": [q1, q3],
+            "goal": ">= 0.95",
+            "met": ratio >= 0.95,
+        },
+    )
 
 
 if __name__ == "__main__":

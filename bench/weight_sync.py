@@ -30,9 +30,15 @@ def main() -> None:
     ap.add_argument("--model", default="arith-tiny", help="arith-tiny, smollm2 or an HF model folder")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=3, help="pushes (and raw round trips) per round; the round's figure is their mean")
-    ap.add_argument("--transport", choices=["client", "path"], default="client", help="how the push travels (see above)")
-    ap.add_argument("--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="pushes (and raw round trips) per round; the round's figure is their mean"
+    )
+    ap.add_argument(
+        "--transport", choices=["client", "path"], default="client", help="how the push travels (see above)"
+    )
+    ap.add_argument(
+        "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
+    )
     args = ap.parse_args()
 
     import torch
@@ -94,21 +100,49 @@ def main() -> None:
                     redone += 1
                     log(f"other processes used {m.foreign:.0%} of the cores during the round: measuring it again")
                     continue
-                rows.append([len(rows) + 1, res[push], sum(server_s[-args.reps:]) / args.reps, res[raw], res[push] / res[raw], m.foreign])
+                rows.append(
+                    [
+                        len(rows) + 1,
+                        res[push],
+                        sum(server_s[-args.reps :]) / args.reps,
+                        res[raw],
+                        res[push] / res[raw],
+                        m.foreign,
+                    ]
+                )
                 log(f"round {len(rows)}/{args.rounds}: push {res[push]:.3f}s, raw {res[raw]:.3f}s")
     finally:
         stop_service()
         shutil.rmtree(folders, ignore_errors=True)
 
     q1, ratio, q3 = quartiles([row[4] for row in rows])
-    print(f"weight sync: {args.model} ({len(state)} tensors, {size / 2**20:.1f} MiB float32), {args.replicas} replicas, transport {args.transport}")
+    print(
+        f"weight sync: {args.model} ({len(state)} tensors, {size / 2**20:.1f} MiB float32), {args.replicas} replicas, "
+        f"transport {args.transport}"
+    )
     print(table(["round", "push s", "service-side s", "raw s", "push/raw", "other procs CPU"], rows))
-    print(f"median push / raw: {ratio:.2f}, quartiles {q1:.2f}-{q3:.2f}  (goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")
+    print(
+        f"median push / raw: {ratio:.2f}, quartiles {q1:.2f}-{q3:.2f}  "
+        f"(goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})"
+    )
     name = args.model if args.model in ("arith-tiny", "smollm2") else "custom"
-    write_json(f"weight_sync_{name}" + ("" if args.transport == "client" else f"_{args.transport}"), {
-        "args": vars(args), "model_path": str(path), "tensors": len(state), "bytes": size,
-        "rounds": [dict(zip(["round", "push_s", "service_side_s", "raw_s", "ratio", "other_processes_cpu_share"], r)) for r in rows],
-        "median_ratio": ratio, "quartiles": [q1, q3], "goal": "<= 1.5", "met": ratio <= 1.5})
+    write_json(
+        f"weight_sync_{name}" + ("" if args.transport == "client" else f"_{args.transport}"),
+        {
+            "args": vars(args),
+            "model_path": str(path),
+            "tensors": len(state),
+            "bytes": size,
+            "rounds": [
+                dict(zip(["round", "push_s", "service_side_s", "raw_s", "ratio", "other_processes_cpu_share"], r))
+                for r in rows
+            ],
+            "median_ratio": ratio,
+            "quartiles": [q1, q3],
+            "goal": "<= 1.5",
+            "met": ratio <= 1.5,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def build_default(out: Path, steps: int = PRETRAIN_STEPS, batch: int = 128, seed
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
     rng, task, start = random.Random(seed), ArithTask(), time.time()
-    log.info(json.dumps({"event": "build_default_model", "steps": steps, "out": str(out)}))
+    log.info("build_default_model", extra={"steps": steps, "out": str(out)})
     for _ in tqdm(range(steps), desc="pretraining the default model", unit="step"):
         pairs = [pretraining_text(rng, task) for _ in range(batch)]
         ids, labels = [], []

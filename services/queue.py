@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import random
 import time
@@ -146,14 +145,7 @@ class TrajectoryQueue:
         src = self.sources[spec.name] = Source(spec)
         src.task = asyncio.create_task(self._run(src))
         log.info(
-            json.dumps(
-                {
-                    "event": "queue_source_added",
-                    "source": spec.name,
-                    "dataset": spec.dataset,
-                    "prompts": len(spec.prompts),
-                }
-            )
+            "queue_source_added", extra={"source": spec.name, "dataset": spec.dataset, "prompts": len(spec.prompts)}
         )
         return src.state()
 
@@ -206,7 +198,7 @@ class TrajectoryQueue:
             except Exception as e:  # the prompts wait at the front; try again shortly
                 src.pending.extendleft(reversed(prompts))
                 src.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                log.warning(json.dumps({"event": "queue_generate_failed", "source": spec.name, "error": src.error}))
+                log.warning("queue_generate_failed", extra={"source": spec.name, "error": src.error})
                 await asyncio.sleep(1.0)
                 continue
             finally:

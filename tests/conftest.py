@@ -1,9 +1,17 @@
-"""Shared fixtures: a tiny random Llama on disk, and one real Ray Serve app per test session."""
+"""Shared fixtures: a tiny random Llama on disk, and one real Ray Serve app per test session (started only by
+the tests that ask for it: tests/unit and tests/engine never start Ray).
+
+The folders are the kinds of test, each marked by its conftest.py:
+  unit/     pure functions and in-process objects: no Ray, no service, seconds    marker `unit`
+  engine/   the torch engine in process, no Ray                                   marker `engine`
+  service/  the real service on 127.0.0.1 (Ray Serve, two replicas of a tiny Llama)  marker `integration`
+  e2e/      real processes: `farm serve`, `farm train`, torchrun, the trainer     marker `e2e`
+  gpu/      CUDA and SGLang; skipped, with the reason, without a GPU             marker `gpu`
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,28 +31,35 @@ def tiny_model(tmp_path_factory) -> Path:
 
     path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
     tok = AutoTokenizer.from_pretrained(path)  # a plain-text chat template, for the chat endpoint
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     tok.save_pretrained(path)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def service(tiny_model):
     """The real service with two engine replicas on 127.0.0.1; yields its base URL."""
     from services import server
+    from services.net import free_port
     from services.settings import ServiceSettings
 
-    settings = ServiceSettings(model=str(tiny_model), api_token=TOKEN, port=_free_port(), replicas=2, engine_threads=1, max_weights_bytes=MAX_WEIGHTS_BYTES,
-                               engine_max_ongoing_requests=2, engine_max_queued_requests=2,  # small, so 429 is reachable
-                               min_version_wait_s=MIN_VERSION_WAIT_S, disconnect_grace_s=DISCONNECT_GRACE_S,
-                               plugins=["tests.farm_plugins"],  # a user's sampler and reward
-                               log_level="WARNING")  # the replicas' INFO lines would fill the test output
+    settings = ServiceSettings(
+        model=str(tiny_model),
+        api_token=TOKEN,
+        port=free_port(),
+        replicas=2,
+        engine_threads=1,
+        max_weights_bytes=MAX_WEIGHTS_BYTES,
+        engine_max_ongoing_requests=2,
+        engine_max_queued_requests=2,  # small, so 429 is reachable
+        min_version_wait_s=MIN_VERSION_WAIT_S,
+        disconnect_grace_s=DISCONNECT_GRACE_S,
+        plugins=["tests.farm_plugins"],  # a user's sampler and reward
+        log_level="WARNING",
+    )  # the replicas' INFO lines would fill the test output
     server.start(settings)
     yield f"http://127.0.0.1:{settings.port}"
     server.stop()
@@ -58,9 +73,16 @@ def bench_service(service):
     from services.settings import ServiceSettings
 
     port = int(service.rsplit(":", 1)[1])
-    settings = ServiceSettings(api_token=TOKEN, port=port, app_name="bench", engine="tests.farm_plugins:EchoEngine",
-                               bench_token_latency_s=0.001, engine_num_cpus=0, plugins=["tests.farm_plugins"],
-                               log_level="WARNING")
+    settings = ServiceSettings(
+        api_token=TOKEN,
+        port=port,
+        app_name="bench",
+        engine="tests.farm_plugins:EchoEngine",
+        bench_token_latency_s=0.001,
+        engine_num_cpus=0,
+        plugins=["tests.farm_plugins"],
+        log_level="WARNING",
+    )
     server.start(settings, route_prefix="/bench")
     yield f"{service}/bench"
     from ray import serve
@@ -84,7 +106,16 @@ def fresh_weights(client, tiny_model):
     return version
 
 
+def mark_folder(items, conftest_file: str, marker: str) -> None:
+    """Give every test under the folder of `conftest_file` the marker (each folder's conftest.py calls this)."""
+    folder = Path(conftest_file).parent
+    for item in items:
+        if item.path.is_relative_to(folder):
+            item.add_marker(marker)
+
+
 def pytest_collection_modifyitems(config, items):
+    """Skip the `gpu` tests, with the reason, where torch sees no CUDA device (after the folders' markers)."""
     import torch
 
     if not torch.cuda.is_available():

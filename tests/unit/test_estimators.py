@@ -1,4 +1,4 @@
-"""Advantage estimators: each against a naive loop, the ones verl has against verl, and the control variate's unbiasedness."""
+"""Every advantage estimator against a naive loop; the control variate's unbiasedness."""
 
 import math
 import statistics
@@ -81,7 +81,11 @@ def test_reinforce_plus_plus_and_its_baseline_variant_match_naive_loops():
         mean = statistics.fmean(r[i].item() for i in idx)
         for i in idx:
             r[i] -= mean
-    assert torch.allclose(ESTIMATORS.get("reinforce_plus_plus_baseline")(x)[0], whiten(r[:, None] * x.response_mask, x.response_mask), atol=1e-5)
+    assert torch.allclose(
+        ESTIMATORS.get("reinforce_plus_plus_baseline")(x)[0],
+        whiten(r[:, None] * x.response_mask, x.response_mask),
+        atol=1e-5,
+    )
 
 
 def test_adaptive_lambda_follows_the_documented_rule():
@@ -110,17 +114,25 @@ def test_control_variate_is_unbiased_and_has_lower_variance_than_plain_reinforce
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     logits = torch.tensor(rng.normal(size=(prompts, K)), dtype=torch.float32)
-    means = torch.tensor(rng.uniform(2, 3, size=(prompts, K)), dtype=torch.float32)  # a large offset: where a baseline pays
+    means = torch.tensor(
+        rng.uniform(2, 3, size=(prompts, K)), dtype=torch.float32
+    )  # a large offset: where a baseline pays
     probs = torch.softmax(logits, -1)
-    values = (probs * means).sum(-1) + torch.tensor(rng.normal(0, 0.3, size=prompts), dtype=torch.float32)  # a decent, imperfect critic
+    values = (probs * means).sum(-1) + torch.tensor(
+        rng.normal(0, 0.3, size=prompts), dtype=torch.float32
+    )  # a decent, imperfect critic
     group_ids = np.repeat(np.arange(prompts), n)
     plain, cv = [], []
     for _ in range(trials):
         arms = torch.multinomial(probs, n, replacement=True)  # (prompts, n)
-        r = (means.gather(1, arms) + torch.tensor(rng.normal(0, 0.5, size=(prompts, n)), dtype=torch.float32)).reshape(-1)
+        r = (means.gather(1, arms) + torch.tensor(rng.normal(0, 0.5, size=(prompts, n)), dtype=torch.float32)).reshape(
+            -1
+        )
         x = AdvInput(r[:, None], torch.ones(len(r), 1), group_ids, values=values.repeat_interleave(n)[:, None])
         a_cv = ESTIMATORS.get("control_variate")(x)[0][:, 0]
-        score = (torch.nn.functional.one_hot(arms.reshape(-1), K) - probs.repeat_interleave(n, 0))  # grad of log softmax wrt logits
+        score = torch.nn.functional.one_hot(arms.reshape(-1), K) - probs.repeat_interleave(
+            n, 0
+        )  # grad of log softmax wrt logits
         plain.append((r[:, None] * score).sum(0) / len(r))
         cv.append((a_cv[:, None] * score).sum(0) / len(r))
     plain, cv = torch.stack(plain), torch.stack(cv)

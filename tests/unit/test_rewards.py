@@ -1,3 +1,5 @@
+"""The gsm8k reward against verl's own rule, and the registry's rules."""
+
 import pytest
 
 from services.registry import Registry

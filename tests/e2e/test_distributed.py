@@ -1,17 +1,12 @@
 """Data-parallel training on 2 CPU processes (gloo): the summed gradients equal a single process's on the same batch."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.net import free_port
 
 
 def _batch():
@@ -32,7 +27,9 @@ def _model(path):
 
 def _loss_sum(model, ids, mask):
     logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.shape[0], -1)
     return (nll * mask[:, 1:]).sum()
 
 
@@ -54,7 +51,7 @@ def _worker(rank, world, port, path, out):
 
 def test_two_gloo_processes_compute_the_single_process_gradients(tiny_model, tmp_path):
     out = tmp_path / "grads.pt"
-    mp.spawn(_worker, args=(2, _free_port(), str(tiny_model), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, join=True)
     model = _model(tiny_model)
     ids, mask = _batch()
     (_loss_sum(model, ids, mask) / mask[:, 1:].sum()).backward()
@@ -75,10 +72,39 @@ def test_the_trainer_on_two_gloo_processes_takes_the_single_process_step(service
     from tests.conftest import TOKEN
 
     def run(folder, *launcher):
-        cmd = [*launcher, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith", "--steps", "1",
-               "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--lr", "0.01", "--seed", "3", "--out", str(folder),
-               "trainer.reward=test_float_ties", "actor_rollout_ref.rollout.n=4"]  # not --n: torchrun would take it for one of its own
-        done = subprocess.run(cmd, env={**os.environ, "FARM_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+        cmd = [
+            *launcher,
+            "-m",
+            "trainer.cli",
+            "train",
+            "--service-url",
+            service,
+            "--model",
+            str(tiny_model),
+            "--task",
+            "arith",
+            "--steps",
+            "1",
+            "--train-batch-size",
+            "4",
+            "--ppo-mini-batch-size",
+            "2",
+            "--lr",
+            "0.01",
+            "--seed",
+            "3",
+            "--out",
+            str(folder),
+            "trainer.reward=test_float_ties",
+            "actor_rollout_ref.rollout.n=4",
+        ]  # not --n: torchrun would take it for one of its own
+        done = subprocess.run(
+            cmd,
+            env={**os.environ, "FARM_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
 

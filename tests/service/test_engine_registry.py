@@ -7,29 +7,17 @@ import pytest
 from tests.conftest import TOKEN
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 NCCL_UPDATE = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 1]], "version": 99}
 
 
-def test_engines_are_registered_and_unknown_ones_are_refused_at_start_up(tiny_model):
-    from pydantic import ValidationError
-
-    from services.engine import ENGINES
-    from services.settings import ServiceSettings
-
-    assert {"torch", "sglang", "bench"} <= set(ENGINES.names())
-    with pytest.raises(ValidationError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
-        ServiceSettings(api_token=TOKEN, engine="vllm")
-    with pytest.raises(ValidationError, match="FARM_ENGINE.*FARM_PLUGINS"):  # a module not listed is never imported
-        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine")
-    with pytest.raises(ValidationError, match="not a Engine subclass"):
-        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:LongestOfTwo", plugins=["tests.farm_plugins"])
-    ok = ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine", plugins=["tests.farm_plugins"])
-    assert ENGINES.get(ok.engine, ok.plugins).__name__ == "EchoEngine"
-
-
 def test_a_user_engine_by_dotted_path_serves_rollouts_without_a_model(bench_service):
-    body = {"prompts": [{"token_ids": [40, 41, 77]}, {"text": "Q: 1+1\nA:"}], "n": 3,
-            "sampling_params": {"max_new_tokens": 5, "seed": 1}}
+    body = {
+        "prompts": [{"token_ids": [40, 41, 77]}, {"text": "Q: 1+1\nA:"}],
+        "n": 3,
+        "sampling_params": {"max_new_tokens": 5, "seed": 1},
+    }
     r = httpx.post(f"{bench_service}/v1/rollouts", json=body, timeout=60)
     assert r.status_code == 200, r.text
     first, second = r.json()["groups"]
@@ -42,8 +30,8 @@ def test_a_user_engine_by_dotted_path_serves_rollouts_without_a_model(bench_serv
 
 
 def test_the_bench_engine_takes_weight_pushes(bench_service):
-    from safetensors.torch import save
     import torch
+    from safetensors.torch import save
 
     version = httpx.get(f"{bench_service}/v1/weights/version", timeout=30).json()["version"] + 1
     blob = save({"bench.weight": torch.zeros(1)})

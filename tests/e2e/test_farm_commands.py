@@ -1,4 +1,4 @@
-"""Entry points as separate OS processes: the trainer against the service, and `farm serve` itself."""
+"""The `farm` entry points as real processes: `farm serve`, `farm train`, and the CLI against a service."""
 
 import json
 import os
@@ -6,20 +6,46 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from services import protocol as P
 from services.client import FarmClient
-from tests.conftest import TOKEN, _free_port
+from services.net import free_port
+from tests.conftest import TOKEN
 
-pytestmark = pytest.mark.integration
-GREEDY = P.RolloutRequest(prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")], n=1, sampling_params=P.SamplingParams(temperature=0, max_new_tokens=8))
+GREEDY = P.RolloutRequest(
+    prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")],
+    n=1,
+    sampling_params=P.SamplingParams(temperature=0, max_new_tokens=8),
+)
 
 
 def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_weights, tiny_model, tmp_path):
     before = client.rollouts(GREEDY).groups[0].samples[0]
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(tiny_model), "--task", "arith",
-           "--steps", "2", "--train-batch-size", "4", "--n", "4", "--ppo-mini-batch-size", "2", "--lr", "0.01", "--entropy-coeff", "0.05", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--service-url",
+        service,
+        "--model",
+        str(tiny_model),
+        "--task",
+        "arith",
+        "--steps",
+        "2",
+        "--train-batch-size",
+        "4",
+        "--n",
+        "4",
+        "--ppo-mini-batch-size",
+        "2",
+        "--lr",
+        "0.01",
+        "--entropy-coeff",
+        "0.05",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env={**os.environ, "FARM_API_TOKEN": TOKEN}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -27,23 +53,57 @@ def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_w
     assert {"reward_mean", "reward_std", "kl_ref", "entropy", "step_seconds", "tokens_per_s"} <= set(steps[0])
     summary = json.loads((tmp_path / "summary.json").read_text())
     # the trainer started from the served version; it must be told that it is not version 0
-    assert summary["final_weight_version"] == fresh_weights + 3 == client.weights_version().version  # initial sync + 2 steps
+    assert (
+        summary["final_weight_version"] == fresh_weights + 3 == client.weights_version().version
+    )  # initial sync + 2 steps
     after = client.rollouts(GREEDY).groups[0].samples[0]
     assert after.weight_version == fresh_weights + 3
     assert after.logprobs[:1] != before.logprobs[:1]  # the served parameters changed
 
 
 def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
-    port = _free_port()
-    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_PORT": str(port), "FARM_MODEL": str(tiny_model), "FARM_ENGINE_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = free_port()
+    env = {
+        **os.environ,
+        "FARM_API_TOKEN": TOKEN,
+        "FARM_PORT": str(port),
+        "FARM_MODEL": str(tiny_model),
+        "FARM_ENGINE_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1 and c.weights_version().version == 0
-            cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", url, "--model", str(tiny_model), "--steps", "2",
-                   "--train-batch-size", "4", "--n", "4", "--entropy-coeff", "0.05", "--lr", "0.01", "--out", str(tmp_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "trainer.cli",
+                "train",
+                "--service-url",
+                url,
+                "--model",
+                str(tiny_model),
+                "--steps",
+                "2",
+                "--train-batch-size",
+                "4",
+                "--n",
+                "4",
+                "--entropy-coeff",
+                "0.05",
+                "--lr",
+                "0.01",
+                "--out",
+                str(tmp_path),
+            ]
             train = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             assert train.returncode == 0, train.stderr[-3000:]
             assert c.weights_version().version == 2  # a fresh service: two steps, two versions
@@ -56,17 +116,38 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
 
 def test_serve_without_token_fails_fast(tiny_model):
     env = {k: v for k, v in os.environ.items() if k != "FARM_API_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "serve", "--model", str(tiny_model)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "serve", "--model", str(tiny_model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "api_token" in proc.stderr
 
 
 def farm(*args: str, service: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_URL": service}
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_rollout_weights_and_control(service, client, fresh_weights, tiny_model):
-    out = farm("rollout", "--prompt", "Q: 1+2\nA:", "--ground-truth", "3", "--n", "2", "--max-new-tokens", "5", "--reward", "gsm8k", service=service)
+    out = farm(
+        "rollout",
+        "--prompt",
+        "Q: 1+2\nA:",
+        "--ground-truth",
+        "3",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "5",
+        "--reward",
+        "gsm8k",
+        service=service,
+    )
     assert out.returncode == 0, out.stderr
     groups = json.loads(out.stdout)["groups"]
     assert len(groups) == 1 and len(groups[0]["samples"]) == 2
@@ -77,12 +158,3 @@ def test_cli_rollout_weights_and_control(service, client, fresh_weights, tiny_mo
     bad = farm("weights", "push", str(tiny_model / "config.json"), service=service)  # not safetensors
     assert bad.returncode == 1 and "safetensors" in bad.stderr
     assert all(not r["paused"] for r in json.loads(farm("control", "resume", service=service).stdout)["replicas"])
-
-
-async def test_async_client(service, fresh_weights):
-    from services.client import AsyncFarmClient
-
-    async with AsyncFarmClient(service, TOKEN) as c:
-        assert (await c.weights_version()).version == fresh_weights
-        resp = await c.rollouts(P.RolloutRequest(prompts=[P.Prompt(text="hi")], n=3, sampling_params=P.SamplingParams(max_new_tokens=4)))
-        assert len(resp.groups[0].samples) == 3 and (await c.health()).status == "ok"

@@ -1,4 +1,4 @@
-"""The typed clients and the `farm` service commands against the real service, over real HTTP."""
+"""The Python client and the `farm` command line against the real service."""
 
 import hashlib
 import json
@@ -15,14 +15,14 @@ from services.client import AsyncFarmClient, FarmClient, FarmError
 from tests.conftest import TOKEN
 from trainer import cli
 
-pytestmark = pytest.mark.integration
-
 
 def greedy(k: int = 2, **kw) -> P.RolloutRequest:
     """k prompts, greedy. Streams stay at 2 prompts: a stream splits into replicas * 2 parts, and more than 2 parts
     at once overflow this config's FARM_ENGINE_MAX_QUEUED_REQUESTS=2 (the stream then ends with a 429-like error)."""
     prompts = [P.Prompt(text=f"Q: {i}+{i}\nA:", ground_truth=str(2 * i)) for i in range(k)]
-    return P.RolloutRequest(prompts=prompts, n=2, sampling_params=P.SamplingParams(temperature=0.0, max_new_tokens=6), reward="gsm8k", **kw)
+    return P.RolloutRequest(
+        prompts=prompts, n=2, sampling_params=P.SamplingParams(temperature=0.0, max_new_tokens=6), reward="gsm8k", **kw
+    )
 
 
 def tokens(groups: list[P.Group]) -> list[list[list[int]]]:
@@ -84,7 +84,9 @@ def test_stream_yields_each_group_once_as_a_plain_call_gives_it(client, fresh_we
     streamed = [g for _, g in sorted((e.index, e.group) for e in events)]
     assert tokens(streamed) == tokens(plain.groups)  # greedy: the same tokens, however the service splits the prompts
     assert all(s.weight_version == fresh_weights for g in streamed for s in g.samples)
-    replayed = {e.index: e.group for e in client.rollouts_stream(greedy(request_id="stream-vs-plain"))}  # a replay of the first result
+    replayed = {
+        e.index: e.group for e in client.rollouts_stream(greedy(request_id="stream-vs-plain"))
+    }  # a replay of the first result
     assert [replayed[0], replayed[1]] == plain.groups
 
 
@@ -108,8 +110,12 @@ def cancel_when_running(client: FarmClient, request_id: str, timeout_s: float = 
 def test_samplers_and_cancel(client):
     assert "plain" in client.samplers()
     assert client.cancel("no-such-request") == P.CancelResponse(request_id="no-such-request", cancelled=False)
-    long = P.RolloutRequest(prompts=[P.Prompt(text="hi")] * 4, n=4, request_id="to-cancel",
-                            sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True))
+    long = P.RolloutRequest(
+        prompts=[P.Prompt(text="hi")] * 4,
+        n=4,
+        request_id="to-cancel",
+        sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True),
+    )
     failed = []
     thread = threading.Thread(target=lambda: failed.append(pytest.raises(FarmError, client.rollouts, long)))
     thread.start()
@@ -125,8 +131,12 @@ def test_a_stream_that_fails_raises_farm_error(client, fresh_weights):
 
 
 def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
-    long = P.RolloutRequest(prompts=[P.Prompt(text="hi")], n=4, request_id="stream-to-cancel",
-                            sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True))
+    long = P.RolloutRequest(
+        prompts=[P.Prompt(text="hi")],
+        n=4,
+        request_id="stream-to-cancel",
+        sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True),
+    )
     with FarmClient(service, TOKEN, retries=0) as c, FarmClient(service, TOKEN, retries=0) as other:
         canceller = threading.Thread(target=cancel_when_running, args=(other, "stream-to-cancel"))
         canceller.start()
@@ -138,9 +148,13 @@ def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
 
 def test_queue_source_pull_and_ack(service, client, fresh_weights):
     params = P.SamplingParams(max_new_tokens=4)
-    state = client.queue_add_source(P.QueueSource(name="client-test", n=2, target_groups=2, sampling_params=params, reward="gsm8k"))
+    state = client.queue_add_source(
+        P.QueueSource(name="client-test", n=2, target_groups=2, sampling_params=params, reward="gsm8k")
+    )
     assert state.name == "client-test" and state.pending_prompts == 0
-    assert client.queue_add_prompts("client-test", [P.Prompt(text="Q: 1+1\nA:", ground_truth="2")]).name == "client-test"
+    assert (
+        client.queue_add_prompts("client-test", [P.Prompt(text="Q: 1+1\nA:", ground_truth="2")]).name == "client-test"
+    )
     jsonl = b'{"text": "Q: 2+2\\nA:", "ground_truth": "4"}\n\n{"token_ids": [40, 41]}\n'
     assert client.queue_upload_jsonl("client-test", jsonl).name == "client-test"
     with pytest.raises(FarmError) as e:
@@ -183,10 +197,29 @@ def test_cli_weights_stream_and_cancel(farm_env, capsys, client, fresh_weights, 
     shutil.copy(tiny_model / "model.safetensors", tmp_path)
     code, out, _ = farm(capsys, "weights", "push", str(tmp_path), "--policy", "abort")
     assert code == 0 and json.loads(out)["version"] == fresh_weights + 1 == client.weights_version().version
-    code, out, _ = farm(capsys, "weights", "push", str(tiny_model / "model.safetensors"), "--version", str(fresh_weights + 3))
+    code, out, _ = farm(
+        capsys, "weights", "push", str(tiny_model / "model.safetensors"), "--version", str(fresh_weights + 3)
+    )
     assert code == 0 and json.loads(out)["version"] == fresh_weights + 3
-    code, out, _ = farm(capsys, "rollout", "--prompt", "Q: 1+2\nA:", "--prompt", "hi", "--n", "2", "--max-new-tokens", "4", "--stream",
-                     "--sampler", "plain", "--min-weight-version", str(fresh_weights + 3), "--request-id", "cli-stream")
+    code, out, _ = farm(
+        capsys,
+        "rollout",
+        "--prompt",
+        "Q: 1+2\nA:",
+        "--prompt",
+        "hi",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--stream",
+        "--sampler",
+        "plain",
+        "--min-weight-version",
+        str(fresh_weights + 3),
+        "--request-id",
+        "cli-stream",
+    )
     events = [P.GroupEvent.model_validate_json(line) for line in out.splitlines()]
     assert code == 0 and sorted(e.index for e in events) == [0, 1]
     assert all(s.weight_version == fresh_weights + 3 for e in events for s in e.group.samples)
@@ -197,7 +230,22 @@ def test_cli_weights_stream_and_cancel(farm_env, capsys, client, fresh_weights, 
 def test_cli_queue(farm_env, service, capsys, fresh_weights, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "Q: 3+4\\nA:", "ground_truth": "7"}\n{"text": "Q: 5+5\\nA:", "ground_truth": "10"}\n')
-    code, out, _ = farm(capsys, "queue", "add", "cli-test", "--jsonl", str(prompts), "--n", "2", "--target-groups", "2", "--max-new-tokens", "4", "--reward", "gsm8k")
+    code, out, _ = farm(
+        capsys,
+        "queue",
+        "add",
+        "cli-test",
+        "--jsonl",
+        str(prompts),
+        "--n",
+        "2",
+        "--target-groups",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--reward",
+        "gsm8k",
+    )
     assert code == 0 and json.loads(out)["name"] == "cli-test"
     code, out, _ = farm(capsys, "queue", "list")
     assert code == 0 and "cli-test" in [s["name"] for s in json.loads(out)]
@@ -210,3 +258,14 @@ def test_cli_queue(farm_env, service, capsys, fresh_weights, tmp_path):
     assert code == 0 and json.loads(out)["acked"] == len(items)
     code, _, err = farm(capsys, "queue", "remove", "cli-test")
     assert code == 1 and "no queue source" in err
+
+
+async def test_async_client(service, fresh_weights):
+    from services.client import AsyncFarmClient
+
+    async with AsyncFarmClient(service, TOKEN) as c:
+        assert (await c.weights_version()).version == fresh_weights
+        resp = await c.rollouts(
+            P.RolloutRequest(prompts=[P.Prompt(text="hi")], n=3, sampling_params=P.SamplingParams(max_new_tokens=4))
+        )
+        assert len(resp.groups[0].samples) == 3 and (await c.health()).status == "ok"

@@ -1,3 +1,5 @@
+"""Held-out accuracy: Wilson intervals and the paired gain."""
+
 import pytest
 
 from trainer.evaluate import Accuracy, paired_gain
@@ -17,5 +19,5 @@ def test_paired_gain_matches_hand_computation():
     d = [1, 0, 0, -1, 1, 0, 1, 0]
     mean = sum(d) / 8
     sd = (sum((x - mean) ** 2 for x in d) / 7) ** 0.5
-    assert gain == pytest.approx(mean) and half == pytest.approx(1.959964 * sd / 8 ** 0.5)
+    assert gain == pytest.approx(mean) and half == pytest.approx(1.959964 * sd / 8**0.5)
     assert paired_gain([True] * 5, [True] * 5) == (0.0, 0.0)

@@ -8,6 +8,8 @@ import httpx
 from tests.conftest import TOKEN
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 SHORT = {"max_new_tokens": 8, "temperature": 1.0}
 
 
@@ -61,12 +63,16 @@ def test_dataset_source_generates_ahead_and_acks_are_idempotent(service):
     assert source_state(service, "arith-q")["leased"] == 0 and source_state(service, "arith-q")["acked"] == 3
     wait_ready(service, "arith-q", 4)  # a dataset source is endless: it refills to the target
     text = httpx.get(f"{service}/metrics").text
-    assert 'farm_queue_acked_total{source="arith-q"} 3.0' in text and 'farm_queue_ready_groups{source="arith-q"}' in text
+    assert (
+        'farm_queue_acked_total{source="arith-q"} 3.0' in text and 'farm_queue_ready_groups{source="arith-q"}' in text
+    )
     assert httpx.delete(f"{service}/v1/queue/sources/arith-q", headers=AUTH).status_code == 200
     assert httpx.post(f"{service}/v1/queue/pull", json={"source": "arith-q"}, headers=AUTH).status_code == 404
     add_source(service, name="arith-q", dataset="arith", n=1, target_groups=1)  # the same name again: new ids
     again = pull(service, source="arith-q", max_groups=1)["items"]
-    assert again and again[0]["item_id"] not in ids and ack(service, ids)["unknown"] == ids  # old acks touch nothing new
+    assert (
+        again and again[0]["item_id"] not in ids and ack(service, ids)["unknown"] == ids
+    )  # old acks touch nothing new
     httpx.delete(f"{service}/v1/queue/sources/arith-q", headers=AUTH)
 
 
@@ -74,7 +80,11 @@ def test_expired_leases_are_redelivered_and_a_trainer_loses_and_repeats_nothing(
     prompts = [{"text": f"Q: {a}+{a}\nA:", "ground_truth": str(2 * a)} for a in range(10)]
     jsonl = "\n".join(json.dumps(p) for p in prompts).encode()
     add_source(service, name="pushed", n=2, target_groups=4)
-    r = httpx.post(f"{service}/v1/queue/sources/pushed/prompts", content=jsonl, headers={**AUTH, "Content-Type": "application/x-ndjson"})
+    r = httpx.post(
+        f"{service}/v1/queue/sources/pushed/prompts",
+        content=jsonl,
+        headers={**AUTH, "Content-Type": "application/x-ndjson"},
+    )
     assert r.status_code == 200 and r.json()["pending_prompts"] + r.json()["ready"] <= 10
 
     lost = pull(service, source="pushed", max_groups=3, lease_s=0.5)["items"]  # a trainer that dies before it acks
@@ -89,10 +99,16 @@ def test_expired_leases_are_redelivered_and_a_trainer_loses_and_repeats_nothing(
             assert item["item_id"] not in trained  # never delivered again once acked
             trained[item["item_id"]] = item["prompt"]["text"]
         assert not ack(service, [i["item_id"] for i in got["items"]])["unknown"]
-    assert sorted(trained.values()) == sorted(p["text"] for p in prompts)  # every prompt once: nothing lost, no duplicate
+    assert sorted(trained.values()) == sorted(
+        p["text"] for p in prompts
+    )  # every prompt once: nothing lost, no duplicate
     assert all(deliveries[i["item_id"]] == 2 for i in lost)  # the dead trainer's groups came back under their ids
     state = source_state(service, "pushed")
-    assert state["redelivered"] == 3 and state["acked"] == 10 and state["ready"] == state["leased"] == state["pending_prompts"] == 0
+    assert (
+        state["redelivered"] == 3
+        and state["acked"] == 10
+        and state["ready"] == state["leased"] == state["pending_prompts"] == 0
+    )
     assert ack(service, list(trained))["already_acked"] == list(trained)
     assert 'farm_queue_redeliveries_total{source="pushed"} 3.0' in httpx.get(f"{service}/metrics").text
     httpx.delete(f"{service}/v1/queue/sources/pushed", headers=AUTH)  # no background generation left for later tests
@@ -125,7 +141,11 @@ def test_queue_admin_needs_the_token_and_bad_input_is_named(service):
     add_source(service, name="guarded", target_groups=1)
     assert httpx.post(f"{service}/v1/queue/sources", json={"name": "guarded"}, headers=AUTH).status_code == 409
     upload = b'{"text": "fine"}\n{"txt": "typo"}\n'
-    bad = httpx.post(f"{service}/v1/queue/sources/guarded/prompts", content=upload, headers={**AUTH, "Content-Type": "application/x-ndjson"})
+    bad = httpx.post(
+        f"{service}/v1/queue/sources/guarded/prompts",
+        content=upload,
+        headers={**AUTH, "Content-Type": "application/x-ndjson"},
+    )
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"].startswith("line 2")
     assert source_state(service, "guarded")["pending_prompts"] == 0  # nothing of a bad upload is queued
     ok = httpx.post(f"{service}/v1/queue/sources/guarded/prompts", json={"prompts": [{"text": "fine"}]}, headers=AUTH)
@@ -134,7 +154,12 @@ def test_queue_admin_needs_the_token_and_bad_input_is_named(service):
     assert httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ["guarded:x:0"]}).status_code == 401
     missing = httpx.post(f"{service}/v1/queue/pull", json={"source": "absent"}, headers=AUTH)
     assert missing.status_code == 404 and "guarded" in missing.json()["error"]
-    assert httpx.post(f"{service}/v1/queue/pull", json={"source": "guarded", "max_staleness": -1}, headers=AUTH).json()["detail"][0]["field"] == "max_staleness"
+    assert (
+        httpx.post(f"{service}/v1/queue/pull", json={"source": "guarded", "max_staleness": -1}, headers=AUTH).json()[
+            "detail"
+        ][0]["field"]
+        == "max_staleness"
+    )
     assert httpx.delete(f"{service}/v1/queue/sources/guarded").status_code == 401
     assert httpx.delete(f"{service}/v1/queue/sources/guarded", headers=AUTH).status_code == 200
 
@@ -147,7 +172,9 @@ def test_a_late_ack_of_a_stale_dropped_group_withdraws_its_regeneration(service,
     client.push_weights((tiny_model / "model.safetensors").read_bytes(), client.weights_version().version + 1)
     fresh = pull(service, source="late", max_groups=2, max_staleness=0, wait_s=0)
     assert fresh["stale_dropped"] == 2 and not fresh["items"]  # both dropped; their prompts wait to be generated again
-    assert ack(service, [i["item_id"] for i in trained])["acked"] == [i["item_id"] for i in trained]  # the late ack settles them
+    assert ack(service, [i["item_id"] for i in trained])["acked"] == [
+        i["item_id"] for i in trained
+    ]  # the late ack settles them
     state = source_state(service, "late")
     assert state["acked"] == 2 and state["leased"] + state["pending_prompts"] == 0
     assert not pull(service, source="late", max_groups=2, wait_s=2)["items"]  # nothing of those prompts comes again

@@ -1,26 +1,21 @@
 """Pause, resume, abort, readiness and backpressure against the real service."""
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
 
 from services import protocol as P
-from services.client import FarmClient, FarmError
+from services.client import FarmClient
 from tests.conftest import TOKEN
+from tests.service.helpers import in_thread
 
-pytestmark = pytest.mark.integration
-LONG = P.RolloutRequest(prompts=[P.Prompt(token_ids=[40, 41, 42])], n=8,
-                        sampling_params=P.SamplingParams(max_new_tokens=4000, ignore_eos=True, seed=0))
-
-
-def in_thread(fn):
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()))
-    t.start()
-    return t, out
+LONG = P.RolloutRequest(
+    prompts=[P.Prompt(token_ids=[40, 41, 42])],
+    n=8,
+    sampling_params=P.SamplingParams(max_new_tokens=4000, ignore_eos=True, seed=0),
+)
 
 
 def test_control_needs_the_token(service):
@@ -29,7 +24,9 @@ def test_control_needs_the_token(service):
 
 
 def test_pause_holds_new_rollouts_until_resume(service, client):
-    short = P.RolloutRequest(prompts=[P.Prompt(text="Q: 1+1\nA:")], n=2, sampling_params=P.SamplingParams(max_new_tokens=4))
+    short = P.RolloutRequest(
+        prompts=[P.Prompt(text="Q: 1+1\nA:")], n=2, sampling_params=P.SamplingParams(max_new_tokens=4)
+    )
     try:
         states = client.control("pause").replicas
         assert len(states) == 2 and all(s.paused for s in states)
@@ -58,12 +55,16 @@ def test_abort_ends_the_running_generation(client):
 
 
 def test_ignore_eos_generates_exactly_max_new_tokens(client):
-    req = P.RolloutRequest(prompts=[P.Prompt(text="hi")], n=4, sampling_params=P.SamplingParams(max_new_tokens=40, ignore_eos=True, seed=1))
+    req = P.RolloutRequest(
+        prompts=[P.Prompt(text="hi")], n=4, sampling_params=P.SamplingParams(max_new_tokens=40, ignore_eos=True, seed=1)
+    )
     assert all(len(s.token_ids) == 40 and s.finish_reason == "length" for s in client.rollouts(req).groups[0].samples)
 
 
 async def test_full_engine_queues_answer_429_with_retry_after(service, client):
-    body = LONG.model_copy(update={"sampling_params": LONG.sampling_params.model_copy(update={"max_new_tokens": 400})}).model_dump()
+    body = LONG.model_copy(
+        update={"sampling_params": LONG.sampling_params.model_copy(update={"max_new_tokens": 400})}
+    ).model_dump()
     async with httpx.AsyncClient(timeout=300) as http:
         responses = await asyncio.gather(*[http.post(f"{service}/v1/rollouts", json=body) for _ in range(12)])
     codes = [r.status_code for r in responses]

@@ -1,4 +1,4 @@
-"""Trainer config: verl's key names, YAML plus dotted overrides, errors that name the key and the fix."""
+"""The trainer's config: the design preset, dotted overrides, errors that name the key and the fix."""
 
 import pytest
 
@@ -13,27 +13,47 @@ def test_the_design_preset_holds_the_recommended_parameters():
     alg = c.algorithm
     assert alg.use_kl_in_reward and alg.kl_penalty == "k1" and alg.kl_ctrl.kl_coef == 0.001
     assert (alg.kl_ctrl.type, alg.kl_ctrl.target_kl, alg.lam) == ("adaptive", 0.01, 0.95) and c.critic_enabled
-    assert c.guards.enable and (c.guards.kl_rollback, c.guards.reward_var_raise, c.guards.raised_mini_batch_size) == (0.05, 0.3, 128)
+    assert c.guards.enable and (c.guards.kl_rollback, c.guards.reward_var_raise, c.guards.raised_mini_batch_size) == (
+        0.05,
+        0.3,
+        128,
+    )
 
 
 def test_dotted_overrides_are_parsed_as_yaml():
-    c = load(PRESETS / "design.yaml", ["actor_rollout_ref.rollout.n=16", "algorithm.kl_ctrl.target_kl=0.02", "critic.enable=true",
-                                       "actor_rollout_ref.rollout.sampler_params={target_groups: 4}"])
+    c = load(
+        PRESETS / "design.yaml",
+        [
+            "actor_rollout_ref.rollout.n=16",
+            "algorithm.kl_ctrl.target_kl=0.02",
+            "critic.enable=true",
+            "actor_rollout_ref.rollout.sampler_params={target_groups: 4}",
+        ],
+    )
     assert c.actor_rollout_ref.rollout.n == 16 and c.algorithm.kl_ctrl.target_kl == 0.02
     assert c.actor_rollout_ref.rollout.sampler_params == {"target_groups": 4}
     assert load().algorithm.adv_estimator == "grpo" and not load().critic_enabled
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.rollout.nn=4", "actor_rollout_ref.rollout.nn: Extra inputs are not permitted (not a key"),
-    ("actor_rollout_ref.actor.clip_ratio_c=0.5", "actor_rollout_ref.actor.clip_ratio_c: Input should be greater than 1"),
-    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown 'ppo'; use one of"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size=0", "actor_rollout_ref.actor.ppo_mini_batch_size: Input should be greater than or equal to 1"),
-    ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type: Input should be 'fixed' or 'adaptive'"),
-    ("critic.enable=false", "critic.enable: gae needs the critic's values"),
-    ("n16", "write dotted.key=value"),
-    ("trainer.device=gpu", "trainer.device: String should match pattern"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.rollout.nn=4", "actor_rollout_ref.rollout.nn: Extra inputs are not permitted (not a key"),
+        (
+            "actor_rollout_ref.actor.clip_ratio_c=0.5",
+            "actor_rollout_ref.actor.clip_ratio_c: Input should be greater than 1",
+        ),
+        ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown 'ppo'; use one of"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size=0",
+            "actor_rollout_ref.actor.ppo_mini_batch_size: Input should be greater than or equal to 1",
+        ),
+        ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type: Input should be 'fixed' or 'adaptive'"),
+        ("critic.enable=false", "critic.enable: gae needs the critic's values"),
+        ("n16", "write dotted.key=value"),
+        ("trainer.device=gpu", "trainer.device: String should match pattern"),
+    ],
+)
 def test_bad_values_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=None) as e:
         load(PRESETS / "design.yaml", [override])

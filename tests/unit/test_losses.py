@@ -1,4 +1,4 @@
-"""RL math against naive Python loops."""
+"""The PPO losses and KL estimators (trainer/losses.py) against naive loops."""
 
 import math
 

@@ -3,8 +3,7 @@
 The answers come from an httpx.MockTransport that plays a script: a 503 or 429 with Retry-After, a 502, a read
 timeout, a refused connection. This is not a mock of our service (the integration tests run against the real one):
 it scripts transport-level failures that the real service cannot be made to produce on demand. The client's sleep
-is replaced by a list that records each wait, so the tests are instant and can check the wait the policy chose.
-"""
+is replaced by a list that records each wait, so the tests are instant and can check the wait the policy chose."""
 
 import json
 
@@ -16,7 +15,11 @@ from services import protocol as P
 from services.client import AsyncFarmClient, FarmClient, FarmError
 
 VERSION = {"version": 3, "replicas": {"r0": 3}}
+
+
 GROUP = {"prompt_token_ids": [1], "samples": [], "reward_mean": 0.0, "reward_std": 0.0, "zero_variance": True}
+
+
 PULLED = {"lease_id": "l", "lease_expires_s": 60.0, "current_version": 3, "items": []}
 
 
@@ -201,12 +204,28 @@ async def test_wait_ready_polls_until_healthy_or_times_out(face):
 async def test_stream_lines_split_on_newlines_only(face):
     """A sample's text may hold characters that str.splitlines() (and httpx's iter_lines) treat as line breaks;
     the stream's NDJSON lines end at "\\n" alone (json.dumps leaves them raw with ensure_ascii=False)."""
-    sample = {"token_ids": [5], "logprobs": [-0.1], "text": "a\x1eb\u2028c\x85d", "finish_reason": "stop",
-              "weight_version": 0}
+    sample = {
+        "token_ids": [5],
+        "logprobs": [-0.1],
+        "text": "a\x1eb\u2028c\x85d",
+        "finish_reason": "stop",
+        "weight_version": 0,
+    }
     group = {**GROUP, "samples": [sample]}
-    body = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in
-                   [{"index": 0, "group": group}, {"done": True, "groups": 1}])
+    body = "".join(
+        json.dumps(line, ensure_ascii=False) + "\n"
+        for line in [{"index": 0, "group": group}, {"done": True, "groups": 1}]
+    )
     assert len(body.splitlines()) > 2  # the negative control: a splitlines reader would cut the group's line
     c = make(face, httpx.Response(200, content=body.encode()))
     events = await stream(c, P.RolloutRequest(prompts=[P.Prompt(text="x")]))
     assert [e.group.samples[0].text for e in events] == [sample["text"]]
+
+
+def test_client_retries_then_raises_on_a_dead_port():
+    with FarmClient("http://127.0.0.1:9", retries=2, backoff_s=0.01) as c:
+        calls, send = [], c.http.request
+        c.http.request = lambda *a, **kw: calls.append(a) or send(*a, **kw)
+        with pytest.raises(httpx.TransportError):
+            c.weights_version()
+    assert len(calls) == 3  # the first try and two retries

@@ -1,0 +1,125 @@
+"""Helpers for the tests against the real service: requests, pushes, waiting, and reading replica state."""
+
+import threading
+import time
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import TOKEN
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+LONG_TOKENS = 2048  # a few seconds of decoding for the tiny model on one core: long enough to act on while it runs
+
+
+def in_thread(fn):
+    """Run fn in a thread; its return value (or exception) lands in the returned list."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # surfaced by the test's assertions
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def wait_until(cond, what: str, timeout_s: float = 120.0):
+    """Poll cond until it holds; fail naming `what` after a generous deadline (a hang, not a timing check)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+    return value
+
+
+def replicas(service: str) -> list[dict]:
+    r = httpx.get(f"{service}/readyz", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["replicas"]
+
+
+def any_busy(service: str) -> bool:
+    return any(s["busy"] for s in replicas(service))
+
+
+def versions(service: str) -> dict:
+    return httpx.get(f"{service}/v1/weights/version", timeout=30).json()
+
+
+def replica_metric(service: str, name: str) -> dict[str, float]:
+    """replica id -> value of a per-replica Prometheus gauge."""
+    out = {}
+    for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('replica="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def push(
+    service: str, data: bytes, version: int, policy: str | None = None, headers: dict | None = None
+) -> httpx.Response:
+    params = {"version": version, **({"policy": policy} if policy else {})}
+    return httpx.post(
+        f"{service}/v1/weights", params=params, content=data, headers={**AUTH, **(headers or {})}, timeout=300
+    )
+
+
+def push_path(service: str, folder, version: int) -> httpx.Response:
+    return httpx.post(
+        f"{service}/v1/weights/path", json={"path": str(folder), "version": version}, headers=AUTH, timeout=300
+    )
+
+
+def rollout(service: str, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(f"{service}/v1/rollouts", json=body, timeout=timeout)
+
+
+def greedy(prompts: list[list[int]], max_new_tokens: int = 12, n: int = 1, **extra) -> dict:
+    return {
+        "prompts": [{"token_ids": p} for p in prompts],
+        "n": n,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, **extra},
+    }
+
+
+def long_rollout(n: int = 2, prompts: int = 1, max_new_tokens: int = LONG_TOKENS, **extra) -> dict:
+    return greedy([[40 + i, 41, 42] for i in range(prompts)], max_new_tokens, n, ignore_eos=True, **extra)
+
+
+def perturbed(tiny_model, seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v + scale * torch.randn_like(v) for k, v in load_file(tiny_model / "model.safetensors").items()}
+
+
+def tokens(resp: httpx.Response) -> list[list[int]]:
+    assert resp.status_code == 200, resp.text
+    return [s["token_ids"] for g in resp.json()["groups"] for s in g["samples"]]
+
+
+def metric(service: str, name: str) -> float:
+    """The value of one Prometheus sample, e.g. 'farm_samples_total{sampler="plain"}'."""
+    for line in httpx.get(f"{service}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def request(n=4, **params) -> dict:
+    return {
+        "prompts": [
+            {"text": "Q: 12+3\nA:", "ground_truth": "15"},
+            {"text": "Q: 40-7\nA:", "ground_truth": "33"},
+            {"text": "hello"},
+        ],
+        "n": n,
+        "sampling_params": {"max_new_tokens": 8, "seed": 1, **params},
+        "reward": "gsm8k",
+    }

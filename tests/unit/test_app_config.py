@@ -1,0 +1,53 @@
+"""What the service is built from, without starting it: the engine registry and settings, and the deployments'
+options."""
+
+import pytest
+
+from tests.conftest import TOKEN
+
+
+def test_engines_are_registered_and_unknown_ones_are_refused_at_start_up(tiny_model):
+    from pydantic import ValidationError
+
+    from services.engine import ENGINES
+    from services.settings import ServiceSettings
+
+    assert {"torch", "sglang", "bench"} <= set(ENGINES.names())
+    with pytest.raises(ValidationError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
+        ServiceSettings(api_token=TOKEN, engine="vllm")
+    with pytest.raises(ValidationError, match="FARM_ENGINE.*FARM_PLUGINS"):  # a module not listed is never imported
+        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine")
+    with pytest.raises(ValidationError, match="not a Engine subclass"):
+        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:LongestOfTwo", plugins=["tests.farm_plugins"])
+    ok = ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine", plugins=["tests.farm_plugins"])
+    assert ENGINES.get(ok.engine, ok.plugins).__name__ == "EchoEngine"
+
+
+def _deployments(**settings) -> dict[str, dict]:
+    """What `serve build` would write for the app: deployment name -> its options as set by build_app."""
+    from ray.serve._private.build_app import build_app as serve_build
+    from ray.serve.deployment import deployment_to_schema
+
+    from services.app import build_app
+    from services.settings import ServiceSettings
+
+    built = serve_build(build_app(ServiceSettings(api_token=TOKEN, **settings)), name="farm")
+    return {d.name: deployment_to_schema(d).model_dump(exclude_unset=True) for d in built.deployments}
+
+
+def test_max_replicas_turns_on_serve_autoscaling():
+    engine = _deployments(replicas=1, max_replicas=4, target_ongoing_requests=3)["engine"]
+    assert "num_replicas" not in engine
+    scaling = engine["autoscaling_config"]
+    assert (
+        scaling["min_replicas"],
+        scaling["initial_replicas"],
+        scaling["max_replicas"],
+        scaling["target_ongoing_requests"],
+    ) == (1, 1, 4, 3)
+
+
+@pytest.mark.parametrize("max_replicas", [0, 2])
+def test_without_headroom_the_replica_count_is_fixed(max_replicas):
+    engine = _deployments(replicas=2, max_replicas=max_replicas)["engine"]
+    assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
