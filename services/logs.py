@@ -38,9 +38,9 @@ def setup_farm_loggers(level: int | str = logging.INFO, stream=sys.stderr) -> No
     """In a Ray worker (an engine or ingress replica): JSON lines for the `farm.*` loggers only, leaving the
     root logger to Ray. The worker's stderr goes to its log file (and the driver's console)."""
     farm = logging.getLogger("farm")
-    if not any(getattr(h, "farm_json", False) for h in farm.handlers):
+    if not any(h.name == "farm-json" for h in farm.handlers):
         handler = json_handler(stream)
-        handler.farm_json = True
+        handler.name = "farm-json"
         farm.addHandler(handler)
     farm.setLevel(level)
     farm.propagate = False

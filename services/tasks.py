@@ -9,6 +9,7 @@ import json
 import random
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from services.registry import Registry
@@ -56,10 +57,12 @@ class ArithTask(Task):
         triples = [(a, op, b) for a in range(100) for op in "+-" for b in range(10) if op == "+" or a >= b]
         return [t for t in triples if self.is_heldout(*t) == heldout]
 
+    @cached_property
+    def train_split(self) -> list[tuple[int, str, int]]:
+        return self._split(heldout=False)
+
     def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
-        if not hasattr(self, "_train"):
-            self._train = self._split(heldout=False)
-        return [self.problem(*rng.choice(self._train)) for _ in range(k)]
+        return [self.problem(*rng.choice(self.train_split)) for _ in range(k)]
 
     def heldout(self, n: int) -> list[Problem]:
         triples = self._split(heldout=True)
@@ -85,10 +88,12 @@ class GSM8KTask(Task):
             for r in rows
         ]
 
+    @cached_property
+    def train_split(self) -> list[Problem]:
+        return self._load("train")
+
     def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
-        if not hasattr(self, "_train"):
-            self._train = self._load("train")
-        return rng.sample(self._train, k)
+        return rng.sample(self.train_split, k)
 
     def heldout(self, n: int) -> list[Problem]:
         return self._load("test")[:n]

@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.net import free_port
+from tests.e2e.commands import farm_train
 
 
 def _batch():
@@ -72,32 +73,14 @@ def test_the_trainer_on_two_gloo_processes_takes_the_single_process_step(service
     from tests.conftest import TOKEN
 
     def run(folder, *launcher):
-        cmd = [
-            *launcher,
-            "-m",
-            "trainer.cli",
-            "train",
-            "--service-url",
+        cmd = farm_train(
             service,
-            "--model",
-            str(tiny_model),
-            "--task",
-            "arith",
-            "--steps",
-            "1",
-            "--train-batch-size",
-            "4",
-            "--ppo-mini-batch-size",
-            "2",
-            "--lr",
-            "0.01",
-            "--seed",
-            "3",
-            "--out",
+            tiny_model,
+            *"--task arith --steps 1 --train-batch-size 4 --ppo-mini-batch-size 2 --lr 0.01 --seed 3 --out".split(),
             str(folder),
-            "trainer.reward=test_float_ties",
-            "actor_rollout_ref.rollout.n=4",
-        ]  # not --n: torchrun would take it for one of its own
+            *"trainer.reward=test_float_ties actor_rollout_ref.rollout.n=4".split(),
+            launcher=launcher,
+        )  # not --n: torchrun would take it for one of its own
         done = subprocess.run(
             cmd,
             env={**os.environ, "FARM_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},

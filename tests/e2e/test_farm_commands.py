@@ -10,6 +10,7 @@ from services import protocol as P
 from services.client import FarmClient
 from services.net import free_port
 from tests.conftest import TOKEN
+from tests.e2e.commands import farm_train
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")],
@@ -20,32 +21,13 @@ GREEDY = P.RolloutRequest(
 
 def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_weights, tiny_model, tmp_path):
     before = client.rollouts(GREEDY).groups[0].samples[0]
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "train",
-        "--service-url",
+    cmd = farm_train(
         service,
-        "--model",
-        str(tiny_model),
-        "--task",
-        "arith",
-        "--steps",
-        "2",
-        "--train-batch-size",
-        "4",
-        "--n",
-        "4",
-        "--ppo-mini-batch-size",
-        "2",
-        "--lr",
-        "0.01",
-        "--entropy-coeff",
-        "0.05",
-        "--out",
+        tiny_model,
+        *"--task arith --steps 2 --train-batch-size 4 --n 4 --ppo-mini-batch-size 2 --lr 0.01".split(),
+        *"--entropy-coeff 0.05 --out".split(),
         str(tmp_path),
-    ]
+    )
     proc = subprocess.run(cmd, env={**os.environ, "FARM_API_TOKEN": TOKEN}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -82,28 +64,12 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
         with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1 and c.weights_version().version == 0
-            cmd = [
-                sys.executable,
-                "-m",
-                "trainer.cli",
-                "train",
-                "--service-url",
+            cmd = farm_train(
                 url,
-                "--model",
-                str(tiny_model),
-                "--steps",
-                "2",
-                "--train-batch-size",
-                "4",
-                "--n",
-                "4",
-                "--entropy-coeff",
-                "0.05",
-                "--lr",
-                "0.01",
-                "--out",
+                tiny_model,
+                *"--steps 2 --train-batch-size 4 --n 4 --entropy-coeff 0.05 --lr 0.01 --out".split(),
                 str(tmp_path),
-            ]
+            )
             train = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             assert train.returncode == 0, train.stderr[-3000:]
             assert c.weights_version().version == 2  # a fresh service: two steps, two versions

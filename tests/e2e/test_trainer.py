@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TOKEN
+from tests.e2e.commands import farm_train
 from trainer.config import load
 
 
@@ -165,31 +165,13 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
 
 
 def test_a_killed_trainer_resumes_from_its_last_checkpoint(service, tiny_model, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "train",
-        "--service-url",
+    cmd = farm_train(
         service,
-        "--model",
-        str(tiny_model),
-        "--task",
-        "arith",
-        "--steps",
-        "8",
-        "--train-batch-size",
-        "4",
-        "--n",
-        "4",
-        "--ppo-mini-batch-size",
-        "2",
-        "--lr",
-        "0.01",
-        "--out",
+        tiny_model,
+        *"--task arith --steps 8 --train-batch-size 4 --n 4 --ppo-mini-batch-size 2 --lr 0.01 --out".split(),
         str(tmp_path),
-        "trainer.save_freq=1",
-    ]
+        *"trainer.save_freq=1".split(),
+    )
     env = {**os.environ, "FARM_API_TOKEN": TOKEN}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -215,36 +197,16 @@ def test_a_killed_queue_trainer_resumes_and_gets_its_unacked_groups_again(servic
     groups once the 3 s lease runs out. (With queue_max_staleness=0 they would be dropped as stale and their
     prompts generated again instead.)"""
     source = "resume-q"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "train",
-        "--service-url",
+    cmd = farm_train(
         service,
-        "--model",
-        str(tiny_model),
-        "--task",
-        "arith",
-        "--steps",
-        "6",
-        "--train-batch-size",
-        "4",
-        "--n",
-        "4",
-        "--ppo-mini-batch-size",
-        "4",
-        "--lr",
-        "0.01",
-        "--out",
+        tiny_model,
+        *"--task arith --steps 6 --train-batch-size 4 --n 4 --ppo-mini-batch-size 4 --lr 0.01 --out".split(),
         str(tmp_path),
-        "trainer.save_freq=1",
-        "trainer.rollout_source=queue",
+        *"trainer.save_freq=1 trainer.rollout_source=queue".split(),
         f"trainer.queue_source={source}",
-        "trainer.queue_lease_s=3",
-        "trainer.queue_max_staleness=100",
+        *"trainer.queue_lease_s=3 trainer.queue_max_staleness=100".split(),
         "actor_rollout_ref.actor.old_logprobs=recompute",
-    ]  # older groups are used, with the IS correction
+    )  # older groups are used, with the IS correction
     env = {**os.environ, "FARM_API_TOKEN": TOKEN}
     state = lambda: next((s for s in httpx.get(f"{service}/v1/queue/sources").json() if s["name"] == source), None)  # noqa: E731
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

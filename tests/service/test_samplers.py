@@ -8,7 +8,7 @@ import pytest
 
 from services import protocol as P
 from tests.conftest import TOKEN
-from tests.service.helpers import greedy
+from tests.service import helpers
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -397,13 +397,15 @@ def test_the_client_returns_the_filter_report(client):
 def test_samplers_are_listed_and_unknown_names_or_params_get_422(service):
     listed = httpx.get(f"{service}/v1/samplers").json()
     assert "plain" in listed and listed["plain"]
-    r = rollout(service, {**greedy([[40]]), "sampler": {"name": "nope"}})
+    r = helpers.rollout(service, {**helpers.greedy([[40]]), "sampler": {"name": "nope"}})
     assert r.status_code == 422
     [d] = r.json()["detail"]
     assert d["field"] == "sampler.name" and "plain" in d["message"]
-    r = rollout(service, {**greedy([[40]]), "sampler": {"name": "plain", "params": {"x": 1}}})
+    r = helpers.rollout(service, {**helpers.greedy([[40]]), "sampler": {"name": "plain", "params": {"x": 1}}})
     assert r.status_code == 422 and [d["field"] for d in r.json()["detail"]] == ["sampler.params.x"]
     assert (
-        rollout(service, {**greedy([[40]], max_new_tokens=2), "sampler": {"name": "plain", "params": {}}}).status_code
+        helpers.rollout(
+            service, {**helpers.greedy([[40]], max_new_tokens=2), "sampler": {"name": "plain", "params": {}}}
+        ).status_code
         == 200
     )
