@@ -38,6 +38,7 @@ def main() -> None:
     from services.engine.torch_engine import TorchEngine
     from services.protocol import SamplingParams
     from services.tasks import TASKS
+    from trainer.rollouts import render_prompt
 
     class KeepFinishedRows(TorchEngine):
         """The engine before finished rows left the batch: every row stays until the longest one ends."""
@@ -53,16 +54,8 @@ def main() -> None:
     }
     tok = engines[True].tokenizer
 
-    def render(prompt: str) -> str:
-        if tok.chat_template:
-            return tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        return prompt
-
-    batch = [
-        tok(render(p.prompt), add_special_tokens=False).input_ids for p in TASKS.get(args.task)().heldout(args.prompts)
-    ]
+    problems = TASKS.get(args.task)().heldout(args.prompts)
+    batch = [tok(render_prompt(tok, p), add_special_tokens=False).input_ids for p in problems]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
 
     def timed(drop: bool) -> tuple[float, float, list]:

@@ -123,8 +123,8 @@ class _Stream:
         return not self.started and _retryable(e, replay=True)
 
     def open(self, r: httpx.Response) -> None:
-        """Raise FarmError for an error answer (its body read)."""
-        self.status = _checked(r).status_code
+        """Start reading an answer (afresh on each attempt); raise FarmError for an error answer (its body read)."""
+        self.status, self.partial = _checked(r).status_code, ""
 
     def read(self, line: str) -> P.GroupEvent | None:
         """The line's group; None for a blank line or the closing one (then `done` is set); FarmError when the

@@ -1,7 +1,8 @@
 """The errors the service answers with, each with its HTTP status. Domain code raises them; `services/api/errors.py`
 turns them (and the errors of the libraries underneath) into the one error body, in one place.
 
-They cross Ray (raised in an engine replica, caught at the ingress), so each takes only its message positionally.
+They cross Ray (raised in an engine replica, caught at the ingress): each pickles as its class, message and detail,
+whatever its constructor takes.
 """
 
 from __future__ import annotations
@@ -24,15 +25,25 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message, self.detail = message, detail or []
 
+    def __reduce__(self):
+        return _rebuilt, (type(self), self.message, self.detail)
+
+
+def _rebuilt(cls: type[ServiceError], message: str, detail: list[dict]) -> ServiceError:
+    error = cls.__new__(cls)
+    ServiceError.__init__(error, message, detail)
+    return error
+
+
+QUEUES_FULL = "engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s"
+
 
 class Invalid(ServiceError):
     """422: the named fields are wrong; nothing was changed."""
 
     status = 422
 
-    def __init__(self, detail: list[dict] | str, message: str = "invalid request: fix the named fields"):
-        if isinstance(detail, str):  # positional message only (how Ray rebuilds it)
-            detail, message = [], detail
+    def __init__(self, detail: list[dict], message: str = "invalid request: fix the named fields"):
         super().__init__(message, detail)
 
 
@@ -99,5 +110,5 @@ class RolloutCancelled(Conflict):
 class ReplicaFull(Overloaded):
     """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has CONTROL_SLOTS // 2 waiting."""
 
-    def __init__(self, message: str = "engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s"):
+    def __init__(self, message: str = QUEUES_FULL):
         super().__init__(message)

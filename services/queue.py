@@ -19,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -62,13 +63,10 @@ class Source:
         self.leased: dict[str, Item] = {}
         self.delivered: set[str] = set()  # delivered and not yet acked
         self.acked: set[str] = set()
-        self.seq, self.nonce = (
-            itertools.count(),
-            uuid.uuid4().hex[:8],
-        )  # ids never repeat, even for a source added again
-        self.dropped: dict[
-            str, P.Prompt
-        ] = {}  # delivered, then dropped as stale: a late ack withdraws the regeneration
+        # ids never repeat, even for a source added again
+        self.seq, self.nonce = itertools.count(), uuid.uuid4().hex[:8]
+        # delivered, then dropped as stale: a late ack withdraws the regeneration
+        self.dropped: dict[str, P.Prompt] = {}
         self.withdrawn: list[P.Prompt] = []
         self.redelivered = self.stale_dropped = 0
         self.generating, self.error = False, None
@@ -135,7 +133,7 @@ class TrajectoryQueue:
     def __init__(self, generate, version, batch_groups: int):
         self.generate, self.version, self.batch_groups = generate, version, batch_groups
         self.sources: dict[str, Source] = {}
-        REGISTRY.register(QueueGauges(self))
+        GAUGES.queues.add(self)
 
     def add_source(self, spec: P.QueueSource) -> P.QueueSourceState:
         if spec.name in self.sources:
@@ -175,6 +173,7 @@ class TrajectoryQueue:
         """Keep target_groups groups ready, a batch at a time."""
         spec, batch = src.spec, 0
         while True:
+            src.expire(time.monotonic())  # groups whose lease ran out are ready again: they count towards the target
             need = spec.target_groups - len(src.ready)
             prompts = src.take(min(need, self.batch_groups)) if need > 0 else []
             if not prompts:
@@ -204,9 +203,8 @@ class TrajectoryQueue:
             finally:
                 src.generating = False
             src.error = None
-            for prompt, group in (
-                (prompts[g.prompt_index], g) for g in groups
-            ):  # a filtering sampler returns only some
+            # a filtering sampler returns only some
+            for prompt, group in ((prompts[g.prompt_index], g) for g in groups):
                 if any(p is prompt for p in src.withdrawn):
                     src.withdrawn = [p for p in src.withdrawn if p is not prompt]
                     continue
@@ -281,9 +279,8 @@ class TrajectoryQueue:
                 src.acked.add(item_id)
                 if src.leased.pop(item_id, None) is None:  # its lease ran out: it may wait for redelivery ...
                     src.ready = deque(i for i in src.ready if i.item_id != item_id)
-                    if (
-                        prompt := src.dropped.pop(item_id, None)
-                    ) is not None:  # ... or was dropped as stale: withdraw its regeneration
+                    # ... or was dropped as stale: withdraw its regeneration
+                    if (prompt := src.dropped.pop(item_id, None)) is not None:
                         src.withdraw(prompt)
                     src.wake.set()
                 metrics.QUEUE_ACKED.labels(src.spec.name).inc()
@@ -292,10 +289,10 @@ class TrajectoryQueue:
 
 
 class QueueGauges:
-    """farm_queue_ready_groups and farm_queue_leased_groups per source, read from the queue at scrape time."""
+    """farm_queue_ready_groups and farm_queue_leased_groups per source, read from the queues at scrape time."""
 
-    def __init__(self, queue: TrajectoryQueue):
-        self.queue = queue
+    def __init__(self):
+        self.queues: weakref.WeakSet[TrajectoryQueue] = weakref.WeakSet()
 
     def collect(self):
         ready = GaugeMetricFamily(
@@ -304,7 +301,12 @@ class QueueGauges:
         leased = GaugeMetricFamily(
             "farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked", labels=["source"]
         )
-        for s in self.queue.states():
-            ready.add_metric([s.name], s.ready)
-            leased.add_metric([s.name], s.leased)
+        for queue in self.queues:
+            for s in queue.states():
+                ready.add_metric([s.name], s.ready)
+                leased.add_metric([s.name], s.leased)
         return [ready, leased]
+
+
+GAUGES = QueueGauges()
+REGISTRY.register(GAUGES)

@@ -12,12 +12,11 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from services import protocol as P
-from services.errors import Overloaded, Unavailable
+from services.errors import QUEUES_FULL, Overloaded, Unavailable
 
 log = logging.getLogger("farm.service")
 
 READ_TIMEOUT_S = 30
-FULL = "engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s"
 
 
 class ReplicaCall:
@@ -39,7 +38,7 @@ class ReplicaCall:
         try:
             return await self.response
         except BackPressureError:
-            raise Overloaded(FULL) from None
+            raise Overloaded(QUEUES_FULL) from None
 
 
 class Replicas:
@@ -53,14 +52,14 @@ class Replicas:
     async def each(self, method: str, *args, timeout_s: float = READ_TIMEOUT_S) -> list:
         """`method` on every replica; an exception in the list for each replica that failed."""
         results = await self.handle.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
-        return [Overloaded(FULL) if isinstance(r, BackPressureError) else r for r in results]
+        return [Overloaded(QUEUES_FULL) if isinstance(r, BackPressureError) else r for r in results]
 
-    async def failures(self, method: str, *args, timeout_s: float) -> list[str]:
-        """`method` on every replica; one line per failure ([] when all succeed)."""
+    async def failures(self, method: str, *args, timeout_s: float, setting: str) -> list[str]:
+        """`method` on every replica; one line per failure ([] when all succeed). `setting` names the timeout's."""
         try:
             results = await self.each(method, *args, timeout_s=timeout_s)
         except TimeoutError:
-            return [f"replicas did not finish {method} within {timeout_s:.0f} s"]
+            return [f"replicas did not finish {method} within {setting}={timeout_s:g}"]
         return [str(r).strip().splitlines()[-1] for r in results if isinstance(r, Exception)]
 
     async def all(self, method: str, *args, timeout_s: float = READ_TIMEOUT_S) -> list:
@@ -75,8 +74,8 @@ class Replicas:
         """replica id -> the weight version it serves."""
         return dict(await self.all("weight_version"))
 
-    async def states(self) -> list[P.ReplicaState | Exception]:
-        return await self.each("state")
+    async def states(self, timeout_s: float = READ_TIMEOUT_S) -> list[P.ReplicaState | Exception]:
+        return await self.each("state", timeout_s=timeout_s)
 
     async def control(self, action: str) -> P.ControlResponse:
         """Pause, resume or abort on every replica; their states after it."""

@@ -139,9 +139,7 @@ class KLAdaptiveTemperature(Sampler):
             return p.base_temperature
         if p.schedule == "step":
             return p.low_temperature if kl > p.kl_threshold else p.base_temperature
-        x = max(
-            -60.0, min(60.0, (kl - p.kl_threshold) / p.smooth_width * 4)
-        )  # 4: the logistic's ~12%..88% span per width
+        x = max(-60.0, min(60.0, (kl - p.kl_threshold) / p.smooth_width * 4))  # 4: the logistic's ~12-88% per width
         return p.base_temperature - (p.base_temperature - p.low_temperature) / (1 + math.exp(-x))
 
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
@@ -235,9 +233,8 @@ class PatternParams(NoParams):
         None, ge=1, le=P.MAX_N * 4, description="Most candidates per group, generated n per round; default 4n."
     )
 
-    _compiles = field_validator("pattern")(
-        P.SamplingParams._regex_compiles.__func__
-    )  # the same check, and message, as sampling_params.regex
+    # the same check, and message, as sampling_params.regex
+    _compiles = field_validator("pattern")(P.SamplingParams._regex_compiles.__func__)
 
 
 @SAMPLERS.register("pattern_conditional")

@@ -26,11 +26,22 @@ from services.settings import ServiceSettings
 from services.weight_checks import WeightsError, check_state_dict, check_upload, read_header_file
 
 log = logging.getLogger("farm.service")
+SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
 
 
 def run_to_end(coro: Awaitable):
     """Await `coro`; if our caller is cancelled, it still finishes."""
     return asyncio.shield(asyncio.ensure_future(coro))
+
+
+def newer_than_served(version: int, served: dict[str, int], verb: str) -> int:
+    """The newest version any replica serves; 409 unless `version` is above it."""
+    current = max(served.values())
+    if version <= current:
+        raise Conflict(
+            f"version {version} is not newer than the served version {current}: {verb} version {current + 1} or higher"
+        )
+    return current
 
 
 class WeightPush:
@@ -97,7 +108,7 @@ class WeightPush:
     ) -> P.WeightsPushResponse:
         async with self.lock:
             start = time.perf_counter()
-            current = await self._newer_than_served(version)
+            current = newer_than_served(version, await self.replicas.versions(), "push")
             if self.spec is None:
                 self.spec = await self.replicas.call("weight_spec")
             try:
@@ -108,7 +119,9 @@ class WeightPush:
                     "weights refused; the old version keeps serving",
                 ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
-            if failed := await self.replicas.failures("stage", source, version, timeout_s=timeout):
+            if failed := await self.replicas.failures(
+                "stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT
+            ):
                 await self.replicas.each("discard", version)
                 log.error("weight_stage_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
@@ -117,7 +130,9 @@ class WeightPush:
                     [{"field": "replica", "message": f} for f in failed],
                 )
             await self.replicas.call("record", version, source)  # first: a replica starting from now on loads this
-            if failed := await self.replicas.failures("commit", version, policy, source, timeout_s=timeout):
+            if failed := await self.replicas.failures(
+                "commit", version, policy, source, timeout_s=timeout, setting=SYNC_TIMEOUT
+            ):
                 log.error("weight_commit_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
                     f"{len(failed)} replicas failed to commit version {version}",
@@ -133,16 +148,6 @@ class WeightPush:
         )
         return P.WeightsPushResponse(version=version, tensors=tensors, bytes=size, seconds=seconds)
 
-    async def _newer_than_served(self, version: int) -> int:
-        """The newest version any replica serves; 409 unless `version` is above it."""
-        current = max((await self.replicas.versions()).values())
-        if version <= current:
-            raise Conflict(
-                f"version {version} is not newer than the served version {current}: "
-                f"push version {current + 1} or higher"
-            )
-        return current
-
     def init_distributed(self, group: P.DistributedGroup) -> Awaitable[dict]:
         """Every replica joins the trainer's NCCL group (SGLang's init_weights_update_group)."""
         return run_to_end(self._distributed("init_weights_update_group", group))
@@ -155,7 +160,7 @@ class WeightPush:
         async with self.lock:
             served = await self.replicas.versions()
             if isinstance(body, P.DistributedUpdate):
-                await self._newer_than_served(body.version)
+                newer_than_served(body.version, served, "send")
             # every replica gets the sorted replica ids, so each knows its own rank
             results = await self.replicas.all(
                 method, body, sorted(served), timeout_s=self.settings.weight_sync_timeout_s

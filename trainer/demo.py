@@ -54,8 +54,8 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
                 str(eval_size),
                 "--out",
                 str(out_dir),
-                "trainer.resume_mode=disable",
-            ]  # a demo starts from the model, not from the last run
+                "trainer.resume_mode=disable",  # a demo starts from the model, not from the last run
+            ]
             subprocess.run(train, env=env, check=True)
         finally:
             service.send_signal(signal.SIGTERM)

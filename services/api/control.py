@@ -10,6 +10,7 @@ from services import metrics
 from services import protocol as P
 from services.api.deps import ingress
 
+SCRAPE_TIMEOUT_S = 10  # within Prometheus' default scrape timeout
 router = APIRouter(tags=["control"])
 admin = APIRouter(tags=["control"])  # needs the token
 
@@ -47,4 +48,5 @@ async def readyz(farm=Depends(ingress)):
 @router.get("/metrics")
 async def prometheus(farm=Depends(ingress)):
     """Prometheus metrics: the ingress's own, the queue's, and each replica's version and tokens."""
-    return Response(metrics.exposition(await farm.replicas.states()), media_type=CONTENT_TYPE_LATEST)
+    states = await farm.replicas.states(timeout_s=SCRAPE_TIMEOUT_S)
+    return Response(metrics.exposition(states), media_type=CONTENT_TYPE_LATEST)

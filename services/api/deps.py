@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from services.ingress import Ingress
 
 
-def ingress() -> Ingress:
+async def ingress() -> Ingress:
     """The Ingress instance of this replica (the object Serve built from services/ingress.py)."""
     return serve.get_replica_context().servable_object
 
 
-def require_token(request: Request) -> None:
+async def require_token(request: Request) -> None:
     """401 unless the request carries `Authorization: Bearer $FARM_API_TOKEN` (compared in constant time)."""
-    expected = f"Bearer {ingress().settings.api_token.get_secret_value()}"
+    expected = f"Bearer {(await ingress()).settings.api_token.get_secret_value()}"
     if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected.encode()):
         raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer $FARM_API_TOKEN'")

@@ -1,4 +1,6 @@
-"""Every error answer, in one place: the service's own errors carry their status; the libraries' are mapped here.
+"""Every error answer, in one place: the service's own errors carry their status; the request's validation errors
+and an engine's missing verb are mapped here. (Serve's own back-pressure becomes Overloaded at the handle, in
+services/replicas.py: on this app Serve's handler for it would win.)
 
 The body is always `{"error": "...", "detail": [{"field": "...", "message": "..."}]}` (P.ErrorResponse).
 """
@@ -10,26 +12,27 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException
 
 from services import protocol as P
-from services.errors import Invalid, NotSupported, Overloaded, ServiceError, pydantic_fields
+from services.engine.base import EngineVerbMissing
+from services.errors import Invalid, NotSupported, ServiceError, pydantic_fields
 
 log = logging.getLogger("farm.service")
 
 
 def as_service_error(exc: BaseException) -> ServiceError:
-    """The error the service answers for `exc`: its own errors as they are, the libraries' mapped to a status."""
+    """The error the service answers for `exc`: its own errors as they are, the request's validation and an engine's
+    missing verb mapped to a status, anything else a 500."""
+    if isinstance(exc, RayTaskError):  # raised in a replica: Ray's wrapper is also an instance of the original's class
+        exc = exc.cause
     if isinstance(exc, ServiceError):
         return exc
-    if isinstance(exc, BackPressureError):  # Serve's own queue limit; services/replicas.py maps it first
-        return Overloaded("engine queues are full (FARM_ENGINE_MAX_QUEUED_REQUESTS): retry after 1 s")
-    if isinstance(exc, (ValidationError, RequestValidationError)):
+    if isinstance(exc, RequestValidationError):
         return Invalid(pydantic_fields(exc.errors()))
-    if isinstance(exc, NotImplementedError):  # an engine without the verb; the message names the engine
-        return NotSupported(str(exc).strip().splitlines()[-1])
+    if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
+        return NotSupported(str(exc))
     if isinstance(exc, HTTPException):
         error = ServiceError(str(exc.detail))
         error.status = exc.status_code
@@ -52,14 +55,7 @@ def install(api: FastAPI) -> None:
             log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
         return response(error)
 
-    for kind in (
-        ServiceError,
-        BackPressureError,
-        NotImplementedError,
-        ValidationError,
-        RequestValidationError,
-        HTTPException,
-    ):
+    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException):
         api.add_exception_handler(kind, expected)
 
     @api.exception_handler(Exception)

@@ -26,7 +26,8 @@ class BodyLimit:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or has_own_limit(scope["path"]):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # the app's path, under a route prefix
+        if scope["type"] != "http" or has_own_limit(path):
             return await self.app(scope, receive, send)
         message = f"request body over {self.limit} bytes: send fewer prompts per request"
         if int(dict(scope["headers"]).get(b"content-length", 0)) > self.limit:

@@ -55,7 +55,7 @@ async def queue_add_prompts(request: Request, name: str, farm=Depends(ingress)):
     """Add prompts to a source: a JSON QueuePrompts body, or an uploaded JSONL file (Content-Type
     application/x-ndjson), one Prompt per line."""
     body, _ = await read_body(
-        request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "send the prompts in parts"
+        request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "body", "send the prompts in parts"
     )
     prompts = prompts_from_body(body, request.headers.get("content-type"))
     await farm.checks.tokens(prompts)

@@ -12,10 +12,10 @@ from services import protocol as P
 from services.errors import Invalid, TooLarge, pydantic_fields
 
 
-async def read_body(request: Request, limit: int, setting: str, fix: str) -> tuple[bytes, str]:
+async def read_body(request: Request, limit: int, setting: str, what: str, fix: str) -> tuple[bytes, str]:
     """The whole body and its hex SHA-256; 413 (naming the setting) once it passes `limit` bytes, declared or
     counted."""
-    too_large = TooLarge(f"body larger than {setting}={limit}: {fix}")
+    too_large = TooLarge(f"{what} larger than {setting}={limit}: {fix}")
     if int(request.headers.get("content-length") or 0) > limit:
         raise too_large
     data, digest = bytearray(), hashlib.sha256()

@@ -36,6 +36,7 @@ async def push_weights(
         request,
         farm.settings.max_weights_bytes,
         "FARM_MAX_WEIGHTS_BYTES",
+        "upload",
         "raise it, or push a folder by path (POST /v1/weights/path)",
     )
     check_sha256(x_content_sha256, digest)

@@ -208,9 +208,8 @@ class SGLangEngine(Engine):
         self._staged = (version, str(path))
 
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        if (
-            version <= self.weight_version
-        ):  # already served: a replica's catch-up and the push's own commit can both land
+        # already served: a replica's catch-up and the push's own commit can both land
+        if version <= self.weight_version:
             return
         if self._staged is None or self._staged[0] != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")

@@ -67,9 +67,8 @@ class RegexMask:
                     -torch.log(torch.rand(proc.shape, generator=gen, device=proc.device).clamp_min(1e-20))
                 )
                 yield from keys.argsort(descending=True)[: int(torch.isfinite(proc).sum())].tolist()
-            yield from raw.argsort(descending=True)[
-                : self.limit
-            ].tolist()  # only reached when the nucleus has no allowed token
+            # only reached when the nucleus has no allowed token
+            yield from raw.argsort(descending=True)[: self.limit].tolist()
 
         tried = set()
         for token in ranked():
@@ -144,9 +143,8 @@ class TorchEngine(Engine):
         self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
 
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        if (
-            version <= self.weight_version
-        ):  # already served: a replica's catch-up and the push's own commit can both land
+        # already served: a replica's catch-up and the push's own commit can both land
+        if version <= self.weight_version:
             return
         if self._staged is None or self._staged[0] != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
@@ -154,9 +152,8 @@ class TorchEngine(Engine):
             self._commit = policy or "finish"
         if policy == "abort":
             self._abort_epoch += 1
-        while not self._lock.acquire(
-            timeout=0.005
-        ):  # "partial": the running generate call applies it at its next token
+        # "partial": the running generate call applies it at its next token
+        while not self._lock.acquire(timeout=0.005):
             if self.weight_version >= version:
                 return
         try:
@@ -194,9 +191,8 @@ class TorchEngine(Engine):
                 return self._generate(prompts, params, cancel)
             finally:
                 self._busy = False
-                if (
-                    self._commit == "abort"
-                ):  # the commit that cut this call is served before the caller sees its outputs (and reruns them)
+                # the commit that cut this call is served before the caller sees its outputs (and reruns them)
+                if self._commit == "abort":
                     self._apply_staged()
 
     def _generate(self, prompts: list[list[int]], p: SamplingParams, cancel: threading.Event) -> list[EngineOutput]:

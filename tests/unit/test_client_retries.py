@@ -229,3 +229,25 @@ def test_client_retries_then_raises_on_a_dead_port():
         with pytest.raises(httpx.TransportError):
             c.weights_version()
     assert len(calls) == 3  # the first try and two retries
+
+
+def cut_after(text: str, face: str) -> httpx.Response:
+    """An answer whose connection drops after `text` (a read error mid-line)."""
+
+    def chunks():
+        yield text.encode()
+        raise httpx.ReadError("connection lost")
+
+    async def achunks():
+        for chunk in chunks():
+            yield chunk
+
+    return httpx.Response(200, content=chunks() if face == "sync" else achunks())
+
+
+async def test_a_stream_retried_after_a_line_was_cut_starts_afresh(face):
+    """The retry reads its own answer from the start: the cut line's fragment is not glued onto its first line."""
+    whole = json.dumps({"index": 0, "group": GROUP}) + "\n"
+    c = make(face, cut_after(whole[:25], face), ndjson({"index": 0, "group": GROUP}, {"done": True, "groups": 1}))
+    events = await stream(c, P.RolloutRequest(prompts=[P.Prompt(text="hi")]))
+    assert [e.index for e in events] == [0] and len(c.script.requests) == 2
