@@ -7,7 +7,7 @@ import torch
 from trainer import distributed, losses
 from trainer.batch import Batch
 from trainer.config import ActorConfig
-from trainer.forward import response_logprobs
+from trainer.forward import response_logprobs, temperatures
 from trainer.minibatches import MiniBatch, micro_batches
 
 PPO_STATS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # verl's, averaged over this rank's micro-batches
@@ -21,15 +21,17 @@ def update_actor(
     adv: torch.Tensor,
     old_lp: torch.Tensor,
     ref_lp: torch.Tensor,
+    weights: torch.Tensor,
     a: ActorConfig,
 ) -> dict:
-    """One optimizer step on this rank's share of mini-batch `mb`. Every loss is scaled by the whole mini-batch's
-    token and sample counts, so the gradients summed over micro-batches and ranks are the mini-batch's.
-    Returns its pg_loss, kl_ref and entropy (summed over ranks), grad_norm and the PPO statistics."""
+    """One optimizer step on this rank's share of mini-batch `mb`. Every loss is aggregated over the whole
+    mini-batch's token and sample counts (loss_agg_mode), so the gradients summed over micro-batches and ranks are
+    the mini-batch's. `weights` (B, R) are the rollout correction's, on the policy-gradient term.
+    Returns its pg_loss, kl_loss and entropy (summed over ranks), grad_norm and the PPO statistics."""
     totals, parts = torch.zeros(3, device=b.response_mask.device), {k: [] for k in PPO_STATS}
     optimizer.zero_grad()
     for m in micro_batches(mb.idx, a.ppo_micro_batch_size_per_gpu):
-        pg_loss, kl, ent, pg = _backward(policy, b, m, mb.share, adv, old_lp, ref_lp, a)
+        pg_loss, kl, ent, pg = _backward(policy, b, m, mb.share, adv, old_lp, ref_lp, weights, a)
         totals += torch.stack([pg_loss, kl, ent]).detach()
         for k in PPO_STATS:
             parts[k].append(float(pg.get(f"actor/{k}", 0.0)))
@@ -38,7 +40,7 @@ def update_actor(
     optimizer.step()
     pg_total, kl_total, ent_total = distributed.all_reduce_sum(totals).tolist()  # shares -> whole
     means = {k: sum(v) / len(v) if v else 0.0 for k, v in parts.items()}
-    return {"pg_loss": pg_total, "kl_ref": kl_total, "entropy": ent_total, "grad_norm": grad_norm.item(), **means}
+    return {"pg_loss": pg_total, "kl_loss": kl_total, "entropy": ent_total, "grad_norm": grad_norm.item(), **means}
 
 
 def _backward(
@@ -49,14 +51,17 @@ def _backward(
     adv: torch.Tensor,
     old_lp: torch.Tensor,
     ref_lp: torch.Tensor,
+    weights: torch.Tensor,
     a: ActorConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Backpropagate the loss of micro-batch `m` (sample indices); returns its pg_loss, kl, entropy (this rank's
     shares of the mini-batch's) and verl's PPO metrics."""
     mb, mask = b.select(m), b.response_mask[m]
-    lp, entropy = response_logprobs(policy, mb, with_entropy=True)
-    pg_loss, pg = losses.ppo_loss(old_lp[m], lp, adv[m], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share)
-    kl = losses.share_mean(losses.kl_penalty(lp, ref_lp[m], a.kl_loss_type), mask, share["batch_num_tokens"])
-    ent = losses.share_mean(entropy, mask, share["batch_num_tokens"])
+    lp, entropy = response_logprobs(policy, mb, temperatures(mb, a), with_entropy=True)
+    pg_loss, pg = losses.ppo_loss(
+        old_lp[m], lp, adv[m], mask, a.clip_ratio, a.clip_ratio_c, a.loss_agg_mode, share, weights[m]
+    )
+    kl = losses.aggregate(losses.kl_penalty(lp, ref_lp[m], a.kl_loss_type), mask, a.loss_agg_mode, share)
+    ent = losses.aggregate(entropy, mask, a.loss_agg_mode, share)
     (pg_loss - a.entropy_coeff * ent + (a.kl_loss_coef * kl if a.use_kl_loss else 0.0)).backward()
     return pg_loss, kl, ent, pg

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -20,31 +20,34 @@ class Batch:
     response_pos: torch.Tensor  # (B, R) index into logits of the position that predicts response token j
     response_ids: torch.Tensor  # (B, R)
     response_mask: torch.Tensor  # (B, R) 1 on real response tokens
-    rollout_logprobs: torch.Tensor  # (B, R) raw-model logprobs reported by the service
+    rollout_logprobs: torch.Tensor  # (B, R) raw-model (temperature 1) logprobs reported by the service
+    # (B, R) logprobs under the distribution each token was drawn from (logits / T, top-k/top-p renormalised);
+    # where the service could not report them (greedy samples, SGLang), the raw ones and sampling_known 0
+    sampling_logprobs: torch.Tensor
+    sampling_known: torch.Tensor  # (B,) 1 where sampling_logprobs came from the service
+    temperatures: torch.Tensor  # (B,) the temperature each sample was drawn at (1 for greedy or unknown)
+    importance_weights: torch.Tensor  # (B,) the sampler's importance_weight (1 for samplers that set none)
     rewards: torch.Tensor  # (B,)
-    group_ids: np.ndarray  # (B,) which prompt each sample answers
-    weight_versions: list[int]  # (B,) version that generated each sample
+    group_ids: torch.Tensor  # (B,) which prompt each sample answers
+    weight_versions: torch.Tensor  # (B,) version that generated each sample
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, idx: torch.Tensor) -> "Batch":
-        return Batch(
-            self.input_ids[idx],
-            self.attention_mask[idx],
-            self.response_pos[idx],
-            self.response_ids[idx],
-            self.response_mask[idx],
-            self.rollout_logprobs[idx],
-            self.rewards[idx],
-            self.group_ids[idx.cpu().numpy()],
-            [self.weight_versions[i] for i in idx.tolist()],
-        )
+        return Batch(**{f.name: getattr(self, f.name)[idx.to(getattr(self, f.name).device)] for f in fields(self)})
 
     def to(self, device: torch.device) -> "Batch":
-        tensors = (self.input_ids, self.attention_mask, self.response_pos, self.response_ids, self.response_mask)
-        tensors += (self.rollout_logprobs, self.rewards)
-        return Batch(*(t.to(device) for t in tensors), self.group_ids, self.weight_versions)
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name in ON_DEVICE})
+
+    @property
+    def groups(self) -> np.ndarray:
+        """group_ids as numpy, as verl's estimators take them."""
+        return self.group_ids.cpu().numpy()
+
+
+ON_DEVICE = {f.name for f in fields(Batch)} - {"group_ids", "weight_versions"}
+FLOATS = {"rollout_logprobs", "sampling_logprobs", "temperatures", "importance_weights", "rewards"}
 
 
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
@@ -57,7 +60,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
     pos = torch.zeros((B, R), dtype=torch.long)
     resp = torch.full((B, R), pad_id, dtype=torch.long)
     mask = torch.zeros((B, R), dtype=torch.long)
-    old = torch.zeros((B, R))
+    raw, sampled = torch.zeros((B, R)), torch.zeros((B, R))
     for i, (p, s, _) in enumerate(rows):
         n, m = len(p), len(s.token_ids)
         input_ids[i, : n + m] = torch.tensor(p + s.token_ids)
@@ -65,10 +68,30 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         pos[i] = torch.arange(n - 1, n - 1 + R).clamp(max=T - 1)
         resp[i, :m] = torch.tensor(s.token_ids, dtype=torch.long)
         mask[i, :m] = 1
-        old[i, :m] = torch.tensor(s.logprobs)
-    rewards = torch.tensor([s.reward for _, s, _ in rows])
-    group_ids = np.array([gi for _, _, gi in rows])
-    return Batch(input_ids, attention, pos, resp, mask, old, rewards, group_ids, [s.weight_version for _, s, _ in rows])
+        raw[i, :m] = torch.tensor(s.logprobs)
+        sampled[i, :m] = torch.tensor(s.sampling_logprobs if s.sampling_logprobs is not None else s.logprobs)
+    samples = [s for _, s, _ in rows]
+    return Batch(
+        input_ids,
+        attention,
+        pos,
+        resp,
+        mask,
+        raw,
+        sampled,
+        sampling_known=torch.tensor([s.sampling_logprobs is not None for s in samples], dtype=torch.long),
+        temperatures=torch.tensor([sample_temperature(s) for s in samples]),
+        importance_weights=torch.tensor([float(s.sampler_meta.get("importance_weight", 1.0)) for s in samples]),
+        rewards=torch.tensor([s.reward for s in samples]),
+        group_ids=torch.tensor([gi for _, _, gi in rows]),
+        weight_versions=torch.tensor([s.weight_version for s in samples]),
+    )
+
+
+def sample_temperature(s) -> float:
+    """The temperature a sample was drawn at; 1 for greedy samples and when the service did not say."""
+    t = s.sampled_with.temperature if s.sampled_with is not None else 1.0
+    return t if t > 0 else 1.0
 
 
 def broadcast_batch(b: Batch | None) -> Batch | None:
@@ -79,12 +102,14 @@ def broadcast_batch(b: Batch | None) -> Batch | None:
     B, T, R = distributed.broadcast_ints(sizes, 3)
     if B == 0:
         return None
-    long, shapes = torch.long, [(B, T), (B, T), (B, R), (B, R), (B, R), (B, R), (B,), (B,), (B,)]
-    dtypes = [long, long, long, long, long, torch.float32, torch.float32, long, long]
+    names = [f.name for f in fields(Batch)]
+    shape = {"input_ids": (B, T), "attention_mask": (B, T)}
+    shapes = [shape.get(n, (B, R) if n in PER_TOKEN else (B,)) for n in names]
+    dtypes = [torch.float32 if n in FLOATS else torch.long for n in names]
     mine = None
     if b is not None:
-        tensors = [b.input_ids, b.attention_mask, b.response_pos, b.response_ids, b.response_mask, b.rollout_logprobs]
-        tensors += [b.rewards, torch.as_tensor(b.group_ids), torch.tensor(b.weight_versions)]
-        mine = [x.to(d).contiguous() for x, d in zip(tensors, dtypes)]
-    t = distributed.broadcast_tensors(mine, shapes, dtypes)
-    return Batch(*t[:7], t[7].cpu().numpy(), t[8].tolist())
+        mine = [getattr(b, n).to(d).contiguous() for n, d in zip(names, dtypes)]
+    return Batch(*distributed.broadcast_tensors(mine, shapes, dtypes))
+
+
+PER_TOKEN = {"response_pos", "response_ids", "response_mask", "rollout_logprobs", "sampling_logprobs"}

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.guards import GuardConfig
+from trainer.minibatches import updates_per_epoch
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -67,9 +68,17 @@ class ActorConfig(_Strict):
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
     grad_clip: float = Field(1.0, gt=0)
     old_logprobs: Literal["rollout", "recompute"] = Field(
-        "rollout",
-        description="rollout: the service's logprobs (same weights); "
-        "recompute: a forward pass, with truncated importance weights against the rollout's",
+        "recompute",
+        description="recompute: a forward pass of the trainer's policy gives the PPO ratio's old logprobs, and "
+        "algorithm.rollout_correction weights what remains against the distribution that sampled (verl's decoupled "
+        "mode); rollout: the ratio is taken against the distribution that sampled (verl's bypass mode: no separate "
+        "importance weights)",
+    )
+    logits_temperature: Literal["sampled", "none"] = Field(
+        "sampled",
+        description="sampled: the policy's logits are divided by the temperature each sample was drawn at, for "
+        "the ratio, the reference and the KL, as verl does; none: raw logits (the update on tempered samples then "
+        "optimises the sampler, not the policy)",
     )
 
 
@@ -97,6 +106,41 @@ class KLCtrl(_Strict):
     target_kl: float = Field(0.1, gt=0)
 
 
+class RolloutCorrection(_Strict):
+    """verl's algorithm.rollout_correction keys (trainer/rollout_correction.py says what each does)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        "token", description="importance weights per token, per sequence (their product), or none"
+    )
+    rollout_is_threshold: float | str = Field(
+        2.0,
+        description="a number: cap the weights there (truncated IS); 'lower_upper' (e.g. '0.5_5.0'): zero "
+        "the weights outside (masked IS)",
+    )
+    rollout_is_batch_normalize: bool = Field(False, description="scale the weights to mean 1 over the batch")
+    rollout_rs: str | None = Field(
+        None, description="rejection: comma-separated verl options, e.g. token_k1 or seq_mean_k3; null: none"
+    )
+    rollout_rs_threshold: float | str | None = Field(None, description="rollout_rs's bound(s); required with it")
+
+    @model_validator(mode="after")
+    def _verl_accepts(self) -> "RolloutCorrection":
+        from verl.trainer.ppo import rollout_corr_helper as h
+
+        try:
+            h._parse_rollout_is_threshold(self.rollout_is_threshold)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"rollout_is_threshold: {e}") from None
+        if self.rollout_rs is not None:
+            unknown = {o.strip() for o in self.rollout_rs.split(",")} - h.SUPPORTED_ROLLOUT_RS_OPTIONS
+            if unknown:
+                options = ", ".join(sorted(h.SUPPORTED_ROLLOUT_RS_OPTIONS))
+                raise ValueError(f"rollout_rs: unknown {', '.join(sorted(unknown))}; use some of {options}")
+            if self.rollout_rs_threshold is None:
+                raise ValueError("rollout_rs_threshold: required with rollout_rs (e.g. 2.0, or 0.5_2.0 for k1)")
+        return self
+
+
 class Algorithm(_Strict):
     adv_estimator: str = Field(
         "grpo",
@@ -111,9 +155,10 @@ class Algorithm(_Strict):
     variance_threshold: float = Field(
         0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95"
     )
-    rollout_is_threshold: float = Field(
-        2.0, gt=0, description="old_logprobs=recompute: the cap on exp(old - rollout) per token"
+    long_response_length: int | None = Field(
+        512, ge=1, description="adaptive_gae: lambda 0.98 when the batch's mean response length reaches this"
     )
+    rollout_correction: RolloutCorrection = Field(default_factory=lambda: RolloutCorrection())
 
 
 class Data(_Strict):
@@ -185,6 +230,16 @@ class Config(_Strict):
             raise ValueError(
                 "trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
                 "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
+            )
+        g, groups = self.guards, self.data.train_batch_size
+        mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
+        if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):
+            raise ValueError(
+                f"guards.raised_mini_batch_size: raising ppo_mini_batch_size from {mini} to "
+                f"{g.raised_mini_batch_size} groups leaves {updates_per_epoch(groups, mini)} optimizer step(s) per "
+                f"epoch over data.train_batch_size={groups} groups, so the guard would change nothing: make "
+                "ppo_mini_batch_size smaller than train_batch_size and the raised size bigger than it (both count "
+                "groups: rollout.n samples each)"
             )
         if self.critic.enable is False and estimator in NEEDS_CRITIC:
             raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")

@@ -1,4 +1,10 @@
-"""Forward passes of the trainer's models on a Batch: the policy's logprobs, the critic's values."""
+"""Forward passes of the trainer's models on a Batch: the policy's logprobs, the exact KL to the reference, the
+critic's values.
+
+The policy the trainer trains is the one it samples from, as in verl: the logits divided by the temperature each
+sample was drawn at (`actor_rollout_ref.actor.logits_temperature=sampled`). With `none` the logprobs are the raw
+model's (temperature 1), and the update on tempered samples optimises the sampler rather than the policy.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,37 @@ import torch
 from trainer.batch import Batch
 
 
-def response_logprobs(
-    model: torch.nn.Module, b: Batch, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Raw-model logprobs (B, R) of the response tokens, and their entropy (B, R) if asked."""
+def response_log_softmax(model: torch.nn.Module, b: Batch, temperatures: torch.Tensor | None) -> torch.Tensor:
+    """log_softmax (B, R, V) of the distribution over each response position's next token, the logits divided by
+    each sample's temperature (None: raw)."""
     logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()  # (B, T, V)
     logits = logits.gather(1, b.response_pos[..., None].expand(-1, -1, logits.shape[-1]))  # (B, R, V)
-    logp = torch.log_softmax(logits, -1)
-    lp = logp.gather(-1, b.response_ids[..., None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return lp, entropy
+    if temperatures is not None:
+        logits = logits / temperatures[:, None, None]
+    return torch.log_softmax(logits, -1)
+
+
+def response_logprobs(
+    model: torch.nn.Module, b: Batch, temperatures: torch.Tensor | None = None, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (B, R) of the response tokens, and their entropy (B, R) if asked."""
+    logp = response_log_softmax(model, b, temperatures)
+    return _token_logprobs(logp, b), (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+def policy_and_reference(
+    policy: torch.nn.Module, ref: torch.nn.Module, b: Batch, temperatures: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy's and the reference's logprobs of the response tokens (B, R), and the exact KL(policy || ref)
+    of each position's next-token distribution (B, R): sum over the vocabulary, not an estimate from one token."""
+    logp = response_log_softmax(policy, b, temperatures)
+    ref_logp = response_log_softmax(ref, b, temperatures)
+    kl = (logp.exp() * (logp - ref_logp)).sum(-1) * b.response_mask
+    return _token_logprobs(logp, b), _token_logprobs(ref_logp, b), kl
+
+
+def _token_logprobs(logp: torch.Tensor, b: Batch) -> torch.Tensor:
+    return logp.gather(-1, b.response_ids[..., None]).squeeze(-1)
 
 
 def response_values(critic: torch.nn.Module, b: Batch) -> torch.Tensor:
@@ -27,9 +54,18 @@ def response_values(critic: torch.nn.Module, b: Batch) -> torch.Tensor:
     return out.gather(1, b.response_pos) * b.response_mask
 
 
-def in_micro_batches(fn: Callable[[Batch], torch.Tensor], b: Batch, size: int | None) -> torch.Tensor:
-    """fn(batch) -> (B_i, R) tensor, over micro-batches of `size` samples (None: all at once), concatenated:
-    no-grad passes of big batches."""
+def in_micro_batches(fn: Callable[[Batch], tuple | torch.Tensor], b: Batch, size: int | None):
+    """fn(batch) -> a (B_i, ...) tensor or a tuple of them, over micro-batches of `size` samples (None: all at
+    once), concatenated: no-grad passes of big batches."""
     if not size or size >= len(b):
         return fn(b)
-    return torch.cat([fn(b.select(idx)) for idx in torch.arange(len(b)).split(size)])
+    parts = [fn(b.select(idx)) for idx in torch.arange(len(b)).split(size)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
+def temperatures(b: Batch, actor) -> torch.Tensor | None:
+    """What the policy's logits are divided by (actor_rollout_ref.actor.logits_temperature): each sample's
+    temperature, or None for raw logits."""
+    return b.temperatures if actor.logits_temperature == "sampled" else None

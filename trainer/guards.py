@@ -1,16 +1,22 @@
-"""Guards: watch each step's KL to the reference and reward variance, and say what to do when a threshold is crossed.
-Off unless `guards.enable` (the design preset turns them on, with its adaptive KL controller aiming at 0.01).
+"""Guards: watch each step's KL to the reference and a variance statistic, and say what to do when a threshold is
+crossed. Off unless `guards.enable` (the design preset turns them on, with its adaptive KL controller aiming at 0.01).
 
-    KL > kl_rollback (0.05)              rollback: pause sampling, restore the last checkpoint, push its
-                                         weights as a new version, resume
-    reward variance > reward_var_raise   raise ppo_mini_batch_size to raised_mini_batch_size (64 -> 128):
-      (0.3)                              bigger mini-batches average the noisier gradient
+    KL > kl_rollback (0.05)               rollback: pause sampling, restore the last checkpoint, push its
+                                          weights as a new version, resume
+    variance statistic > variance_raise   raise ppo_mini_batch_size to raised_mini_batch_size (both in groups,
+      (0.3)                               as verl counts them): fewer, bigger mini-batches, so fewer optimizer
+                                          steps per epoch, each averaging the noisier gradient over more samples
+The KL is the exact one (trainer/forward.py). The variance statistic (`variance_statistic`) is the batch's reward
+std (the default: on 0/1 rewards it passes 0.3 whenever the mean reward is between 0.1 and 0.9), reward variance
+(at most 0.25 on 0/1 rewards, so 0.3 never trips it there) or advantage variance.
 The targets (KL < 0.02, reward std < 0.2) are only reported: `guard_kl_over_target`, `guard_reward_std_over_target`.
 The trainer carries the actions out (trainer/guard_actions.py); each is logged (event guard_action) and counted
 (farm_trainer_guard_actions_total{action}).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,8 +36,13 @@ class GuardConfig(BaseModel):
     kl_target: float = Field(0.02, gt=0, description="reported as over target above this")
     kl_rollback: float = Field(0.05, gt=0, description="roll back to the last checkpoint above this")
     reward_std_target: float = Field(0.2, gt=0)
-    reward_var_raise: float = Field(0.3, gt=0, description="raise the mini-batch size above this reward variance")
-    raised_mini_batch_size: int = Field(128, ge=1)
+    variance_statistic: Literal["reward_std", "reward_var", "adv_var"] = Field(
+        "reward_std", description="what variance_raise is compared with"
+    )
+    variance_raise: float = Field(0.3, gt=0, description="raise the mini-batch size above this variance statistic")
+    raised_mini_batch_size: int = Field(
+        16, ge=1, description="in groups, like ppo_mini_batch_size (16 groups of 8 samples: 128 samples)"
+    )
     max_rollbacks: int = Field(
         3, ge=0, description="stop with an error after this many rollbacks in a row without progress"
     )
@@ -42,12 +53,14 @@ class Guard:
         self.cfg = cfg
         self.rollbacks_in_a_row = 0
 
-    def check(self, kl: float, reward_var: float, mini_batch_size: int) -> tuple[list[str], dict]:
-        """The actions for this step's statistics, and flags to log."""
+    def check(self, kl: float, stats: dict[str, float], mini_batch_size: int) -> tuple[list[str], dict]:
+        """The actions for this step's KL and variance statistics ({reward_std, reward_var, adv_var}), and flags
+        to log."""
         c = self.cfg
+        variance = stats[c.variance_statistic]
         flags = {
             "guard_kl_over_target": kl > c.kl_target,
-            "guard_reward_std_over_target": reward_var**0.5 > c.reward_std_target,
+            "guard_reward_std_over_target": stats["reward_std"] > c.reward_std_target,
         }
         if not c.enable:
             return [], flags
@@ -62,7 +75,7 @@ class Guard:
             actions.append("rollback")
         else:
             self.rollbacks_in_a_row = 0
-        if reward_var > c.reward_var_raise and mini_batch_size < c.raised_mini_batch_size:
+        if variance > c.variance_raise and mini_batch_size < c.raised_mini_batch_size:
             actions.append("raise_mini_batch")
         for a in actions:
             ACTIONS.labels(a).inc()

@@ -12,22 +12,24 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
 from tqdm import tqdm
 
 from services import protocol as P
-from trainer import distributed, guard_actions, rollouts, step_metrics
+from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, step_metrics
 from trainer.actor import update_actor
 from trainer.advantages import compute_advantages
 from trainer.batch import Batch, broadcast_batch
 from trainer.config import TrainerConfig
 from trainer.critic import update_critic
 from trainer.evaluate import evaluate
-from trainer.forward import in_micro_batches, response_logprobs, response_values
+from trainer.forward import in_micro_batches, policy_and_reference, response_values, temperatures
 from trainer.guards import GUARD_ACTIONS
 from trainer.minibatches import mini_batches
+from trainer.rollout_correction import group_normalised
 from trainer.run import TrainingRun
 
 log = logging.getLogger("farm.trainer")
@@ -53,7 +55,8 @@ def train(run: TrainingRun) -> dict:
         rollouts.ack(run)
         run.step = step
         reward_var = batch.rewards.var(unbiased=False).item()
-        actions, flags = check_guards(run, metrics["kl_ref"], reward_var)
+        variance = {"reward_std": reward_var**0.5, "reward_var": reward_var, "adv_var": metrics["adv_var"]}
+        actions, flags = check_guards(run, metrics["kl_ref"], variance)
         if run.rank == 0:
             metrics |= step_metrics.batch_metrics(batch, time.perf_counter() - start) | counters(run, flags, actions)
             report(run, metrics, reward_var)
@@ -72,28 +75,45 @@ def train(run: TrainingRun) -> dict:
 
 
 def train_step(run: TrainingRun, b: Batch) -> dict:
-    """Advantages of the batch, then the PPO epochs; the step's metrics."""
-    ref_lp, old_lp, values = no_grad_passes(run, b)
-    adv, returns, metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values)
-    metrics.update(ppo_update(run, b, adv, old_lp, ref_lp, values, returns))
+    """KL, advantages and the rollout correction of the batch, then the PPO epochs; the step's metrics."""
+    a = run.cfg.actor_rollout_ref.actor
+    old_lp, ref_lp, kl_exact, values = no_grad_passes(run, b)
+    metrics = kl_readings(b, old_lp, ref_lp, kl_exact)
+    weights, mask, corr = rollout_correction.correction(old_lp, b, run.cfg.algorithm.rollout_correction)
+    if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
+        old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
+        weights = group_normalised(b.importance_weights, b.group_ids)[:, None] * b.response_mask
+    adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values, metrics["kl_ref"])
+    metrics |= corr | adv_metrics
+    metrics |= ppo_update(run, replace(b, response_mask=mask.long()), adv, old_lp, ref_lp, weights, values, returns)
     return metrics
 
 
-def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The reference's logprobs, the old logprobs (the rollout's, or recomputed) and the critic's values, (B, R)."""
+def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The policy's and the reference's logprobs, the exact per-position KL between them (all (B, R), logits
+    divided by each sample's temperature) and the critic's values."""
     a = run.cfg.actor_rollout_ref.actor
     micro = a.ppo_micro_batch_size_per_gpu
     with torch.no_grad():
-        ref_lp = in_micro_batches(lambda mb: response_logprobs(run.ref, mb)[0], b, micro)
-        if a.old_logprobs == "rollout":
-            old_lp = b.rollout_logprobs
-        else:
-            old_lp = in_micro_batches(lambda mb: response_logprobs(run.policy, mb)[0], b, micro)
+        old_lp, ref_lp, kl = in_micro_batches(
+            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)), b, micro
+        )
         values = None
         if run.critic is not None:
             critic_micro = run.cfg.critic.ppo_micro_batch_size_per_gpu or micro
             values = in_micro_batches(lambda mb: response_values(run.critic, mb), b, critic_micro)
-    return ref_lp, old_lp, values
+    return old_lp, ref_lp, kl, values
+
+
+def kl_readings(b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_exact: torch.Tensor) -> dict:
+    """kl_ref, the exact KL of the policy to the reference per response token (what the controller, the guard and
+    the samplers' policy stats read), and the one-token estimates k1 and k3 beside it, for comparison."""
+    mask = b.response_mask
+    return {
+        "kl_ref": losses.masked_mean(kl_exact, mask).item(),
+        "kl_k1": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "kl"), mask).item(),
+        "kl_k3": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "low_var_kl"), mask).item(),
+    }
 
 
 def ppo_update(
@@ -102,28 +122,29 @@ def ppo_update(
     adv: torch.Tensor,
     old_lp: torch.Tensor,
     ref_lp: torch.Tensor,
+    weights: torch.Tensor,
     values: torch.Tensor | None,
     returns: torch.Tensor,
 ) -> dict:
     """ppo_epochs epochs over mini-batches of whole groups: an actor step on each, and a critic step on the same.
-    Returns the mean of each metric over the mini-batches."""
+    Returns the mean of each metric over the mini-batches, and the number of optimizer steps."""
     a = run.cfg.actor_rollout_ref.actor
     run.policy.train()
     stats: dict[str, list[float]] = {}
     for _ in range(a.ppo_epochs):
         for mb in mini_batches(b, run.mini_batch_size, run.rank, run.world):
-            row = update_actor(run.policy, run.opt["actor"], b, mb, adv, old_lp, ref_lp, a)
+            row = update_actor(run.policy, run.opt["actor"], b, mb, adv, old_lp, ref_lp, weights, a)
             if run.critic is not None:
                 row.update(update_critic(run.critic, run.opt["critic"], b, mb, values, returns, run.cfg))
             for k, v in row.items():
                 stats.setdefault(k, []).append(float(v))
     run.policy.eval()
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+    return {k: sum(v) / len(v) for k, v in stats.items()} | {"optimizer_steps": len(stats["pg_loss"])}
 
 
-def check_guards(run: TrainingRun, kl: float, reward_var: float) -> tuple[list[str], dict]:
+def check_guards(run: TrainingRun, kl: float, variance: dict[str, float]) -> tuple[list[str], dict]:
     """The guard's actions for this step, as rank 0 decided them, and the flags to log."""
-    actions, flags = run.guard.check(kl, reward_var, run.mini_batch_size)
+    actions, flags = run.guard.check(kl, variance, run.mini_batch_size)
     on = distributed.broadcast_ints([int(a in actions) for a in GUARD_ACTIONS], len(GUARD_ACTIONS))
     return [a for a, o in zip(GUARD_ACTIONS, on) if o], flags
 

@@ -46,16 +46,25 @@ def ppo_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     global_batch: dict | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """verl's dual-clip PPO policy loss over (B, R) tensors; returns (scalar loss, metrics). With data parallelism,
-    `global_batch` ({"batch_num_tokens", "global_batch_size"}) makes each rank's loss its share of the whole
-    mini-batch's."""
+    """verl's dual-clip PPO policy loss over (B, R) tensors, each token's term times `weights` (the rollout
+    correction's); returns (scalar loss, metrics). With micro-batches or data parallelism, `global_batch`
+    ({"batch_num_tokens", "global_batch_size"}) makes this loss its share of the whole mini-batch's."""
     cfg = _verl_actor_config(clip_ratio, clip_ratio_c, loss_agg_mode)
     if global_batch:
         cfg = dataclasses.replace(cfg, global_batch_info={"dp_size": 1, **global_batch})
     return core_algos.compute_policy_loss_vanilla(
-        old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg
+        old_logprobs, logprobs, advantages, response_mask.float(), loss_agg_mode, cfg, rollout_is_weights=weights
     )
+
+
+def aggregate(
+    loss_mat: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, global_batch: dict | None = None
+) -> torch.Tensor:
+    """A per-token loss (B, R) to a scalar the way the policy loss is (verl's agg_loss): the KL loss and the
+    entropy follow `loss_agg_mode` too. `global_batch` as in ppo_loss."""
+    return core_algos.agg_loss(loss_mat, response_mask.float(), loss_agg_mode, **(global_batch or {}))
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
@@ -71,8 +80,3 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
-
-
-def share_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float) -> torch.Tensor:
-    """This rank's share of a token mean over a batch of total_tokens tokens (the sum over ranks is the mean)."""
-    return (x * mask.float()).sum() / max(1.0, float(total_tokens))

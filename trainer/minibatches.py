@@ -18,14 +18,20 @@ class MiniBatch:
 
 def mini_batches(b: Batch, size: int, rank: int = 0, world: int = 1) -> Iterator[MiniBatch]:
     """One epoch: the batch's groups in a random order (torch's RNG), cut into mini-batches of `size` groups.
-    Every rank sees each whole mini-batch and trains every world-th group of it."""
-    n_groups = int(b.group_ids.max()) + 1
-    group_ids = torch.as_tensor(b.group_ids)
-    for chunk in torch.randperm(n_groups).split(size):
-        whole = torch.isin(group_ids, chunk)
+    Every rank sees each whole mini-batch and trains every world-th group of it. Its counts leave out samples with
+    no response tokens (a response the rollout correction rejected whole counts as none)."""
+    group_ids = b.group_ids.cpu()
+    for chunk in torch.randperm(int(group_ids.max()) + 1).split(size):
+        whole = torch.isin(group_ids, chunk).to(b.response_mask.device)
         idx = torch.nonzero(torch.isin(group_ids, chunk[rank::world])).squeeze(-1)
-        share = {"batch_num_tokens": b.response_mask[whole].sum().item(), "global_batch_size": int(whole.sum())}
+        tokens = b.response_mask[whole].sum(-1)
+        share = {"batch_num_tokens": max(1, int(tokens.sum())), "global_batch_size": max(1, int((tokens > 0).sum()))}
         yield MiniBatch(idx, share)
+
+
+def updates_per_epoch(groups: int, size: int) -> int:
+    """Optimizer steps per PPO epoch over `groups` groups in mini-batches of `size` groups."""
+    return -(-groups // size)
 
 
 def micro_batches(idx: torch.Tensor, size: int | None) -> tuple[torch.Tensor, ...]:

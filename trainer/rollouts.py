@@ -43,11 +43,11 @@ def pull(run: TrainingRun) -> Batch | None:
     if not groups:
         return None
     batch = make_batch(groups, run.pad_id)
-    stale = [v for v in batch.weight_versions if v != run.version]
+    stale = [v for v in batch.weight_versions.tolist() if v != run.version]
     if stale and run.cfg.actor_rollout_ref.actor.old_logprobs == "rollout":
         raise RuntimeError(
             f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {run.version}: "
-            "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with a truncated importance correction"
+            "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with the rollout correction"
         )
     return batch
 

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_train
 from trainer.config import load
+from trainer.estimators import adaptive_lambda
 
 
 def config(service, tiny_model, tmp_path, *overrides):
@@ -43,7 +44,7 @@ def config(service, tiny_model, tmp_path, *overrides):
         ("control_variate", []),
         ("rloo", []),
         ("reinforce_plus_plus", []),
-        ("reinforce_plus_plus_baseline", ["actor_rollout_ref.actor.old_logprobs=recompute"]),
+        ("reinforce_plus_plus_baseline", ["actor_rollout_ref.actor.old_logprobs=rollout"]),
         (
             "grpo",
             [
@@ -70,16 +71,16 @@ def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, t
     assert STEP_GAUGES["weight_version"]._value.get() == trainer.version and STEP_GAUGES["step"]._value.get() == 1
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())  # the policy moved
     assert ("vf_loss" in step) == (estimator in {"gae", "adaptive_gae", "control_variate"})
-    if estimator == "adaptive_gae":
-        assert 0.90 <= step["lam"] <= 0.98
+    if estimator == "adaptive_gae":  # the documented rule on this batch's reward variance (no KL in these rewards)
+        assert step["lam"] == pytest.approx(adaptive_lambda(step["reward_std"] ** 2, 0.2, step["response_len"], 512))
     if "algorithm.use_kl_in_reward=true" in extra:
         assert (
             step["kl_in_reward"] == 0.0 and step["kl_coef"] < 0.001
         )  # step 1 samples the reference: KL 0 < target, so beta falls
-    if "actor_rollout_ref.actor.old_logprobs=recompute" in extra:
-        assert step["rollout_is_mean"] == pytest.approx(
-            1.0, abs=1e-3
-        )  # on-policy: the recomputed logprobs are the rollout's
+    if "actor_rollout_ref.actor.old_logprobs=rollout" not in extra:
+        # on-policy at temperature 1: the recomputed logprobs are those the service sampled with
+        assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert abs(step["rollout_corr/kl"]) < 1e-3 and step["rollout_corr/unknown_fraction"] == 0.0
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
@@ -108,7 +109,7 @@ def test_micro_batches_add_up_to_the_same_step(service, tiny_model, tmp_path, lo
         train(trainer)
         trainers.append(trainer)
         rows.append(json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1]))
-    for key in ("reward_mean", "pg_loss", "kl_ref", "entropy", "grad_norm", "vf_loss"):
+    for key in ("reward_mean", "pg_loss", "kl_ref", "kl_loss", "entropy", "grad_norm", "vf_loss"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
     for model in ("policy", "critic"):  # the one optimizer step's (clipped) gradients are still on the parameters
         whole, micro = (dict(getattr(t, model).named_parameters()) for t in trainers)
@@ -162,6 +163,39 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4) and not any(
         r["paused"] for r in httpx.get(f"{service}/readyz").json()["replicas"]
     )
+
+
+def test_the_variance_guard_raises_the_mini_batch_and_the_next_step_takes_fewer_optimizer_steps(
+    service, tiny_model, tmp_path
+):
+    """4 groups in mini-batches of 1: 4 optimizer steps a step. A variance threshold every batch crosses raises the
+    mini-batch to 2 groups after step 1, so step 2 takes 2; the raise is logged and counted."""
+    from trainer.guards import ACTIONS
+    from trainer.loop import train
+    from trainer.run import TrainingRun
+
+    raises = ACTIONS.labels("raise_mini_batch")._value.get()
+    trainer = TrainingRun(
+        config(
+            service,
+            tiny_model,
+            tmp_path,
+            "trainer.total_training_steps=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "guards.enable=true",
+            "guards.kl_rollback=100",
+            "guards.variance_statistic=reward_std",
+            "guards.variance_raise=1e-6",
+            "guards.raised_mini_batch_size=2",
+        ),
+        TOKEN,
+    )
+    train(trainer)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["optimizer_steps"] for s in steps] == [4, 2]
+    assert [s["ppo_mini_batch_size"] for s in steps] == [1, 2]  # the size each step trained with
+    assert steps[0]["guard_actions"] == ["raise_mini_batch"] and steps[1]["guard_actions"] == []
+    assert ACTIONS.labels("raise_mini_batch")._value.get() == raises + 1
 
 
 def test_a_killed_trainer_resumes_from_its_last_checkpoint(service, tiny_model, tmp_path):

@@ -19,16 +19,44 @@ def test_the_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
     assert ctrl.value < high
 
 
+def stats(p: float) -> dict:
+    """The variance statistics of a batch of 0/1 rewards with mean p (and some advantage variance)."""
+    return {"reward_std": (p * (1 - p)) ** 0.5, "reward_var": p * (1 - p), "adv_var": 0.1}
+
+
 def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated_rollbacks():
     from trainer.guards import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True, max_rollbacks=2))
-    assert guard.check(kl=0.01, reward_var=0.35, mini_batch_size=64)[0] == ["raise_mini_batch"]
-    assert guard.check(kl=0.01, reward_var=0.35, mini_batch_size=128)[0] == []  # raised already
-    actions, flags = guard.check(kl=0.03, reward_var=0.1, mini_batch_size=128)
+    assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=8)[0] == ["raise_mini_batch"]
+    assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=16)[0] == []  # raised already
+    actions, flags = guard.check(kl=0.03, stats=stats(0.05), mini_batch_size=16)
     assert actions == [] and flags == {"guard_kl_over_target": True, "guard_reward_std_over_target": True}
-    assert guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)[0] == ["rollback"]
-    assert guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)[0] == ["rollback"]
+    assert guard.check(kl=0.06, stats=stats(0.05), mini_batch_size=16)[0] == ["rollback"]
+    assert guard.check(kl=0.06, stats=stats(0.05), mini_batch_size=16)[0] == ["rollback"]
     with pytest.raises(RuntimeError, match="after 2 rollbacks"):
-        guard.check(kl=0.06, reward_var=0.1, mini_batch_size=128)
-    assert Guard(GuardConfig()).check(kl=1.0, reward_var=1.0, mini_batch_size=64)[0] == []  # off by default
+        guard.check(kl=0.06, stats=stats(0.05), mini_batch_size=16)
+    assert Guard(GuardConfig()).check(kl=1.0, stats=stats(0.5), mini_batch_size=8)[0] == []  # off by default
+
+
+@pytest.mark.parametrize("p", [0.15, 0.3, 0.5, 0.7, 0.85])
+def test_the_default_variance_statistic_can_cross_the_threshold_on_0_1_rewards_and_reward_variance_cannot(p):
+    """With 0/1 rewards the variance is p(1 - p) <= 0.25: compared with 0.3 it never trips. The reward std does,
+    for any mean reward between 0.1 and 0.9."""
+    from trainer.guards import Guard, GuardConfig
+
+    assert Guard(GuardConfig(enable=True)).check(0.0, stats(p), 8)[0] == ["raise_mini_batch"]
+    by_variance = Guard(GuardConfig(enable=True, variance_statistic="reward_var"))
+    assert by_variance.check(0.0, stats(p), 8)[0] == []
+
+
+def test_raising_the_mini_batch_halves_the_optimizer_steps_of_a_step():
+    """The design preset's sizes on 64 groups: 8 steps per epoch at 8 groups, 4 at the raised 16; ppo_epochs 6."""
+    from trainer.config import PRESETS
+    from trainer.minibatches import updates_per_epoch
+
+    c = load(PRESETS / "design.yaml")
+    groups, a = c.data.train_batch_size, c.actor_rollout_ref.actor
+    before = a.ppo_epochs * updates_per_epoch(groups, a.ppo_mini_batch_size)
+    after = a.ppo_epochs * updates_per_epoch(groups, c.guards.raised_mini_batch_size)
+    assert (before, after) == (48, 24)

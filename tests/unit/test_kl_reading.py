@@ -1,0 +1,65 @@
+"""The KL to the reference the trainer reads (controller, rollback guard, the samplers' policy stats) is the exact
+one: per response position, summed over the vocabulary (trainer/forward.py: policy_and_reference)."""
+
+import torch
+
+from services.protocol import SamplingParams
+from tests.unit.test_rollout_correction import BOS, Bigram, sequences, token_logprobs
+from trainer.batch import Batch
+from trainer.forward import policy_and_reference
+from trainer.loop import kl_readings
+
+
+def every_sequence(xs: torch.Tensor, T: float) -> Batch:
+    B, L = xs.shape
+    ids = torch.cat([torch.full((B, 1), BOS), xs], 1)
+    return Batch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_pos=torch.arange(L).repeat(B, 1),
+        response_ids=xs,
+        response_mask=torch.ones(B, L, dtype=torch.long),
+        rollout_logprobs=torch.zeros(B, L),
+        sampling_logprobs=torch.zeros(B, L),
+        sampling_known=torch.zeros(B, dtype=torch.long),
+        temperatures=torch.full((B,), T),
+        importance_weights=torch.ones(B),
+        rewards=torch.zeros(B),
+        group_ids=torch.zeros(B, dtype=torch.long),
+        weight_versions=torch.zeros(B, dtype=torch.long),
+    )
+
+
+def expected_readings(policy, ref, xs, T, q) -> dict:
+    """Each reading's expectation over sequences drawn from q (probabilities (N,)): kl_readings is a token mean,
+    and every sequence here has L tokens, so its expectation is the q-weighted mean of the per-sequence readings."""
+    out = {}
+    for i in range(len(xs)):
+        b = every_sequence(xs[i : i + 1], T)
+        with torch.no_grad():
+            old, ref_lp, kl = policy_and_reference(policy, ref, b, b.temperatures)
+        for k, v in kl_readings(b, old, ref_lp, kl).items():
+            out[k] = out.get(k, 0.0) + q[i].item() * v
+    return out
+
+
+def test_the_exact_reading_matches_the_true_kl_and_one_token_estimates_are_biased_on_tempered_samples():
+    """pi and ref at T = 0.5: the true KL(pi || ref) per token, by enumeration, against each reading's expectation
+    on samples drawn at T = 0.5 with top_p 0.9 (the nucleus skews the prefixes: no reading is exact then, but the
+    exact per-position KL is by far the closest) and drawn from pi itself (the exact reading is exact)."""
+    V, L, T = 4, 3, 0.5
+    g = torch.Generator().manual_seed(1)
+    ref_table = torch.randn(V, V, generator=g)
+    policy, ref = Bigram(ref_table + 0.3 * torch.randn(V, V, generator=g)), Bigram(ref_table)
+    xs = sequences(V, L)
+    with torch.no_grad():
+        p = token_logprobs(policy.table / T, xs, None).sum(-1)
+        r = token_logprobs(ref.table / T, xs, None).sum(-1)
+    truth = (p.exp() * (p - r)).sum().item() / L
+    on_policy = expected_readings(policy, ref, xs, T, p.exp())
+    assert abs(on_policy["kl_ref"] - truth) < 1e-5 * truth + 1e-7
+    with torch.no_grad():
+        q = token_logprobs(policy.table, xs, SamplingParams(temperature=T, top_p=0.9)).sum(-1).exp()
+    tempered = expected_readings(policy, ref, xs, T, q)
+    error = {k: abs(v - truth) / truth for k, v in tempered.items()}
+    assert error["kl_ref"] < 0.5 * min(error["kl_k1"], error["kl_k3"]), (truth, tempered)
