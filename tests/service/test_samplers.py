@@ -49,6 +49,14 @@ def test_the_temperature_follows_the_reported_kl(service):
     report(service, kl=0.05, step=2)
     cold = rollout(service, cool)
     assert {s["sampler_meta"]["temperature"] for s in cold} == {0.0}
+    # each sample records the params it was drawn with (the sampler's, not the request's temperature 1, top_p 1),
+    # and its logprobs under that distribution, except when greedy
+    assert all(s["sampled_with"] == {"temperature": 2.0, "top_p": 0.9, "top_k": -1} for s in hot)
+    assert all(s["sampled_with"] == {"temperature": 0.0, "top_p": 0.9, "top_k": -1} for s in cold)
+    assert all(s["sampling_logprobs"] is None for s in cold)
+    assert all(
+        len(s["sampling_logprobs"]) == len(s["logprobs"]) and s["sampling_logprobs"] != s["logprobs"] for s in hot
+    )
 
     # the engines really sampled that way: greedy repeats one sample per prompt, T=2 almost never does,
     # and greedy picks the most likely tokens (higher raw-model logprobs)
