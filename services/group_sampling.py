@@ -4,6 +4,7 @@ and the sampler's selection. One bad reward marks its sample ("error"), not the 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 from collections.abc import Awaitable, Callable
@@ -44,7 +45,7 @@ async def sample_groups(
         outs = await generate([ids[i] for i in live for _ in range(k)], round_params(params, r))
         for j, i in enumerate(live):
             candidates[i] += [
-                to_sample(o, tokenizer, prompts[i], reward, meta, sampler.wants_log_ratio)
+                to_sample(o, tokenizer, prompts[i], reward, meta, sampler.wants_log_ratio, params)
                 for o in outs[j * k : (j + 1) * k]
             ]
         live = [i for i in live if not sampler.enough(candidates[i], n)]
@@ -73,9 +74,15 @@ def group(
 
 
 def to_sample(
-    o: EngineOutput, tokenizer, prompt: P.Prompt, reward: str | None, meta: dict, log_ratio: bool
+    o: EngineOutput,
+    tokenizer,
+    prompt: P.Prompt,
+    reward: str | None,
+    meta: dict,
+    log_ratio: bool,
+    params: P.SamplingParams,
 ) -> P.Sample:
-    """An engine output, decoded and scored."""
+    """An engine output, decoded and scored; `params` are the sampling params it was generated with."""
     text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
     reason, r = o.finish_reason, 0.0
     try:
@@ -89,6 +96,8 @@ def to_sample(
     return P.Sample(
         token_ids=o.token_ids,
         logprobs=o.logprobs,
+        sampling_logprobs=sampling_logprobs(o, params),
+        sampled_with=P.SampledWith(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k),
         text=text,
         finish_reason=reason,
         reward=r,
@@ -96,3 +105,12 @@ def to_sample(
         token_weight_versions=mixed,
         sampler_meta=meta,
     )
+
+
+def sampling_logprobs(o: EngineOutput, params: P.SamplingParams) -> list[float] | None:
+    """The sample's logprobs under the distribution sampled; None when greedy, when the engine cannot tell, or when a
+    regex constraint forced a token outside that distribution (-inf, which JSON cannot carry)."""
+    slp = o.sampling_logprobs
+    if params.temperature == 0 or slp is None or not all(map(math.isfinite, slp)):
+        return None
+    return slp

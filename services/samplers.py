@@ -152,24 +152,33 @@ class KLAdaptiveTemperature(Sampler):
 
 class ImportanceParams(NoParams):
     candidates: int | None = Field(
-        None, ge=1, le=P.MAX_N * 4, description="Candidates m generated per group (m >= n); default 2n."
+        None,
+        ge=1,
+        le=P.MAX_N * 4,
+        description="Candidates m generated per group (at least n); n distinct ones are kept. Default 2n.",
     )
     target: Literal["reward_tilt", "policy_ratio"] = Field(
         "reward_tilt",
-        description="'reward_tilt': target density proportional to q(x) exp(beta r(x)); 'policy_ratio': the raw "
-        "policy p(x) (temperature 1, no top-p/k), from candidates drawn with the request's sampling params q.",
+        description="What the kept samples lean towards. 'reward_tilt': the density proportional to q(x) exp(beta "
+        "r(x)); 'policy_ratio': the raw policy p(x) (temperature 1, no top-p/k). q is the distribution the candidates "
+        "were drawn from (the request's sampling params). Each kept sample's importance_weight maps it back to q.",
     )
-    beta: float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 resamples uniformly.")
+    beta: float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 keeps a uniform draw of n.")
 
 
 @SAMPLERS.register("importance_resampling")
 class ImportanceResampling(Sampler):
-    """Generate m >= n candidates from q (the request's sampling params), resample n of them (with replacement) by
-    self-normalised weights w_i of a target: exp(beta r_i) for 'reward_tilt', or p(x_i)/q(x_i) for 'policy_ratio'
-    (the raw policy over the distribution actually sampled; needs an engine that reports sampling logprobs: torch).
-    Each sample's sampler_meta carries importance_weight = (1/m) / its resampling probability, the ratio
-    q/target that maps the delivered samples back to q (the trainer's off-policy correction), the log ratio
-    log p/q of the sample, and the weights' effective sample size."""
+    """Generate m candidates from q (the request's sampling params) and keep n of them, without duplicates, by
+    priority sampling (Duffield, Lund & Thorup 2007) on target weights w_i: exp(beta r_i) for 'reward_tilt', or
+    p(x_i)/q(x_i) for 'policy_ratio' (the raw policy over the distribution actually sampled; needs an engine that
+    reports sampling logprobs: torch). Each candidate gets the key w_i / u_i, u_i ~ Uniform(0, 1]; the n largest
+    keys are kept, and tau is the (n+1)-th largest. A kept sample's sampler_meta carries importance_weight
+    = (n/m) max(1, tau / w_i), its Horvitz-Thompson weight scaled so that the mean over the group of
+    importance_weight * f(x_i) is an unbiased estimate of the candidates' mean of f, hence of E_q[f]: it maps the
+    delivered samples back to q, the distribution sampled (the trainer then corrects q to its policy with its
+    rollout-correction ratio and self-normalises the weights per group). It also carries the candidate count m,
+    the effective sample size of the normalised w (a small one means a few candidates dominate) and, for
+    'policy_ratio', the sample's log ratio log p/q. With m <= n every candidate is kept with weight 1."""
 
     Params = ImportanceParams
 
@@ -192,29 +201,30 @@ class ImportanceResampling(Sampler):
         return max(n, self.params.candidates or 2 * n)
 
     def select(self, samples: list[P.Sample], n: int, rng: random.Random) -> list[P.Sample]:
-        scored = (
+        m = len(samples)
+        log_w = (
             [self.params.beta * s.reward for s in samples]
             if self.params.target == "reward_tilt"
             else [s.sampler_meta["log_ratio"] for s in samples]
         )
-        top = max(scored)
-        w = [math.exp(x - top) for x in scored]  # shifted: no overflow
-        probs = [x / sum(w) for x in w]
-        ess = 1 / sum(p * p for p in probs)
-        picks = rng.choices(range(len(samples)), weights=probs, k=n)
+        top = max(log_w)
+        w = [math.exp(x - top) for x in log_w]  # shifted: no overflow
+        ess = sum(w) ** 2 / sum(x * x for x in w)
+        if m <= n:
+            return [self.weighted(s, 1.0, m, ess) for s in samples]
+        # log keys, log(w_i / u_i) with u_i in (0, 1]: no underflow, and tau / w_i <= 1 / u_i <= 2**53 when kept
+        keys = [x - math.log(1.0 - rng.random()) for x in log_w]
+        order = sorted(range(m), key=keys.__getitem__, reverse=True)
+        log_tau = keys[order[n]]
         return [
-            samples[i].model_copy(
-                update={
-                    "sampler_meta": {
-                        **samples[i].sampler_meta,
-                        "importance_weight": 1 / (len(samples) * probs[i]),
-                        "candidates": len(samples),
-                        "ess": ess,
-                    }
-                }
-            )
-            for i in picks
+            self.weighted(samples[i], n / m * max(1.0, math.exp(log_tau - log_w[i])), m, ess) for i in sorted(order[:n])
         ]
+
+    @staticmethod
+    def weighted(s: P.Sample, importance_weight: float, m: int, ess: float) -> P.Sample:
+        """A kept sample, its sampler_meta extended with its importance weight, the candidates and the ESS."""
+        meta = {**s.sampler_meta, "importance_weight": importance_weight, "candidates": m, "ess": ess}
+        return s.model_copy(update={"sampler_meta": meta})
 
 
 class PatternParams(NoParams):

@@ -57,7 +57,8 @@ class EngineOutput:
     finish_reason: FinishReason
     weight_version: int  # the version of the first token (the oldest one)
     token_versions: list[int] = field(default_factory=list)  # one per token; differ only under the "partial" policy
-    sampling_logprobs: list[float] | None = None  # per token, under the distribution sampled (temperature, top-k/p)
+    # per token, under the distribution sampled (temperature, top-k/p; 0 when greedy); None: the engine cannot tell
+    sampling_logprobs: list[float] | None = None
 
 
 def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ Logprobs: generate asks for return_logprob=True and reads meta_info["output_toke
 (logprob, token_id, text). By default SGLang returns them after temperature (log of the tempered
 softmax, before top-p/k). With SGLANG_RETURN_ORIGINAL_LOGPROB=1, which this module sets for the scheduler
 process that the engine spawns, they are log_softmax of the raw logits: temperature 1, no top-p/k.
-Greedy batches (temperature 0) always return raw logprobs.
+Greedy batches (temperature 0) always return raw logprobs. So SGLang reports one kind only: its outputs carry no
+`sampling_logprobs` (the logprobs under the tempered, truncated distribution sampled), and a Sample's stay None
+(the importance_resampling sampler's 'policy_ratio' target, which needs them, is a 422 on this engine).
 
 Weight commits. SGLang's own update (update_weights_from_tensor/_disk/_distributed) takes a writer lock
 that waits for every running request and holds new ones back, so in-flight samples finish on the old

@@ -4,8 +4,10 @@ Logprobs are those of the raw model: log_softmax of the logits at temperature 1,
 before top-k/top-p. That is pi_old(token | prefix), the quantity the PPO ratio
 needs, and what the trainer recomputes with a plain forward pass. The logprobs of
 the distribution actually sampled (after temperature, top-k, top-p) come too, as
-`sampling_logprobs`, for importance weights. A `regex` in the sampling params
-constrains the text token by token (RegexMask).
+`sampling_logprobs`, for importance weights (0 when greedy). A `regex` in the
+sampling params constrains the text token by token (RegexMask); the sampling
+logprobs stay those of the unconstrained distribution (-inf for a token that the
+constraint forced outside it).
 """
 
 from __future__ import annotations

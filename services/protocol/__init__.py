@@ -37,6 +37,7 @@ from services.protocol.rollouts import (
     RolloutRequest,
     RolloutResponse,
     Sample,
+    SampledWith,
     SamplerSpec,
     StreamEnd,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "SamplerSpec",
     "RolloutRequest",
     "Sample",
+    "SampledWith",
     "Group",
     "FilterReport",
     "RolloutResponse",

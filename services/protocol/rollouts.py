@@ -50,11 +50,37 @@ class RolloutRequest(BaseModel):
     )
 
 
+class SampledWith(BaseModel):
+    """The sampling params a sample was actually drawn with: a sampler (kl_adaptive_temperature) may change the
+    request's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(..., description="Softmax temperature; 0 means greedy.")
+    top_p: float = Field(..., description="Nucleus sampling mass; 1 keeps all.")
+    top_k: int = Field(..., description="The k most likely tokens kept; -1 keeps all.")
+
+
 class Sample(BaseModel):
     """One trajectory. A failed sample carries finish_reason 'error' instead of failing the batch."""
 
     token_ids: list[int] = Field(..., description="Generated token ids, the stop token included.")
-    logprobs: list[float] = Field(..., description="Raw-model log-probability of each generated token.")
+    logprobs: list[float] = Field(
+        ...,
+        description="Raw-model log-probability of each generated token: log_softmax of the logits at temperature 1, "
+        "before top-k/top-p, whatever the sampling params (the PPO ratio's old logprob).",
+    )
+    sampling_logprobs: list[float] | None = Field(
+        None,
+        description="Log-probability of each generated token under the distribution actually sampled (see "
+        "sampled_with): the logits divided by the temperature, top-k and top-p applied, renormalised. None for "
+        "greedy samples (temperature 0), for engines that cannot report it (SGLang), and when a regex constraint "
+        "forced a token outside that distribution. With a regex constraint it is the distribution before the "
+        "regex mask, not the constrained one the token was drawn from.",
+    )
+    sampled_with: SampledWith | None = Field(
+        None, description="The sampling params this sample was drawn with, after the sampler's plan."
+    )
     text: str = Field(..., description="Decoded generated text, special tokens skipped.")
     finish_reason: FinishReason = Field(..., description="Why generation ended.")
     reward: float = Field(0.0, description="Reward function's score of this sample.")

@@ -1,5 +1,6 @@
 """The torch engine on a tiny random Llama, in process (no Ray)."""
 
+import asyncio
 import threading
 import time
 
@@ -7,10 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import WeightsRejected
+from services.engine import EngineOutput, WeightsRejected
 from services.engine.state_dict import canonical_state_dict
 from services.engine.torch_engine import TorchEngine
-from services.protocol import Group, Sample, SamplingParams
+from services.group_sampling import sample_groups, to_sample
+from services.protocol import Group, Prompt, Sample, SampledWith, SamplingParams
+from services.samplers import NoParams, Plain
 from trainer.batch import make_batch
 from trainer.forward import response_logprobs
 
@@ -70,6 +73,56 @@ def test_logprobs_match_a_plain_forward_pass(engine):
         lp, _ = response_logprobs(engine.model, batch)
     diff = (lp - batch.rollout_logprobs).abs() * batch.response_mask
     assert diff.max().item() < 1e-4
+
+
+def plain_group(engine, prompt: Prompt, n: int, params: SamplingParams) -> Group:
+    """One group drawn in process by the replica's code (generate, decode, build the Samples), sampler plain."""
+
+    async def generate(ids, p):
+        return engine.generate(ids, p)
+
+    groups = sample_groups(
+        generate, engine.tokenizer, [prompt], n, params, None, {"sampler": "plain"}, Plain(NoParams())
+    )
+    return asyncio.run(groups)[0]
+
+
+def nucleus_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float, top_p: float) -> list[float]:
+    """log q(token) at each row of (T, V) raw logits, q the softmax at `temperature` cut to the smallest set of most
+    likely tokens whose mass reaches top_p, renormalised: written out apart from the engine's processed_logits."""
+    out = []
+    for row, token in zip(logits, tokens):
+        probs, order = torch.softmax(row.double() / temperature, -1).sort(descending=True)
+        size = int((probs.cumsum(-1) < top_p).sum()) + 1  # the prefix up to the first token that reaches top_p
+        assert token in order[:size].tolist()  # the engine sampled inside the nucleus
+        out.append(torch.log(probs[order.tolist().index(token)] / probs[:size].sum()).item())
+    return out
+
+
+def test_samples_record_the_distribution_they_were_drawn_from(engine):
+    """A Sample's sampling_logprobs are those of the distribution sampled (temperature 0.5, top_p 0.9), recomputed
+    with a plain forward pass; its logprobs stay the raw model's; sampled_with names the params. Greedy: None."""
+    params = SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=12, seed=4)
+    group = plain_group(engine, Prompt(text="Q: 12+30\nA:"), 3, params)
+    prompt = group.prompt_token_ids
+    for s in group.samples:
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        raw = torch.log_softmax(logits, -1)[range(len(s.token_ids)), s.token_ids].tolist()
+        assert s.sampled_with == SampledWith(temperature=0.5, top_p=0.9, top_k=-1)
+        assert s.sampling_logprobs == pytest.approx(nucleus_logprobs(logits, s.token_ids, 0.5, 0.9), abs=1e-4)
+        assert s.logprobs == pytest.approx(raw, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(s.sampling_logprobs, s.logprobs)) > 0.1
+    greedy = plain_group(engine, Prompt(text="hi"), 1, SamplingParams(temperature=0, max_new_tokens=4)).samples[0]
+    assert greedy.sampling_logprobs is None and greedy.sampled_with.temperature == 0
+
+
+def test_a_token_outside_the_sampled_distribution_leaves_no_sampling_logprobs(engine):
+    """A regex constraint can force a token outside the nucleus: its sampling logprob is -inf, which JSON cannot
+    carry, so the Sample has none."""
+    out = EngineOutput([5, 6], [-1.0, -2.0], "length", 0, [0, 0], sampling_logprobs=[-0.5, float("-inf")])
+    params = SamplingParams(temperature=0.5, top_p=0.9)
+    assert to_sample(out, engine.tokenizer, Prompt(text="hi"), None, {}, False, params).sampling_logprobs is None
 
 
 def test_stop_token_ids_end_samples(engine):

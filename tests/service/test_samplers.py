@@ -49,6 +49,14 @@ def test_the_temperature_follows_the_reported_kl(service):
     report(service, kl=0.05, step=2)
     cold = rollout(service, cool)
     assert {s["sampler_meta"]["temperature"] for s in cold} == {0.0}
+    # each sample records the params it was drawn with (the sampler's, not the request's temperature 1, top_p 1),
+    # and its logprobs under that distribution, except when greedy
+    assert all(s["sampled_with"] == {"temperature": 2.0, "top_p": 0.9, "top_k": -1} for s in hot)
+    assert all(s["sampled_with"] == {"temperature": 0.0, "top_p": 0.9, "top_k": -1} for s in cold)
+    assert all(s["sampling_logprobs"] is None for s in cold)
+    assert all(
+        len(s["sampling_logprobs"]) == len(s["logprobs"]) and s["sampling_logprobs"] != s["logprobs"] for s in hot
+    )
 
     # the engines really sampled that way: greedy repeats one sample per prompt, T=2 almost never does,
     # and greedy picks the most likely tokens (higher raw-model logprobs)
@@ -113,13 +121,11 @@ def test_importance_resampling_generates_m_candidates_and_returns_n(service):
     assert after - before == 2 * 8 * 8  # 8 candidates of 8 tokens per prompt were generated
     for g in r.json()["groups"]:
         assert len(g["samples"]) == 3 and g["generated_tokens"] == 8 * 8 and g["candidates"] == 8
-        for s in g["samples"]:  # no reward: every candidate weighs the same
-            assert s["sampler_meta"] == {
-                "sampler": "importance_resampling",
-                "importance_weight": 1.0,
-                "candidates": 8,
-                "ess": 8.0,
-            }
+        # no reward: every candidate weighs the same, so the kept ones share one importance weight, (n/m) tau >= n/m
+        weights = {s["sampler_meta"].pop("importance_weight") for s in g["samples"]}
+        assert len(weights) == 1 and min(weights) >= 3 / 8
+        for s in g["samples"]:
+            assert s["sampler_meta"] == {"sampler": "importance_resampling", "candidates": 8, "ess": 8.0}
 
 
 def test_policy_ratio_candidates_carry_their_log_ratio(service):
@@ -129,18 +135,20 @@ def test_policy_ratio_candidates_carry_their_log_ratio(service):
         "sampling_params": {"max_new_tokens": 8, "seed": 3},
         "sampler": {"name": "importance_resampling", "params": {"candidates": 8, "target": "policy_ratio"}},
     }
-    same = post(service, body)["groups"][0]["samples"]  # temperature 1, no top-p: q is p, every weight is 1
-    assert all(
-        abs(s["sampler_meta"]["log_ratio"]) < 1e-4
-        and s["sampler_meta"]["importance_weight"] == pytest.approx(1.0, rel=1e-3)
-        for s in same
-    )
+    same = post(service, body)["groups"][0]["samples"]  # temperature 1, no top-p: q is p, every target weight is 1
+    weights = [s["sampler_meta"]["importance_weight"] for s in same]
+    assert all(abs(s["sampler_meta"]["log_ratio"]) < 1e-4 for s in same)
+    assert max(weights) == pytest.approx(min(weights), rel=1e-3)
     body["sampling_params"]["temperature"] = 0.5
     sharp = post(service, body)["groups"][0]["samples"]
     assert (
         all(abs(s["sampler_meta"]["log_ratio"]) > 1e-3 for s in sharp)
         and len({round(s["sampler_meta"]["ess"], 6) for s in sharp}) == 1
     )
+    for s in sharp:  # the log ratio is log p/q of the sample's own two kinds of logprobs
+        assert s["sampled_with"] == {"temperature": 0.5, "top_p": 1.0, "top_k": -1}
+        log_ratio = sum(s["logprobs"]) - sum(s["sampling_logprobs"])
+        assert s["sampler_meta"]["log_ratio"] == pytest.approx(log_ratio, abs=1e-4)
 
 
 def test_pattern_filter_returns_only_matches_and_counts_rejections(service):
