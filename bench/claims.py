@@ -1,36 +1,44 @@
-"""The design material's four claims, measured on the embedded task (arith, arith-tiny), in one run.
+"""The design material's four claims, measured on the embedded task (arith, arith-tiny): the runs.
 
-Five configurations, --seeds seeds each, the same number of samples per step delivered to the trainer (32 prompts x 8):
-  baseline          plain GRPO: the plain sampler at temperature 1, grpo advantages (what `farm demo` runs)
-  baseline_rloo     the same with RLOO advantages, in reward units as control_variate's (GRPO's are standardised)
-  grpo_adaptive_kl  baseline plus k1 KL in the reward with the adaptive controller aiming at 0.01: the claim about
-                    reward std names adaptive KL alone
-  variance_reduced  the design's recipe: kl_adaptive_temperature sampling (0.7 -> 0.5 above KL 0.02), the
-                    control_variate estimator (critic + leave-one-out baseline), and that adaptive KL
-  filter_cv         the same estimator and KL control, with dynamic_group_filter sampling instead (the sampler that
-                    trained best in docs/results.md): 64 prompts sent per step, the first 32 informative groups kept;
-                    it generates more than it delivers, which the generated-tokens column counts
-Every --test-freq steps the held-out split (416 problems) is scored greedily. Reported per configuration,
-mean and spread over seeds: advantage variance, reward std, KL, steps to reach --target accuracy, final
-accuracy; PNG plots of reward, KL, advantage variance and accuracy against step.
+Five arms, --seeds seeds each. Every arm trains on 32 prompts x 8 samples a step, and run k of every arm has
+trainer.seed=k, so the step's prompts and sampling seeds are the same across arms: comparisons pair by seed.
+  grpo                 plain GRPO, the plain sampler at temperature 1 (the baseline; what `farm demo` runs)
+  rloo                 the same with RLOO advantages
+  reinforce_plus_plus  the same with REINFORCE++ advantages
+  grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller aiming at 0.01 (horizon 1000)
+  design_recipe        trainer/presets/design.yaml (its own response length aside) with the kl_adaptive_temperature
+                       sampler, the control_variate estimator (a critic + leave-one-out baseline), the raised
+                       mini-batch at 16 groups (128 samples) from 8 (64 samples), and 32 prompts a step
+Every --test-freq steps the trainer scores the whole held-out split (416 problems) greedily.
 
-    .venv/bin/pip install -c requirements.lock -e '.[bench]'   # matplotlib, for the plots
-    .venv/bin/python bench/claims.py                             # about 35 min
-It writes bench/results/claims.json and docs/img/claims_*.png.
+Each (arm, seed) run writes one small JSON file, <arm>-seed<k>.json under --data-dir: its overrides, commit,
+date, machine, wall time and the per-step figures the report needs. A finished file is skipped on a re-run
+(--force runs it again), so an interrupted benchmark resumes. bench/claims_report.py turns the files into
+docs/results.md's claims section and docs/img/claims_*.png.
+
+    .venv/bin/pip install -c requirements.lock -e '.[bench]'   # matplotlib and scipy, for the report
+    .venv/bin/python bench/claims.py                             # 5 arms x 5 seeds x 30 steps
+    .venv/bin/python bench/claims_report.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, TOKEN, log, start_service, stop_service, table, write_json  # noqa: E402
+import yaml
+from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import ROOT, TOKEN, log, machine, start_service, stop_service  # noqa: E402
+from trainer.config import PRESETS  # noqa: E402
+
+DATA = ROOT / "docs" / "data" / "claims"
 # k1 KL in the reward, adaptive controller. verl updates the coefficient by
 # 1 + clip(kl/target - 1, +-0.2) * samples/horizon per step: with 256 samples a step, horizon 1000 moves it
 # up to 5% a step (100 made it grow 1.5x a step and blow up)
@@ -41,158 +49,185 @@ ADAPTIVE_KL = [
     "algorithm.kl_ctrl.target_kl=0.01",
     "algorithm.kl_ctrl.horizon=1000",
 ]
-CV = "algorithm.adv_estimator=control_variate"
-CONFIGS = {
-    "baseline": [],
-    "baseline_rloo": [
-        "algorithm.adv_estimator=rloo"
-    ],  # advantages in reward units, like control_variate's: their variances compare
-    "grpo_adaptive_kl": ADAPTIVE_KL,
-    "variance_reduced": ["actor_rollout_ref.rollout.sampler=kl_adaptive_temperature", CV, *ADAPTIVE_KL],
-    "filter_cv": ["actor_rollout_ref.rollout.sampler=dynamic_group_filter", "data.oversample=2", CV, *ADAPTIVE_KL],
-}
-PLOTS = {
-    "reward_mean": "reward (mean over the batch)",
-    "kl_ref": "KL to the reference",
-    "adv_var": "advantage variance",
-    "val_accuracy": "held-out accuracy",
+SHARED = ["actor_rollout_ref.model.path=arith-tiny", "data.train_batch_size=32", "actor_rollout_ref.rollout.n=8"]
+# What the report reads from each step of metrics.jsonl; kl_k1, adv_var_rloo and the accuracies may be absent
+KEYS = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "kl_ref",
+    "kl_k1",
+    "adv_var",
+    "adv_var_rloo",
+    "val_accuracy",
+    "val_number_accuracy",
+    "generated_tokens",
+    "kl_coef",
+    "ppo_mini_batch_size",
+    "guard_actions",
+)
+
+
+def flatten(tree: dict, prefix: str = "") -> list[str]:
+    """A YAML tree as `dotted.key=value` overrides (values written as YAML flow)."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out += flatten(value, f"{prefix}{key}.")
+        else:
+            text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...")
+            out.append(f"{prefix}{key}={text}")
+    return out
+
+
+def merged(*lists: list[str]) -> list[str]:
+    """Overrides in order; a later value of the same key replaces the earlier one in its place."""
+    out: dict[str, str] = {}
+    for item in (x for lst in lists for x in lst):
+        out[item.partition("=")[0]] = item
+    return list(out.values())
+
+
+def design_recipe() -> list[str]:
+    """The design preset as overrides, without its response length (the task's default, as the other arms)."""
+    preset = [
+        o for o in flatten(yaml.safe_load((PRESETS / "design.yaml").read_text())) if "max_response_length" not in o
+    ]
+    return preset + [
+        "actor_rollout_ref.rollout.sampler=kl_adaptive_temperature",
+        "algorithm.adv_estimator=control_variate",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # groups of n=8: 64 samples
+        "guards.raised_mini_batch_size=16",  # 128 samples
+    ]
+
+
+ARMS = {
+    name: merged(overrides, SHARED)
+    for name, overrides in {
+        "grpo": [],
+        "rloo": ["algorithm.adv_estimator=rloo"],
+        "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus"],
+        "grpo_adaptive_kl": ADAPTIVE_KL,
+        "design_recipe": design_recipe(),
+    }.items()
 }
 
 
-def run(url: str, name: str, seed: int, a, out: Path) -> list[dict]:
+def sig5(v):
+    """Floats to 5 significant digits; anything else as it is."""
+    return float(f"{v:.5g}") if isinstance(v, float) else v
+
+
+def slim(row: dict) -> dict:
+    return {k: sig5(row[k]) for k in KEYS if k in row}
+
+
+def settings(a) -> dict:
+    return {"steps": a.steps, "test_freq": a.test_freq, "eval_size": a.eval_size}
+
+
+def train_one(url: str, arm: str, seed: int, a) -> dict:
+    """One (arm, seed) run; its record for the data file."""
     from trainer.config import load
     from trainer.loop import train
     from trainer.run import TrainingRun
 
-    folder = out / f"{name}-seed{seed}"
-    cfg = load(
-        None,
-        [
-            f"trainer.service_url={url}",
-            "actor_rollout_ref.model.path=arith-tiny",
-            f"trainer.total_training_steps={a.steps}",
-            f"trainer.eval_size={a.eval_size}",
-            f"trainer.test_freq={a.test_freq}",
-            f"trainer.seed={seed}",
-            f"trainer.default_local_dir={folder}",
-            "trainer.resume_mode=disable",
-            *CONFIGS[name],
-        ],
-    )
-    t = time.perf_counter()
-    train(TrainingRun(cfg, TOKEN))
-    log(f"{name} seed {seed}: {time.perf_counter() - t:.0f} s")
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-def summarise(steps: list[dict], target: float) -> dict:
-    evals = [(s["step"], s["val_accuracy"]) for s in steps if "val_accuracy" in s]
+    folder = ROOT / "runs" / "bench-claims" / f"{arm}-seed{seed}"
+    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl appends: start it empty
+    common = [
+        f"trainer.service_url={url}",
+        f"trainer.total_training_steps={a.steps}",
+        f"trainer.eval_size={a.eval_size}",
+        f"trainer.test_freq={a.test_freq}",
+        f"trainer.seed={seed}",
+        f"trainer.default_local_dir={folder}",
+        "trainer.resume_mode=disable",
+    ]
+    t, error, summary = time.perf_counter(), None, {}
+    try:
+        summary = train(TrainingRun(load(None, [*common, *ARMS[arm]]), TOKEN))
+    except RuntimeError as e:  # the KL guard gave up: a result too, recorded with the steps it made
+        error = str(e)
+        log(f"{arm} seed {seed} stopped: {error}")
+    wall = time.perf_counter() - t
+    metrics = folder / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [slim(s) for s in lines if s.get("event") == "train_step"]
+    after = summary.get("after", {})
+    if steps and steps[-1]["step"] == a.steps:  # the final score, when the last step was no eval step
+        for key, value in (
+            ("val_accuracy", after.get("accuracy")),
+            ("val_number_accuracy", after.get("number_accuracy")),
+        ):
+            if value is not None:
+                steps[-1].setdefault(key, sig5(value))
     return {
-        "adv_var": statistics.fmean(s["adv_var"] for s in steps),
-        "reward_std": statistics.fmean(s["reward_std"] for s in steps),
-        "kl": statistics.fmean(s["kl_ref"] for s in steps),
-        "generated_ktokens": steps[-1]["generated_tokens"] / 1000,
-        "final_accuracy": evals[-1][1] if evals else float("nan"),
-        "steps_to_target": next((step for step, acc in evals if acc >= target), None),
+        "arm": arm,
+        "seed": seed,
+        "overrides": ARMS[arm],
+        "settings": settings(a),
+        "wall_s": round(wall, 1),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine(),
+        **({"error": error} if error else {}),
+        "steps": steps,
     }
 
 
-def spread(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "never"
-    return f"{statistics.fmean(xs):.4g} ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else f"{xs[0]:.4g}"
+def write(path: Path, record: dict) -> None:
+    """The record as JSON, one line per step, written whole or not at all."""
+    head = json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=1)[:-2]
+    rows = ",\n  ".join(json.dumps(s) for s in record["steps"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f'{head},\n "steps": [\n  {rows}\n ]\n}}\n')
+    tmp.replace(path)
 
 
-def plot(runs: dict[str, list[list[dict]]], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for key, label in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for (name, seeds), color in zip(runs.items(), ("tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:red")):
-            for i, steps in enumerate(seeds):
-                pts = [(s["step"], s[key]) for s in steps if key in s]
-                ax.plot(
-                    [p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.8, label=name if i == 0 else None
-                )
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(folder / f"claims_{key}.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
-    return paths
+def todo(a) -> list[tuple[str, int]]:
+    """The (arm, seed) runs still to do, seed by seed so that a partial benchmark holds paired runs."""
+    out = []
+    for seed in range(a.seeds):
+        for arm in a.arms:
+            path = a.data_dir / f"{arm}-seed{seed}.json"
+            if path.exists() and not a.force:
+                done = json.loads(path.read_text())
+                if (done.get("settings"), done.get("overrides")) != (settings(a), ARMS[arm]):
+                    sys.exit(
+                        f"{path} was run with other settings or overrides: --force replaces it; or another --data-dir"
+                    )
+                continue
+            out.append((arm, seed))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--test-freq", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 (trainer.seed)")
+    ap.add_argument("--test-freq", type=int, default=2, help="score the held-out split every this many steps")
     ap.add_argument("--eval-size", type=int, default=1000, help="held-out problems (capped by the split: 416)")
-    ap.add_argument("--target", type=float, default=0.3, help="held-out accuracy for 'steps to target'")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--data-dir", type=Path, default=DATA, help="where the per-run JSON files go")
+    ap.add_argument("--force", action="store_true", help="run again the (arm, seed) runs that have a file")
     a = ap.parse_args()
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        sys.exit("the plots need matplotlib: .venv/bin/pip install -c requirements.lock -e '.[bench]'")
+    a.data_dir.mkdir(parents=True, exist_ok=True)
+    runs = todo(a)
+    if not runs:
+        log(f"every run has its file in {a.data_dir}; --force runs them again")
+        return
     url = start_service(model="arith-tiny")
-    runs: dict[str, list[list[dict]]] = {name: [] for name in CONFIGS}
     try:
-        for seed in range(a.seeds):
-            for name in CONFIGS:
-                runs[name].append(run(url, name, seed, a, ROOT / "runs" / "bench-claims"))
+        bar = tqdm(runs, desc="claims", unit="run", file=sys.stderr)
+        for arm, seed in bar:
+            bar.set_postfix_str(f"{arm} seed {seed}")
+            record = train_one(url, arm, seed, a)
+            write(a.data_dir / f"{arm}-seed{seed}.json", record)
+            log(f"{arm} seed {seed}: {record['wall_s']:.0f} s")
     finally:
         stop_service()
-    summary = {name: [summarise(s, a.target) for s in seeds] for name, seeds in runs.items()}
-    rows = []
-    for name, per_seed in summary.items():
-        rows.append(
-            [
-                name,
-                *(
-                    spread([s[k] for s in per_seed])
-                    for k in ("adv_var", "reward_std", "kl", "generated_ktokens", "final_accuracy")
-                ),
-                spread([s["steps_to_target"] for s in per_seed])
-                + f" ({sum(s['steps_to_target'] is not None for s in per_seed)}/{len(per_seed)} reached)",
-            ]
-        )
-    print(f"\n{a.steps} steps, {a.seeds} seeds, 32 prompts x 8 samples per step; mean ± std over seeds")
-    print(
-        table(
-            [
-                "config",
-                "advantage variance",
-                "reward std",
-                "KL to reference",
-                "k tokens generated",
-                "final held-out accuracy",
-                f"steps to {a.target:.2f}",
-            ],
-            rows,
-        )
-    )
-    paths = plot(runs, ROOT / "docs" / "img")
-    write_json(
-        "claims",
-        {
-            "steps": a.steps,
-            "seeds": a.seeds,
-            "target": a.target,
-            "configs": CONFIGS,
-            "summary": summary,
-            "runs": runs,
-            "plots": [str(p.relative_to(ROOT)) for p in paths],
-        },
-    )
+    report = "" if a.data_dir.resolve() == DATA else f" --data-dir {a.data_dir}"
+    log(f"wrote {len(runs)} files to {a.data_dir}; now: .venv/bin/python bench/claims_report.py{report}")
 
 
 if __name__ == "__main__":

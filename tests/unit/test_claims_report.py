@@ -1,0 +1,126 @@
+"""bench/claims_report.py on synthetic per-seed files: the verdict rule, with negative controls, and a byte-identical
+rebuild. No service, no training."""
+
+import json
+
+import pytest
+
+from bench import claims_report as report
+
+STEPS, TEST_FREQ = 30, 2
+SETTINGS = {"steps": STEPS, "test_freq": TEST_FREQ, "eval_size": 1000}
+# Per seed, the recipe's effect on every claimed figure: the claimed direction positive
+EFFECTS = {
+    "holds": [0.40, 0.45, 0.50, 0.42, 0.48],
+    "fails": [-0.40, -0.45, -0.50, -0.42, -0.48],
+    "noise": [0.50, -0.50, 0.40, -0.40, 0.02],
+}
+
+
+def run(arm: str, seed: int, reward_std: float, accuracy: float, reach: int, adv_var: float, adv_var_rloo=None):
+    """A run's record as bench/claims.py writes it: flat figures, accuracy 0 until step `reach`, then `accuracy`."""
+    steps = []
+    for step in range(1, STEPS + 1):
+        row = {"step": step, "reward_mean": 0.5, "reward_std": reward_std, "kl_ref": 0.03, "adv_var": adv_var}
+        if adv_var_rloo is not None:
+            row["adv_var_rloo"] = adv_var_rloo
+        if step % TEST_FREQ == 0:
+            row["val_accuracy"] = accuracy if step >= reach else 0.0
+        row |= {"generated_tokens": 4000 * step, "kl_coef": 0.001, "ppo_mini_batch_size": 8, "guard_actions": []}
+        steps.append(row)
+    return {
+        "arm": arm,
+        "seed": seed,
+        "overrides": ["data.train_batch_size=32"],
+        "settings": SETTINGS,
+        "wall_s": 60.0,
+        "commit": "0123456789abcdef",
+        "date": "2026-12-01T10:00:00",
+        "machine": {"cpus": 2, "python": "3.11.7", "torch": "2.13.0", "cuda": None},
+        "steps": steps,
+    }
+
+
+def write_runs(folder, effects):
+    """grpo, grpo_adaptive_kl and design_recipe, 5 seeds; the second and third move by `effects` per seed."""
+    folder.mkdir()
+    for seed, g in enumerate(effects):
+        base = 1 + 0.01 * seed  # seeds differ a little
+        records = [
+            run("grpo", seed, 0.25 * base, 0.5 * base, 12, 0.7),
+            run("grpo_adaptive_kl", seed, 0.25 * base * (1 - g), 0.5 * base, 12, 0.7),
+            run(
+                "design_recipe",
+                seed,
+                0.25 * base * (1 - g) ** 0.5,  # reward variance lower by g
+                0.5 * base * (1 + g / 4),  # above the target in every case: steps to target stay defined
+                round(12 / (1 + g) / TEST_FREQ) * TEST_FREQ,
+                0.2 * (1 - g),
+                adv_var_rloo=0.2,
+            ),
+        ]
+        for r in records:
+            (folder / f"{r['arm']}-seed{seed}.json").write_text(json.dumps(r))
+    return folder
+
+
+def doc(tmp_path):
+    md = tmp_path / "results.md"
+    md.write_text(f"# Results\n\n{report.BEGIN}\nold text\n{report.END}\n\n## Next section\n")
+    return md
+
+
+@pytest.mark.parametrize("case, verdict", [("holds", "holds"), ("fails", "fails"), ("noise", "inconclusive")])
+def test_the_verdict_rule_on_a_clear_effect_its_opposite_and_noise(tmp_path, case, verdict):
+    runs = report.load_runs(write_runs(tmp_path / "data", EFFECTS[case]))
+    assert report.claim_verdicts(runs, target=0.3) == {1: verdict, 2: verdict, 3: verdict, 4: verdict}
+
+
+def test_no_spread_is_judged_by_the_mean_and_too_few_seeds_are_inconclusive():
+    assert report.judge([0.2, 0.2, 0.2], 0.2).verdict == "holds"  # every seed 1.2x faster, in whole eval steps
+    assert report.judge([0.0, 0.0, 0.0], 0.2).verdict == "fails"
+    assert report.judge([0.5], 0.2).verdict == "inconclusive"
+    assert report.judge([0.5, 0.6], None).verdict == ""  # reported, not judged
+
+
+def test_a_missing_figure_is_inconclusive_not_a_verdict(tmp_path):
+    data = write_runs(tmp_path / "data", EFFECTS["holds"])
+    for path in data.glob("design_recipe-*.json"):
+        r = json.loads(path.read_text())
+        r["steps"] = [{k: v for k, v in s.items() if k != "adv_var_rloo"} for s in r["steps"]]
+        path.write_text(json.dumps(r))
+    assert report.claim_verdicts(report.load_runs(data), target=0.3)[1] == "inconclusive"
+
+
+def test_the_section_is_rebuilt_between_the_markers_byte_for_byte(tmp_path):
+    data, md = write_runs(tmp_path / "data", EFFECTS["holds"]), doc(tmp_path)
+    report.rebuild(data, md, None)
+    first = md.read_text()
+    report.rebuild(data, md, None)
+    assert md.read_text() == first
+    assert first.startswith(f"# Results\n\n{report.BEGIN}\n## The design's claims")
+    assert first.endswith(f"{report.END}\n\n## Next section\n") and "old text" not in first
+    assert "bench/claims.py --steps 30 --seeds 5 --test-freq 2 --arms grpo grpo_adaptive_kl design_recipe" in first
+    assert "**holds**" in first and "commit 0123456789ab".lower() in first.lower()
+
+
+def test_a_document_without_markers_is_an_error_that_says_so(tmp_path):
+    md = tmp_path / "results.md"
+    md.write_text("# Results\n")
+    with pytest.raises(SystemExit, match="claims:begin"):
+        report.rebuild(write_runs(tmp_path / "data", EFFECTS["holds"]), md, None)
+
+
+def test_the_design_recipe_arm_is_the_preset_at_32_prompts_with_the_named_parts():
+    from bench.claims import ARMS
+    from trainer.config import load
+
+    cfg = load(None, ARMS["design_recipe"])
+    a, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
+    assert (cfg.data.train_batch_size, cfg.data.max_response_length, cfg.actor_rollout_ref.rollout.n) == (32, None, 8)
+    assert cfg.actor_rollout_ref.rollout.sampler == "kl_adaptive_temperature" and cfg.critic_enabled
+    assert (alg.adv_estimator, a.ppo_epochs, a.ppo_mini_batch_size) == ("control_variate", 6, 8)
+    assert (alg.use_kl_in_reward, alg.kl_ctrl.type, alg.kl_ctrl.target_kl) == (True, "adaptive", 0.01)
+    assert cfg.guards.enable and cfg.guards.raised_mini_batch_size == 16
+    for arm, overrides in ARMS.items():  # every arm: 32 prompts x 8 samples
+        assert load(None, overrides).data.train_batch_size == 32, arm
