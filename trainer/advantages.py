@@ -18,7 +18,6 @@ from trainer import losses
 from trainer.batch import Batch
 from trainer.config import Config
 from trainer.estimators import ESTIMATORS, GROUP_BASELINES, AdvInput
-from trainer.rollout_correction import group_normalised
 
 
 def compute_advantages(
@@ -48,7 +47,7 @@ def compute_advantages(
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         variance_threshold=alg.variance_threshold,
         long_response_length=alg.long_response_length,
-        weights=group_normalised(b.importance_weights, b.group_ids),
+        weights=b.importance_weights,
     )
     adv, returns, info = ESTIMATORS.get(alg.adv_estimator)(x)
     informative = informative_samples(b)

@@ -19,8 +19,8 @@ control_variate  outcome advantage A_i = r_i - b_i with b_i = V_i + c (L_i - V_i
 Every estimator takes an AdvInput and returns (advantages, returns, info), tensors (B, R) zero past each
 response, and a dict of scalars to log (adaptive_gae's lambda, control_variate's c).
 
-Importance weights (a resampling sampler's, AdvInput.weights, normalised to mean 1 per group) make the group
-baselines weighted: GRPO's weighted mean and std, RLOO's and control_variate's weighted leave-one-out mean. With
+Importance weights (a resampling sampler's, AdvInput.weights: Horvitz-Thompson weights, mean 1 per group in
+expectation) make the group baselines weighted: GRPO's weighted mean and std, RLOO's and control_variate's weighted leave-one-out mean. With
 equal weights each is exactly the unweighted one (verl's, for grpo and rloo).
 """
 
@@ -51,7 +51,7 @@ class AdvInput:
     norm_adv_by_std_in_grpo: bool = True  # algorithm.norm_adv_by_std_in_grpo
     variance_threshold: float = 0.2  # adaptive_gae's v_thr
     long_response_length: int | None = 512  # adaptive_gae: lambda 0.98 from this mean response length
-    weights: torch.Tensor | None = None  # (B,) importance weights, mean 1 per group; None: all 1
+    weights: torch.Tensor | None = None  # (B,) importance weights (mean 1 per group in expectation); None: all 1
 
     @property
     def scores(self) -> torch.Tensor:

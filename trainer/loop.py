@@ -29,7 +29,6 @@ from trainer.evaluate import evaluate
 from trainer.forward import in_micro_batches, policy_and_reference, response_values, temperatures
 from trainer.guards import GUARD_ACTIONS
 from trainer.minibatches import mini_batches
-from trainer.rollout_correction import group_normalised
 from trainer.run import TrainingRun
 
 log = logging.getLogger("farm.trainer")
@@ -82,7 +81,7 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     weights, mask, corr = rollout_correction.correction(old_lp, b, run.cfg.algorithm.rollout_correction)
     if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
         old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
-        weights = group_normalised(b.importance_weights, b.group_ids)[:, None] * b.response_mask
+        weights = b.importance_weights[:, None] * b.response_mask
     adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values, metrics["kl_ref"])
     metrics |= corr | adv_metrics
     metrics |= ppo_update(run, replace(b, response_mask=mask.long()), adv, old_lp, ref_lp, weights, values, returns)

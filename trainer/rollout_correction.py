@@ -12,8 +12,11 @@ distribution it was drawn from (q: logits / T, truncated and renormalised); the 
     rollout_rs            rejection: comma-separated verl options (token_k1, seq_mean_k3, ...) that drop tokens
                           or whole responses whose divergence passes rollout_rs_threshold
 
-A resampling sampler's `importance_weight` (it maps the delivered samples back to q) multiplies in, normalised to
-mean 1 within each group. Samples the service drew without reporting q (greedy, or an engine that cannot) get no
+A resampling sampler's `importance_weight` (it maps the delivered samples back to q) multiplies in as the service
+sent it. Those are Horvitz-Thompson weights, already scaled so that a group's total is n in expectation. Dividing
+them by each group's actual mean (self-normalising) biases the gradient when groups are small: on the bandit of
+tests/unit/test_sampler_math.py (n = 4 kept from 8) by 12 standard errors, where the weights as sent are
+unbiased. Samples the service drew without reporting q (greedy, or an engine that cannot) get no
 correction and are counted in `rollout_corr/unknown_fraction`.
 
 The step logs the mismatch, under verl's names: rollout_corr/kl (KL(q || pi_old), estimated on the samples),
@@ -28,14 +31,6 @@ from verl.trainer.ppo import rollout_corr_helper
 
 from trainer.batch import Batch
 from trainer.config import RolloutCorrection
-
-
-def group_normalised(weights: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """weights (B,) divided by their group's mean: each group keeps its share of the loss."""
-    ids = torch.unique(group_ids, return_inverse=True)[1].to(weights.device)
-    sums = torch.zeros(int(ids.max()) + 1, dtype=weights.dtype, device=weights.device).index_add_(0, ids, weights)
-    counts = torch.zeros_like(sums).index_add_(0, ids, torch.ones_like(weights))
-    return weights / (sums / counts).clamp(min=1e-12)[ids]
 
 
 def correction(
@@ -59,7 +54,7 @@ def correction(
         rollout_rs_threshold=cfg.rollout_rs_threshold,
     )
     weights = proto.batch["rollout_is_weights"] if proto is not None else mask.clone()
-    iw = group_normalised(b.importance_weights.to(weights.dtype), b.group_ids)
+    iw = b.importance_weights.to(weights.dtype)
     metrics |= {k: float(v) for k, v in verl_metrics.items() if _scalar(v)}
     metrics |= {"importance_weight_max": iw.max().item(), "importance_weight_min": iw.min().item()}
     return weights * iw[:, None] * mask, mask, metrics

@@ -183,10 +183,10 @@ def test_the_mismatch_is_logged_and_masked_is_zeroes_tokens_outside_its_bounds()
         weight_versions=torch.zeros(B, dtype=torch.long),
     )
     w, mask, m = rollout_correction.correction(old, b, RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0))
-    assert w[0, 0] == 2.0 * 0.5  # truncated at 2, times the group-normalised importance weight 1 / mean(1, 3)
-    assert w[1, 0] == 1.5 and w[3, 0] == 1.0  # 3 / 2; an unknown sampling distribution gets no correction
+    assert w[0, 0] == 2.0  # truncated at 2, times its importance weight 1
+    assert w[1, 0] == 3.0 and w[3, 0] == 1.0  # the importance weight as sent; unknown sampling: no correction
     assert 0 < m["rollout_corr/rollout_is_ratio_fraction_high"] < 0.1  # 1 token of 9 known ones past the cap
     assert m["rollout_corr/unknown_fraction"] == 0.25 and m["rollout_corr/kl"] < 0
     masked = RolloutCorrection(rollout_is="token", rollout_is_threshold="0.5_5.0")
     w, _, _ = rollout_correction.correction(old, b, masked)
-    assert w[0, 0] == 0 and w[0, 1] == 0.5  # IcePop: a ratio outside the bounds gets weight 0
+    assert w[0, 0] == 0 and w[0, 1] == 1.0  # IcePop: a ratio outside the bounds gets weight 0

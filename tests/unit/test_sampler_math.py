@@ -158,3 +158,47 @@ def test_importance_resampling_to_the_policy_ratio_reaches_the_raw_policy():
     mean, se = z_stats([statistics.fmean(s.reward for s in g) for g in kept])
     assert abs(mean - p) < 4 * se + 0.02 and abs(mean - q) > 0.2
     assert all("log_ratio" in s.sampler_meta for g in kept for s in g)
+
+
+def trainer_gradients(groups, weighted: bool, normalised: bool = False, n: int = 4):
+    """The trainer's policy-gradient estimate per group, for a softmax policy pi = q over the arms: the importance
+    weights as the service sent them on each term and in RLOO's leave-one-out baseline (trainer/estimators.py,
+    trainer/rollout_correction.py); `weighted=False` drops the weights (the negative control), `normalised=True`
+    divides them by their group's mean (self-normalising: biased for small groups)."""
+    import numpy as np
+    import torch
+
+    from trainer.estimators import ESTIMATORS, AdvInput
+
+    q = torch.tensor(ARMS_Q)
+    out = []
+    for g in groups:
+        arms = torch.tensor([a for a, _ in g])
+        w = torch.tensor([w for _, w in g]) if weighted else torch.ones(n)
+        w = w / w.mean() if normalised else w
+        r = torch.tensor([ARMS_R[a] for a in arms.tolist()])
+        x = AdvInput(r[:, None], torch.ones(n, 1), np.zeros(n, dtype=int), weights=w)
+        adv = ESTIMATORS.get("rloo")(x)[0][:, 0]
+        score = torch.nn.functional.one_hot(arms, 5) - q  # grad of log softmax at the arm
+        out.append(((w * adv)[:, None] * score).sum(0) / n)
+    return torch.stack(out)
+
+
+def test_the_trainers_weighted_estimator_is_unbiased_for_the_policy_gradient_and_unweighted_it_is_not():
+    """Reward-tilted groups (m = 8 candidates from q, n = 4 kept) through the trainer's weighting: the expected
+    gradient is grad J(q), the policy that sampled (a z-test per component over 4000 independent groups); without
+    the weights it follows the tilt instead, and is rejected; self-normalised per group it is rejected too (why
+    the trainer uses the weights as sent)."""
+    import torch
+
+    q, r = torch.tensor(ARMS_Q), torch.tensor(ARMS_R)
+    exact = (q * r)[:, None] * (torch.eye(5) - q)
+    exact = exact.sum(0)
+    groups = bandit_groups("reward_tilt")
+
+    def z(g):
+        return ((g.mean(0) - exact) / (g.std(0) / math.sqrt(len(g)))).abs().max().item()
+
+    assert z(trainer_gradients(groups, weighted=True)) < 4
+    assert z(trainer_gradients(groups, weighted=False)) > 8
+    assert z(trainer_gradients(groups, weighted=True, normalised=True)) > 6
