@@ -21,8 +21,7 @@ response, and a dict of scalars to log (adaptive_gae's lambda, control_variate's
 
 Importance weights (a resampling sampler's, AdvInput.weights: Horvitz-Thompson weights, mean 1 per group in
 expectation) make the group baselines weighted: GRPO's weighted mean and std, RLOO's and control_variate's
-weighted leave-one-out mean. With
-equal weights each is exactly the unweighted one (verl's, for grpo and rloo).
+weighted leave-one-out mean. With equal weights each is exactly the unweighted one (verl's, for grpo and rloo).
 """
 
 from __future__ import annotations
