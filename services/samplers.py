@@ -176,7 +176,8 @@ class ImportanceResampling(Sampler):
     = (n/m) max(1, tau / w_i), its Horvitz-Thompson weight scaled so that the mean over the group of
     importance_weight * f(x_i) is an unbiased estimate of the candidates' mean of f, hence of E_q[f]: it maps the
     delivered samples back to q, the distribution sampled (the trainer then corrects q to its policy with its
-    rollout-correction ratio and self-normalises the weights per group). It also carries the candidate count m,
+    rollout-correction ratio, and uses these weights as sent: in its loss and its group baselines). It also
+    carries the candidate count m,
     the effective sample size of the normalised w (a small one means a few candidates dominate) and, for
     'policy_ratio', the sample's log ratio log p/q. With m <= n every candidate is kept with weight 1."""
 
