@@ -17,7 +17,8 @@ from pathlib import Path
 from services.net import free_port  # noqa: F401  (the benchmarks import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results"  # scratch (git-ignored): progress files
+DATA = ROOT / "docs" / "data"  # each benchmark's result, committed: the data behind the figures the docs cite
 TOKEN = "bench-token-0123456789"
 SMOLLM2_DIR = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm")) / "models" / "smollm2-135m"
 
@@ -148,9 +149,10 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def write_json(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """The benchmark's result as docs/data/<name>.json (small; commit it with the docs that cite it)."""
+    DATA.mkdir(parents=True, exist_ok=True)
     data = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **data}
-    path = RESULTS / f"{name}.json"
+    path = DATA / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     log(f"wrote {path.relative_to(ROOT)}")
     return path

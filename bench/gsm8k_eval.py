@@ -5,7 +5,7 @@
     .venv/bin/python bench/gsm8k_eval.py --model smollm2 --size 200
 
 Prompts go through the model's chat template with the task's instruction (answer after "####"); the
-reward is an exact match of the number after the last "####". Writes bench/results/gsm8k_<model>.json.
+reward is an exact match of the number after the last "####". Writes docs/data/gsm8k_<model>.json.
 Each scored problem is appended to bench/results/gsm8k_<model>_progress.jsonl, so a stopped run goes on
 where it stopped. The full split takes about an hour and a quarter on 2 CPU cores (SmolLM2 writes up
 to 512 tokens; finished answers leave the engine batch, which took 5.5 hours before).

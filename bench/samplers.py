@@ -9,7 +9,7 @@ of informative groups (reward std > 0), useful samples (in informative groups) p
 Part 2, training. --steps steps of GRPO (32 prompts x 8 samples per step, as `farm demo`) per sampler and
 seed, then greedy accuracy on the held-out split; mean and spread over --seeds seeds.
 
-    .venv/bin/python bench/samplers.py                 # writes bench/results/samplers.json
+    .venv/bin/python bench/samplers.py                 # writes docs/data/samplers.json
 """
 
 from __future__ import annotations
