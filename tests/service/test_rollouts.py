@@ -29,7 +29,12 @@ def test_rollouts_return_groups_with_logprobs_that_match_the_model(client, fresh
     batch = make_batch(resp.groups, pad_id=0)
     with torch.no_grad():
         lp, _ = response_logprobs(model, batch)
+        tempered, _ = response_logprobs(model, batch, batch.temperatures)
     assert ((lp - batch.rollout_logprobs).abs() * batch.response_mask).max().item() < 1e-4
+    # the trainer's policy (logits / T) is the distribution the service sampled from (no top-p/k here)
+    assert torch.all(batch.temperatures == 0.8) and torch.all(batch.sampling_known == 1)
+    assert ((tempered - batch.sampling_logprobs).abs() * batch.response_mask).max().item() < 1e-4
+    assert ((tempered - lp).abs() * batch.response_mask).max().item() > 1e-2
 
 
 @pytest.mark.parametrize(
