@@ -56,7 +56,9 @@ KEYS = (
     "reward_mean",
     "reward_std",
     "kl_ref",
+    "kl_ref_before",
     "kl_k1",
+    "kl_k3",
     "adv_var",
     "adv_var_rloo",
     "val_accuracy",
@@ -64,6 +66,9 @@ KEYS = (
     "generated_tokens",
     "kl_coef",
     "ppo_mini_batch_size",
+    "optimizer_steps",
+    "zero_variance_fraction",
+    "rollout_corr/kl",
     "guard_actions",
 )
 

@@ -74,7 +74,8 @@ def train(run: TrainingRun) -> dict:
 
 
 def train_step(run: TrainingRun, b: Batch) -> dict:
-    """KL, advantages and the rollout correction of the batch, then the PPO epochs; the step's metrics."""
+    """KL, advantages and the rollout correction of the batch, then the PPO epochs, then the updated policy's KL;
+    the step's metrics."""
     a = run.cfg.actor_rollout_ref.actor
     old_lp, ref_lp, kl_exact, values = no_grad_passes(run, b)
     metrics = kl_readings(b, old_lp, ref_lp, kl_exact)
@@ -82,9 +83,11 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
         old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
         weights = b.importance_weights[:, None] * b.response_mask
-    adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values, metrics["kl_ref"])
+    kl_before = metrics["kl_ref_before"]
+    adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values, kl_before)
     metrics |= corr | adv_metrics
     metrics |= ppo_update(run, replace(b, response_mask=mask.long()), adv, old_lp, ref_lp, weights, values, returns)
+    metrics["kl_ref"] = updated_kl(run, b)
     return metrics
 
 
@@ -105,14 +108,27 @@ def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tens
 
 
 def kl_readings(b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_exact: torch.Tensor) -> dict:
-    """kl_ref, the exact KL of the policy to the reference per response token (what the controller, the guard and
-    the samplers' policy stats read), and the one-token estimates k1 and k3 beside it, for comparison."""
+    """The KL to the reference of the policy that sampled the batch: kl_ref_before, exact per response token
+    (the adaptive controller's), and the one-token estimates k1 and k3 beside it, for comparison."""
     mask = b.response_mask
     return {
-        "kl_ref": losses.masked_mean(kl_exact, mask).item(),
+        "kl_ref_before": losses.masked_mean(kl_exact, mask).item(),
         "kl_k1": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "kl"), mask).item(),
         "kl_k3": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "low_var_kl"), mask).item(),
     }
+
+
+def updated_kl(run: TrainingRun, b: Batch) -> float:
+    """kl_ref: the exact KL to the reference of the policy after the step's update, the one pushed next, on the
+    step's prefixes (what the rollback guard and the samplers' policy stats read)."""
+    a = run.cfg.actor_rollout_ref.actor
+    with torch.no_grad():
+        _, _, kl = in_micro_batches(
+            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)),
+            b,
+            a.ppo_micro_batch_size_per_gpu,
+        )
+    return losses.masked_mean(kl, b.response_mask).item()
 
 
 def ppo_update(
@@ -168,7 +184,10 @@ def report(run: TrainingRun, metrics: dict, reward_var: float) -> None:
     variance (its samplers may adapt to them), and record the metrics."""
     t = run.cfg.trainer
     if t.eval_size and t.test_freq > 0 and run.step % t.test_freq == 0:
-        metrics["val_accuracy"] = held_out_accuracy(run)["accuracy"]
+        scored = held_out_accuracy(run)
+        metrics["val_accuracy"] = scored["accuracy"]
+        if "number_accuracy" in scored:  # the right number in any format: the skill, not only the format
+            metrics["val_number_accuracy"] = scored["number_accuracy"]
     run.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=run.step))
     step_metrics.record(run.out, metrics)
 

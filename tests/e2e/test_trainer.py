@@ -137,6 +137,7 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
             tmp_path,
             "guards.enable=true",
             "guards.kl_rollback=1e-9",
+            "guards.variance_raise=10",  # this test is about the KL guard
             "actor_rollout_ref.actor.optim.lr=0.05",
         ),
         TOKEN,
