@@ -38,8 +38,9 @@ def rollback(run: TrainingRun) -> None:
     if run.rank == 0:
         run.client.control("pause")
     try:
-        bad_step = run.step
+        bad_step, generated = run.step, run.generated_tokens
         run.restore(ckpt, rngs=False)
+        run.generated_tokens = generated  # work done is done: the counter does not roll back
         run.push()
     finally:
         if run.rank == 0:

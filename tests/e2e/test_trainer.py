@@ -146,6 +146,7 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["guard_actions"] == ["rollback"] and ACTIONS.labels("rollback")._value.get() == rollbacks + 1
+    assert trainer.generated_tokens == step["generated_tokens"] > 0  # the work counter does not roll back
     assert (
         trainer.version == start + 2 and client.weights_version().version == trainer.version
     )  # the step's push, then the rollback's

@@ -2,6 +2,7 @@
 rebuild. No service, no training."""
 
 import json
+import math
 
 import pytest
 
@@ -124,3 +125,10 @@ def test_the_design_recipe_arm_is_the_preset_at_32_prompts_with_the_named_parts(
     assert cfg.guards.enable and cfg.guards.raised_mini_batch_size == 16
     for arm, overrides in ARMS.items():  # every arm: 32 prompts x 8 samples
         assert load(None, overrides).data.train_batch_size == 32, arm
+
+
+def test_steps_to_target_count_only_a_target_that_holds_to_the_end():
+    from bench.claims_report import steps_to_target
+
+    assert steps_to_target([(1, 0.1), (2, 0.4), (3, 0.0), (4, 0.35), (5, 0.5)], 0.3) == 4  # step 2 was undone
+    assert math.isnan(steps_to_target([(1, 0.4), (2, 0.1)], 0.3))
