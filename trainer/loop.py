@@ -92,19 +92,29 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
 
 
 def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The policy's and the reference's logprobs, the exact per-position KL between them (all (B, R), logits
-    divided by each sample's temperature) and the critic's values."""
-    a = run.cfg.actor_rollout_ref.actor
-    micro = a.ppo_micro_batch_size_per_gpu
-    with torch.no_grad():
-        old_lp, ref_lp, kl = in_micro_batches(
-            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)), b, micro
+    """The policy's and the reference's logprobs, the exact per-position KL between them (all (B, R)) and the
+    critic's values."""
+    old_lp, ref_lp, kl = policy_and_reference_pass(run, b)
+    values = None
+    if run.critic is not None:
+        critic_micro = (
+            run.cfg.critic.ppo_micro_batch_size_per_gpu or run.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
         )
-        values = None
-        if run.critic is not None:
-            critic_micro = run.cfg.critic.ppo_micro_batch_size_per_gpu or micro
+        with torch.no_grad():
             values = in_micro_batches(lambda mb: response_values(run.critic, mb), b, critic_micro)
     return old_lp, ref_lp, kl, values
+
+
+def policy_and_reference_pass(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """forward.policy_and_reference over the batch, without gradients, in the actor's micro-batches, the logits
+    divided by each sample's temperature."""
+    a = run.cfg.actor_rollout_ref.actor
+    with torch.no_grad():
+        return in_micro_batches(
+            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)),
+            b,
+            a.ppo_micro_batch_size_per_gpu,
+        )
 
 
 def kl_readings(b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_exact: torch.Tensor) -> dict:
@@ -121,14 +131,7 @@ def kl_readings(b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_exact: 
 def updated_kl(run: TrainingRun, b: Batch) -> float:
     """kl_ref: the exact KL to the reference of the policy after the step's update, the one pushed next, on the
     step's prefixes (what the rollback guard and the samplers' policy stats read)."""
-    a = run.cfg.actor_rollout_ref.actor
-    with torch.no_grad():
-        _, _, kl = in_micro_batches(
-            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)),
-            b,
-            a.ppo_micro_batch_size_per_gpu,
-        )
-    return losses.masked_mean(kl, b.response_mask).item()
+    return losses.masked_mean(policy_and_reference_pass(run, b)[2], b.response_mask).item()
 
 
 def ppo_update(
