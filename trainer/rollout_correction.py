@@ -32,6 +32,23 @@ from verl.trainer.ppo import rollout_corr_helper
 from trainer.batch import Batch
 from trainer.config import RolloutCorrection
 
+# of verl's ~30 metrics, the ones a step logs: the mismatch, the weights, the share clipped, masked or rejected
+LOGGED = {
+    f"rollout_corr/{k}"
+    for k in (
+        "kl",
+        "k3_kl",
+        "chi2_token",
+        "rollout_is_mean",
+        "rollout_is_max",
+        "rollout_is_ratio_fraction_high",
+        "rollout_is_ratio_fraction_low",
+        "rollout_is_oob_ratio",
+        "rollout_rs_masked_fraction",
+        "rollout_rs_seq_masked_fraction",
+    )
+}
+
 
 def correction(
     old_lp: torch.Tensor, b: Batch, cfg: RolloutCorrection
@@ -55,10 +72,6 @@ def correction(
     )
     weights = proto.batch["rollout_is_weights"] if proto is not None else mask.clone()
     iw = b.importance_weights.to(weights.dtype)
-    metrics |= {k: float(v) for k, v in verl_metrics.items() if _scalar(v)}
+    metrics |= {k: float(v) for k, v in verl_metrics.items() if k in LOGGED}
     metrics |= {"importance_weight_max": iw.max().item(), "importance_weight_min": iw.min().item()}
     return weights * iw[:, None] * mask, mask, metrics
-
-
-def _scalar(v) -> bool:
-    return isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
