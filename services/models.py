@@ -2,10 +2,13 @@
 
 The embedded default (`arith-tiny`) needs no hub: a byte-level tokenizer and a
 1.1M-parameter Llama, pretrained here in about two minutes on the arithmetic task.
-Its pretraining corpus writes only FORMAT_MIX of the answers as `#### <n>` (the
-format the reward checks) and the rest as `The answer is <n>.`, and it stops
-before the arithmetic is perfect. Greedy decoding therefore starts at zero reward,
-and RL can gain by learning the reward's format and by getting sums right.
+Its pretraining corpus writes FORMAT_MIX of the answers as `#### <n>` (the format
+the reward checks) and the rest as `The answer is <n>.`, and it stops before the
+arithmetic is perfect. Greedy decoding picks the majority format, so it starts at
+zero reward, and RL can gain by learning the reward's format and by getting sums
+right. The mix is close to even so that the sums are learnt about as well in either
+format (`bench/format_probe.py`): at 0.3 the rewarded format got 8 points fewer sums
+right, and RL could not switch formats without losing skill.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 log = logging.getLogger("farm.models")
 
 DEFAULT_MODEL = "arith-tiny"
-FORMAT_MIX = 0.3  # share of pretraining answers written in the rewarded `#### n` format
+FORMAT_MIX = 0.45  # share of pretraining answers written in the rewarded `#### n` format
 PRETRAIN_STEPS = 400
 CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm"))
 
@@ -78,7 +81,7 @@ def resolve_model(name_or_path: str) -> Path:
         return path
     if name_or_path != DEFAULT_MODEL:
         raise FileNotFoundError(f"no model folder at {name_or_path!r}; give a path or {DEFAULT_MODEL!r}")
-    out = CACHE / "models" / f"{DEFAULT_MODEL}-v1"
+    out = CACHE / "models" / f"{DEFAULT_MODEL}-v2"  # v2: FORMAT_MIX 0.45 (v1: 0.3)
     if not (out / "done").exists():
         build_default(out)
     return out

@@ -29,19 +29,25 @@ class Accuracy:
 
     def wilson(self) -> tuple[float, float]:
         """95% Wilson score interval of the accuracy."""
-        n, p = self.n, self.value
-        if n == 0:
-            return 0.0, 1.0
-        centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
-        half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-        return max(0.0, centre - half), min(1.0, centre + half)
+        return wilson(sum(self.correct), self.n)
 
     def as_dict(self) -> dict:
-        lo, hi = self.wilson()
-        out = {"accuracy": self.value, "n": self.n, "ci95": [lo, hi], "correct": self.correct}
+        out = {"accuracy": self.value, "n": self.n, "ci95": list(self.wilson()), "correct": self.correct}
         if self.number_correct is not None:
             out["number_accuracy"] = sum(self.number_correct) / max(1, self.n)
+            out["number_ci95"] = list(wilson(sum(self.number_correct), self.n))
+            out["number_correct"] = self.number_correct
         return out
+
+
+def wilson(successes: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def last_number(text: str) -> str | None:
