@@ -9,6 +9,7 @@ from trainer.batch import Batch
 from trainer.config import ActorConfig
 from trainer.forward import response_logprobs, temperatures
 from trainer.minibatches import MiniBatch, micro_batches
+from trainer.noise_scale import MicroGradients, noise_parts
 
 PPO_STATS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # verl's, averaged over this rank's micro-batches
 
@@ -23,24 +24,48 @@ def update_actor(
     ref_lp: torch.Tensor,
     weights: torch.Tensor,
     a: ActorConfig,
+    measure_noise: bool = False,
 ) -> dict:
     """One optimizer step on this rank's share of mini-batch `mb`. Every loss is aggregated over the whole
     mini-batch's token and sample counts (loss_agg_mode), so the gradients summed over micro-batches and ranks are
     the mini-batch's. `weights` (B, R) are the rollout correction's, on the policy-gradient term.
-    Returns its pg_loss, kl_loss and entropy (summed over ranks), grad_norm and the PPO statistics."""
+    Returns its pg_loss, kl_loss and entropy (summed over ranks), grad_norm and the PPO statistics; with
+    measure_noise, also the two parts of the gradient noise scale (trainer/noise_scale.py)."""
     totals, parts = torch.zeros(3, device=b.response_mask.device), {k: [] for k in PPO_STATS}
     optimizer.zero_grad()
+    micro = MicroGradients(list(policy.parameters())) if measure_noise else None
     for m in micro_batches(mb.idx, a.ppo_micro_batch_size_per_gpu):
         pg_loss, kl, ent, pg = _backward(policy, b, m, mb.share, adv, old_lp, ref_lp, weights, a)
         totals += torch.stack([pg_loss, kl, ent]).detach()
         for k in PPO_STATS:
             parts[k].append(float(pg.get(f"actor/{k}", 0.0)))
+        if micro is not None:
+            micro.record(*loss_share(b.response_mask[m], mb.share, a.loss_agg_mode))
     distributed.sum_gradients(policy)
+    noise = {}
+    if micro is not None:
+        trace, g2 = noise_parts(micro.sq_norms, micro.sizes, micro.squared_norm(), mb.share["global_batch_size"])
+        noise = {"grad_noise_trace": trace, "grad_noise_g2": g2}
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)
     optimizer.step()
     pg_total, kl_total, ent_total = distributed.all_reduce_sum(totals).tolist()  # shares -> whole
     means = {k: sum(v) / len(v) if v else 0.0 for k, v in parts.items()}
-    return {"pg_loss": pg_total, "kl_loss": kl_total, "entropy": ent_total, "grad_norm": grad_norm.item(), **means}
+    return {
+        "pg_loss": pg_total,
+        "kl_loss": kl_total,
+        "entropy": ent_total,
+        "grad_norm": grad_norm.item(),
+        **means,
+        **noise,
+    }
+
+
+def loss_share(mask: torch.Tensor, share: dict, loss_agg_mode: str) -> tuple[float, int]:
+    """A micro-batch's share of the mini-batch's loss (tokens for token-mean, else samples) and its sample count."""
+    samples = int((mask.sum(-1) > 0).sum())
+    if loss_agg_mode == "token-mean":
+        return float(mask.sum()) / share["batch_num_tokens"], samples
+    return samples / share["global_batch_size"], samples
 
 
 def _backward(

@@ -241,6 +241,14 @@ class Config(_Strict):
                 "ppo_mini_batch_size smaller than train_batch_size and the raised size bigger than it (both count "
                 "groups: rollout.n samples each)"
             )
+        micro = self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        samples = mini * self.actor_rollout_ref.rollout.n
+        if g.variance_statistic == "grad_noise_scale" and (micro is None or micro >= samples):
+            raise ValueError(
+                f"guards.variance_statistic: grad_noise_scale compares micro-batch gradients with the mini-batch's, "
+                f"so set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu below the {samples} samples of a "
+                f"mini-batch ({mini} groups x {self.actor_rollout_ref.rollout.n}), e.g. {max(1, samples // 4)}"
+            )
         if self.critic.enable is False and estimator in NEEDS_CRITIC:
             raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
         return self

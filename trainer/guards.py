@@ -8,7 +8,10 @@ crossed. Off unless `guards.enable` (the design preset turns them on, with its a
                                           steps per epoch, each averaging the noisier gradient over more samples
 The KL is the exact one (trainer/forward.py). The variance statistic (`variance_statistic`) is the batch's reward
 std (the default: on 0/1 rewards it passes 0.3 whenever the mean reward is between 0.1 and 0.9), reward variance
-(at most 0.25 on 0/1 rewards, so 0.3 never trips it there) or advantage variance.
+(at most 0.25 on 0/1 rewards, so 0.3 never trips it there), advantage variance, or the gradient noise scale
+(trainer/noise_scale.py) divided by the mini-batch's samples: above 1 the mini-batch is below the critical batch
+size, so variance_raise=1 raises it exactly when a bigger one pays (measured only when chosen: it compares each
+micro-batch's gradient with the mini-batch's, so it needs ppo_micro_batch_size_per_gpu below a mini-batch).
 The targets (KL < 0.02, reward std < 0.2) are only reported: `guard_kl_over_target`, `guard_reward_std_over_target`.
 The trainer carries the actions out (trainer/guard_actions.py); each is logged (event guard_action) and counted
 (farm_trainer_guard_actions_total{action}).
@@ -36,8 +39,10 @@ class GuardConfig(BaseModel):
     kl_target: float = Field(0.02, gt=0, description="reported as over target above this")
     kl_rollback: float = Field(0.05, gt=0, description="roll back to the last checkpoint above this")
     reward_std_target: float = Field(0.2, gt=0)
-    variance_statistic: Literal["reward_std", "reward_var", "adv_var"] = Field(
-        "reward_std", description="what variance_raise is compared with"
+    variance_statistic: Literal["reward_std", "reward_var", "adv_var", "grad_noise_scale"] = Field(
+        "reward_std",
+        description="what variance_raise is compared with; grad_noise_scale is the noise scale over the "
+        "mini-batch's samples (set variance_raise to 1 for it) and needs micro-batches",
     )
     variance_raise: float = Field(0.3, gt=0, description="raise the mini-batch size above this variance statistic")
     raised_mini_batch_size: int = Field(
@@ -54,11 +59,12 @@ class Guard:
         self.rollbacks_in_a_row = 0
 
     def check(self, kl: float, stats: dict[str, float], mini_batch_size: int) -> tuple[list[str], dict]:
-        """The actions for this step's KL and variance statistics ({reward_std, reward_var, adv_var}), and flags
-        to log."""
+        """The actions for this step's KL and variance statistics (reward_std, reward_var, adv_var and, when
+        measured, grad_noise_scale), and flags to log."""
         c = self.cfg
         variance = stats[c.variance_statistic]
         flags = {
+            "guard_variance": variance,  # the statistic variance_raise is compared with
             "guard_kl_over_target": kl > c.kl_target,
             "guard_reward_std_over_target": stats["reward_std"] > c.reward_std_target,
         }

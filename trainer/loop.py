@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import replace
@@ -29,6 +30,7 @@ from trainer.evaluate import evaluate
 from trainer.forward import in_micro_batches, policy_and_reference, response_values, temperatures
 from trainer.guards import GUARD_ACTIONS
 from trainer.minibatches import mini_batches
+from trainer.noise_scale import noise_scale
 from trainer.run import TrainingRun
 
 log = logging.getLogger("farm.trainer")
@@ -53,12 +55,11 @@ def train(run: TrainingRun) -> dict:
         run.push()
         rollouts.ack(run)
         run.step = step
-        reward_var = batch.rewards.var(unbiased=False).item()
-        variance = {"reward_std": reward_var**0.5, "reward_var": reward_var, "adv_var": metrics["adv_var"]}
+        variance = variance_statistics(run, batch, metrics)
         actions, flags = check_guards(run, metrics["kl_ref"], variance)
         if run.rank == 0:
             metrics |= step_metrics.batch_metrics(batch, time.perf_counter() - start) | counters(run, flags, actions)
-            report(run, metrics, reward_var)
+            report(run, metrics, variance["reward_var"])
         for action in actions:
             guard_actions.carry_out(run, action)
         if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
@@ -147,17 +148,32 @@ def ppo_update(
     """ppo_epochs epochs over mini-batches of whole groups: an actor step on each, and a critic step on the same.
     Returns the mean of each metric over the mini-batches, and the number of optimizer steps."""
     a = run.cfg.actor_rollout_ref.actor
+    measure_noise = run.cfg.guards.variance_statistic == "grad_noise_scale"
     run.policy.train()
     stats: dict[str, list[float]] = {}
     for _ in range(a.ppo_epochs):
         for mb in mini_batches(b, run.mini_batch_size, run.rank, run.world):
-            row = update_actor(run.policy, run.opt["actor"], b, mb, adv, old_lp, ref_lp, weights, a)
+            row = update_actor(run.policy, run.opt["actor"], b, mb, adv, old_lp, ref_lp, weights, a, measure_noise)
             if run.critic is not None:
                 row.update(update_critic(run.critic, run.opt["critic"], b, mb, values, returns, run.cfg))
             for k, v in row.items():
                 stats.setdefault(k, []).append(float(v))
     run.policy.eval()
     return {k: sum(v) / len(v) for k, v in stats.items()} | {"optimizer_steps": len(stats["pg_loss"])}
+
+
+def variance_statistics(run: TrainingRun, b: Batch, metrics: dict) -> dict[str, float]:
+    """What guards.variance_statistic can pick: the batch's reward std and variance, the advantage variance and,
+    when measured, the gradient noise scale over the mini-batch's sample count (above 1: the mini-batch is below
+    the critical batch size). The noise scale itself, in samples, goes into metrics."""
+    reward_var = b.rewards.var(unbiased=False).item()
+    out = {"reward_std": reward_var**0.5, "reward_var": reward_var, "adv_var": metrics["adv_var"]}
+    if "grad_noise_trace" in metrics:
+        scale = noise_scale([metrics["grad_noise_trace"]], [metrics["grad_noise_g2"]])
+        metrics["grad_noise_scale"] = scale  # None: no gradient signal above the noise
+        samples = run.mini_batch_size * run.cfg.actor_rollout_ref.rollout.n
+        out["grad_noise_scale"] = math.inf if scale is None else scale / samples
+    return out
 
 
 def check_guards(run: TrainingRun, kl: float, variance: dict[str, float]) -> tuple[list[str], dict]:

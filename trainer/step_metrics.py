@@ -41,7 +41,7 @@ def batch_metrics(b: Batch, seconds: float) -> dict:
 
 def record(out: Path | None, metrics: dict) -> None:
     """Log the step, append it to out/metrics.jsonl and set the gauges."""
-    rounded = {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}
+    rounded = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in metrics.items()}  # 6 significant digits
     log.info("train_step", extra=rounded)
     if out:
         with (out / "metrics.jsonl").open("a") as f:

@@ -2,6 +2,7 @@
 a kill."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -200,6 +201,37 @@ def test_the_variance_guard_raises_the_mini_batch_and_the_next_step_takes_fewer_
     assert [s["ppo_mini_batch_size"] for s in steps] == [1, 2]  # the size each step trained with
     assert steps[0]["guard_actions"] == ["raise_mini_batch"] and steps[1]["guard_actions"] == []
     assert ACTIONS.labels("raise_mini_batch")._value.get() == raises + 1
+
+
+def test_the_noise_scale_guard_acts_on_the_measured_noise_scale(service, tiny_model, tmp_path):
+    """guards.variance_statistic=grad_noise_scale: each step logs the noise scale measured from its micro-batches,
+    and the guard raises the mini-batch exactly when that scale over the mini-batch's samples passes the threshold.
+    (Two micro-batches give a noisy estimate, so the test checks the decision against the figure, not a sign.)"""
+    from trainer.loop import train
+    from trainer.run import TrainingRun
+
+    cfg = config(
+        service,
+        tiny_model,
+        tmp_path,
+        "trainer.total_training_steps=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "guards.enable=true",
+        "guards.kl_rollback=100",
+        "guards.variance_statistic=grad_noise_scale",
+        "guards.variance_raise=0.5",
+        "guards.raised_mini_batch_size=4",
+    )
+    train(TrainingRun(cfg, TOKEN))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = steps[0]
+    samples = 2 * cfg.actor_rollout_ref.rollout.n
+    measured = math.inf if first["grad_noise_scale"] is None else first["grad_noise_scale"] / samples
+    assert first["guard_variance"] == pytest.approx(measured, rel=1e-4)
+    assert first["guard_actions"] == (["raise_mini_batch"] if measured > 0.5 else [])
+    assert steps[1]["ppo_mini_batch_size"] == (4 if measured > 0.5 else 2)
+    assert all("grad_noise_trace" in s and "grad_noise_g2" in s for s in steps)
 
 
 def test_a_killed_trainer_resumes_from_its_last_checkpoint(service, tiny_model, tmp_path):

@@ -31,7 +31,11 @@ def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated
     assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=8)[0] == ["raise_mini_batch"]
     assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=16)[0] == []  # raised already
     actions, flags = guard.check(kl=0.03, stats=stats(0.05), mini_batch_size=16)
-    assert actions == [] and flags == {"guard_kl_over_target": True, "guard_reward_std_over_target": True}
+    assert actions == [] and flags == {
+        "guard_variance": pytest.approx(0.2179, abs=1e-4),
+        "guard_kl_over_target": True,
+        "guard_reward_std_over_target": True,
+    }
     assert guard.check(kl=0.06, stats=stats(0.05), mini_batch_size=16)[0] == ["rollback"]
     assert guard.check(kl=0.06, stats=stats(0.05), mini_batch_size=16)[0] == ["rollback"]
     with pytest.raises(RuntimeError, match="after 2 rollbacks"):
