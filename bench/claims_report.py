@@ -13,232 +13,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.claims_stats import (  # noqa: E402
+    ARM_ORDER,
+    CLAIMS,
+    RULE,
+    Comparison,
+    comparisons,
+    finite,
+    judge,
+    load_runs,
+    summaries,
+)
+
 DATA = ROOT / "docs" / "data" / "claims"
 MARKDOWN = ROOT / "docs" / "results.md"
 IMG = ROOT / "docs" / "img"
 BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
-NAN = float("nan")
-ARM_ORDER = ("grpo", "rloo", "reinforce_plus_plus", "grpo_adaptive_kl", "design_recipe")
-DESIGN = "design_recipe"
-CLAIMS = {
-    1: "custom sampling with variance reduction lowers the reward-signal variance by 15-20%",
-    2: "about 5% higher alignment accuracy",
-    3: "reward std 0.25 → 0.18 with adaptive KL (target 0.01)",
-    4: "1.2× faster convergence",
-}
-RULE = (
-    "Each comparison's effect is computed per seed, from the two runs with that seed, and signed so that the "
-    "claimed direction is positive. Over the seeds: its mean, a 95% t interval, and the p-value of a paired "
-    "t-test against no effect (`scipy.stats.ttest_rel`). A comparison **holds** if the mean effect is at least "
-    "the claimed size and p < 0.05; it **fails** if the whole 95% interval lies below the claimed size (an effect "
-    "of the wrong sign with p < 0.05 is such a case); otherwise it is **inconclusive**. A claim's verdict is its "
-    "first comparison's; the others are further readings."
-)
 PLOTS = {
     "val_accuracy": "held-out accuracy",
     "reward_mean": "reward (mean over the batch)",
     "kl_ref": "KL to the reference",
     "adv_var": "advantage variance",
 }
-
-
-def load_runs(data_dir: Path) -> dict[str, dict[int, dict]]:
-    """{arm: {seed: the run's record}}, arms in the benchmark's order, seeds ascending."""
-    runs: dict[str, dict[int, dict]] = {}
-    for path in sorted(Path(data_dir).glob("*.json")):
-        record = json.loads(path.read_text())
-        runs.setdefault(record["arm"], {})[record["seed"]] = record
-    order = sorted(runs, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
-    return {arm: dict(sorted(runs[arm].items())) for arm in order}
-
-
-def finite(*xs) -> bool:
-    return all(x is not None and math.isfinite(x) for x in xs)
-
-
-def mean(xs) -> float:
-    xs = [x for x in xs if finite(x)]
-    return statistics.fmean(xs) if xs else NAN
-
-
-def area(points: list[tuple[int, float]]) -> float:
-    """The mean height of a curve given at steps: trapezoid area / its span."""
-    if len(points) < 2:
-        return points[0][1] if points else NAN
-    total = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(points, points[1:]))
-    return total / (points[-1][0] - points[0][0])
-
-
-def steps_to_target(acc: list[tuple[int, float]], target: float) -> float:
-    """The first evaluated step from which the held-out accuracy stays at or above `target` to the end of the run
-    (converged, not only touched: a rollback can undo a step that reached it); NaN if none."""
-    for i, (step, _) in enumerate(acc):
-        if all(a >= target for _, a in acc[i:]):
-            return step
-    return NAN
-
-
-def summarise(run: dict, target: float) -> dict:
-    """One run's figures: final scores, means over steps, steps to the target accuracy, guard actions."""
-    steps = run["steps"]
-    acc = [(s["step"], s["val_accuracy"]) for s in steps if s.get("val_accuracy") is not None]
-    number = [s["val_number_accuracy"] for s in steps if s.get("val_number_accuracy") is not None]
-    actions = [a for s in steps for a in s.get("guard_actions", [])]
-    return {
-        "accuracy": acc[-1][1] if acc else NAN,
-        "number_accuracy": number[-1] if number else NAN,
-        "reward_std": mean(s.get("reward_std") for s in steps),
-        "reward_var": mean(s["reward_std"] ** 2 for s in steps if "reward_std" in s),
-        "kl": mean(s.get("kl_ref") for s in steps),
-        "adv_var": mean(s.get("adv_var") for s in steps),
-        "adv_var_rloo": mean(s.get("adv_var_rloo") for s in steps),
-        "adv_var_ratio": mean(s["adv_var"] / s["adv_var_rloo"] for s in steps if s.get("adv_var_rloo")),
-        "ktokens": steps[-1]["generated_tokens"] / 1000 if steps else NAN,
-        "steps_to_target": steps_to_target(acc, target),
-        "auc": area(acc),
-        "rollbacks": actions.count("rollback"),
-        "raises": actions.count("raise_mini_batch"),
-    }
-
-
-@dataclass
-class Comparison:
-    claim: int
-    what: str  # the per-seed effect, in words
-    base: str  # what it is measured against
-    treat: str  # what the claim is about
-    base_value: float  # means over the paired seeds
-    treat_value: float
-    effects: list[float]  # one per seed pair, the claimed direction positive
-    paired: int  # seeds both sides ran (some may lack the figure: steps to target)
-    claimed: float | None  # the claimed size in the effect's units; None: reported, not judged
-    percent: bool  # the effect is relative
-
-
-@dataclass
-class Judged:
-    n: int
-    mean: float
-    lo: float
-    hi: float
-    p: float
-    verdict: str
-
-
-def judge(effects: list[float], claimed: float | None) -> Judged:
-    """Mean, 95% t interval and paired t-test p of the per-seed effects, and the verdict by RULE."""
-    from scipy import stats
-
-    d = [x for x in effects if finite(x)]
-    n = len(d)
-    if n < 2:
-        return Judged(n, mean(d), NAN, NAN, NAN, "inconclusive" if claimed is not None else "")
-    m, sd = statistics.fmean(d), statistics.stdev(d)
-    if sd == 0:  # identical effects (steps to target moves in whole evaluation steps): no spread to test
-        lo = hi = m
-        p = 1.0 if m == 0 else 0.0
-    else:
-        half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-        lo, hi = m - half, m + half
-        p = float(stats.ttest_rel(d, [0.0] * n).pvalue)  # the effects against no effect, pair by pair
-    if claimed is None:
-        verdict = ""
-    elif m >= claimed and p < 0.05:
-        verdict = "holds"
-    elif hi < claimed or (m < 0 and p < 0.05):
-        verdict = "fails"
-    else:
-        verdict = "inconclusive"
-    return Judged(n, m, lo, hi, p, verdict)
-
-
-def reduction(base: float, treat: float) -> float:
-    return 1 - treat / base if base else NAN
-
-
-def gain(base: float, treat: float) -> float:
-    return treat / base - 1 if base else NAN
-
-
-def diff(base: float, treat: float) -> float:
-    return treat - base
-
-
-def speedup(base: float, treat: float) -> float:
-    return base / treat - 1 if treat else NAN
-
-
-def compare(s: dict, claim: int, what: str, base: str, treat: str, key: str, effect, claimed, percent) -> Comparison:
-    """Arm `treat` against arm `base` on one figure, seed by seed."""
-    seeds = sorted(s.get(base, {}).keys() & s.get(treat, {}).keys())
-    pairs = [(s[base][k][key], s[treat][k][key]) for k in seeds if finite(s[base][k][key], s[treat][k][key])]
-    return Comparison(
-        claim,
-        what,
-        base,
-        treat,
-        mean(b for b, _ in pairs),
-        mean(t for _, t in pairs),
-        [effect(b, t) for b, t in pairs],
-        len(seeds),
-        claimed,
-        percent,
-    )
-
-
-# Arm against arm, seed by seed: (claim, the per-seed effect in words, base arm, the claim's arm, figure, effect,
-# claimed size, relative?)
-PAIRED = [
-    (1, "reward variance (batch reward std², mean over steps), lower", "grpo", DESIGN, "reward_var", reduction,
-     0.15, True),
-    (2, "final held-out accuracy, relative gain", "grpo", DESIGN, "accuracy", gain, 0.05, True),
-    (2, "final held-out accuracy, gain in points", "grpo", DESIGN, "accuracy", diff, 0.05, False),
-    (3, "reward std (mean over steps), lower", "grpo", "grpo_adaptive_kl", "reward_std", reduction,
-     1 - 0.18 / 0.25, True),
-    (4, "steps until the held-out accuracy reaches the target and stays, speed-up (grpo's ÷ the recipe's, − 1)",
-     "grpo", DESIGN, "steps_to_target", speedup, 0.2, True),
-    (4, "area under the held-out accuracy curve (mean accuracy over the run), gain in points", "grpo", DESIGN, "auc",
-     diff, None, False),
-]  # fmt: skip
-
-
-def comparisons(s: dict) -> list[Comparison]:
-    """The claims' comparisons from {arm: {seed: summary}}; each claim's first is the one its verdict takes."""
-    own = [x for x in s.get(DESIGN, {}).values() if finite(x["adv_var_ratio"])]
-    return [
-        Comparison(
-            1,
-            "advantage variance, lower than RLOO's on the same batches and rewards (mean over steps of the ratio)",
-            "RLOO, same batches",
-            DESIGN,
-            mean(x["adv_var_rloo"] for x in own),
-            mean(x["adv_var"] for x in own),
-            [1 - x["adv_var_ratio"] for x in own],
-            len(s.get(DESIGN, {})),
-            0.15,
-            True,
-        ),
-        *(compare(s, *spec) for spec in PAIRED),
-    ]
-
-
-def claim_verdicts(runs: dict, target: float) -> dict[int, str]:
-    """{claim: verdict} for the runs of load_runs()."""
-    comps = comparisons(summaries(runs, target))
-    return {c: next(judge(x.effects, x.claimed).verdict for x in comps if x.claim == c) for c in CLAIMS}
-
-
-def summaries(runs: dict, target: float) -> dict[str, dict[int, dict]]:
-    """Every finished run's summary; runs that stopped with an error are left out."""
-    return {arm: {k: summarise(r, target) for k, r in seeds.items() if "error" not in r} for arm, seeds in runs.items()}
 
 
 def spread(xs: list[float], digits: str = ".3f") -> str:

@@ -1,5 +1,5 @@
-"""bench/claims_report.py on synthetic per-seed files: the verdict rule, with negative controls, and a byte-identical
-rebuild. No service, no training."""
+"""bench/claims_report.py and bench/claims_stats.py on synthetic per-seed files: the verdict rule, with negative
+controls, and a byte-identical rebuild. No service, no training."""
 
 import json
 import math
@@ -7,6 +7,7 @@ import math
 import pytest
 
 from bench import claims_report as report
+from bench import claims_stats as stats
 
 STEPS, TEST_FREQ = 30, 2
 SETTINGS = {"steps": STEPS, "test_freq": TEST_FREQ, "eval_size": 1000}
@@ -73,15 +74,15 @@ def doc(tmp_path):
 
 @pytest.mark.parametrize("case, verdict", [("holds", "holds"), ("fails", "fails"), ("noise", "inconclusive")])
 def test_the_verdict_rule_on_a_clear_effect_its_opposite_and_noise(tmp_path, case, verdict):
-    runs = report.load_runs(write_runs(tmp_path / "data", EFFECTS[case]))
-    assert report.claim_verdicts(runs, target=0.3) == {1: verdict, 2: verdict, 3: verdict, 4: verdict}
+    runs = stats.load_runs(write_runs(tmp_path / "data", EFFECTS[case]))
+    assert stats.claim_verdicts(runs, target=0.3) == {1: verdict, 2: verdict, 3: verdict, 4: verdict}
 
 
 def test_no_spread_is_judged_by_the_mean_and_too_few_seeds_are_inconclusive():
-    assert report.judge([0.2, 0.2, 0.2], 0.2).verdict == "holds"  # every seed 1.2x faster, in whole eval steps
-    assert report.judge([0.0, 0.0, 0.0], 0.2).verdict == "fails"
-    assert report.judge([0.5], 0.2).verdict == "inconclusive"
-    assert report.judge([0.5, 0.6], None).verdict == ""  # reported, not judged
+    assert stats.judge([0.2, 0.2, 0.2], 0.2).verdict == "holds"  # every seed 1.2x faster, in whole eval steps
+    assert stats.judge([0.0, 0.0, 0.0], 0.2).verdict == "fails"
+    assert stats.judge([0.5], 0.2).verdict == "inconclusive"
+    assert stats.judge([0.5, 0.6], None).verdict == ""  # reported, not judged
 
 
 def test_a_missing_figure_is_inconclusive_not_a_verdict(tmp_path):
@@ -90,7 +91,7 @@ def test_a_missing_figure_is_inconclusive_not_a_verdict(tmp_path):
         r = json.loads(path.read_text())
         r["steps"] = [{k: v for k, v in s.items() if k != "adv_var_rloo"} for s in r["steps"]]
         path.write_text(json.dumps(r))
-    assert report.claim_verdicts(report.load_runs(data), target=0.3)[1] == "inconclusive"
+    assert stats.claim_verdicts(stats.load_runs(data), target=0.3)[1] == "inconclusive"
 
 
 def test_the_section_is_rebuilt_between_the_markers_byte_for_byte(tmp_path):
@@ -128,7 +129,7 @@ def test_the_design_recipe_arm_is_the_preset_at_32_prompts_with_the_named_parts(
 
 
 def test_steps_to_target_count_only_a_target_that_holds_to_the_end():
-    from bench.claims_report import steps_to_target
+    from bench.claims_stats import steps_to_target
 
     assert steps_to_target([(1, 0.1), (2, 0.4), (3, 0.0), (4, 0.35), (5, 0.5)], 0.3) == 4  # step 2 was undone
     assert math.isnan(steps_to_target([(1, 0.4), (2, 0.1)], 0.3))
