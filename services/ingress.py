@@ -44,5 +44,7 @@ class Ingress:
         self.queue = TrajectoryQueue(
             self.fanout.generate_for_queue, lambda: self.weights.committed, batch_groups=4 * settings.replicas
         )
-        self.openai = OpenAICompat(self.fanout, self.replicas, settings.model)
+        self.openai = OpenAICompat(
+            self.fanout, self.replicas, self.checks, settings.model, lambda: self.weights.committed
+        )
         self.started = asyncio.create_task(self.weights.sync_committed())  # a restarted ingress: what replicas serve

@@ -31,8 +31,15 @@ PRETRAIN_STEPS = 400
 CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm"))
 
 
+# A plain-text chat template ("user: hi\nassistant:"), so that chat works on the built-in models out of the box.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def byte_tokenizer():
-    """A byte-level tokenizer (every byte one token) with pad and end-of-turn specials."""
+    """A byte-level tokenizer (every byte one token) with pad and end-of-turn specials and a plain chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,7 +49,11 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token="<|im_end|>"
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_end|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 

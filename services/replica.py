@@ -256,3 +256,20 @@ class EngineServer:
 
     def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
         return [openai_compat.token_pieces(self.engine.tokenizer, ids) for ids in samples]
+
+    def context_length(self) -> int | None:
+        return self.engine.context_length()
+
+    async def score(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+        """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
+        alternatives as {text: logprob}."""
+        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        tok = self.engine.tokenizer
+        return [
+            {
+                "pieces": openai_compat.token_pieces(tok, ids),
+                "logprobs": s.logprobs,
+                "top": [{openai_compat.alternative(tok, t): lp for t, lp in alts} for alts in s.top],
+            }
+            for ids, s in zip(sequences, scored)
+        ]

@@ -61,6 +61,12 @@ class EngineOutput:
     sampling_logprobs: list[float] | None = None
 
 
+@dataclass
+class ScoredTokens:
+    logprobs: list[float | None]  # one per token; None for the first (nothing predicts it)
+    top: list[list[tuple[int, float]]]  # per token: the top_k (token id, logprob) of its position, [] for the first
+
+
 def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]:
     """Every tensor of the *.safetensors files in a folder (sharded checkpoints included)."""
     from safetensors.torch import load_file
@@ -171,6 +177,15 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def health_token_id(self) -> int: ...
+
+    def context_length(self) -> int | None:
+        """Most tokens (prompt and generated) the model can attend to; None when the engine cannot tell."""
+        return None
+
+    def score(self, sequences: list[list[int]], top_k: int) -> list[ScoredTokens]:
+        """The raw (temperature 1) logprob of every token of each sequence given the tokens before it (None for the
+        first), and the top_k most likely tokens at each position: prompt logprobs for OpenAI's echo."""
+        raise EngineVerbMissing.of(self, "score", "use FARM_ENGINE=torch for prompt logprobs")
 
 
 ENGINES: Registry[type[Engine]] = Registry("engine", base=Engine)

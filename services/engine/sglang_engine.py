@@ -141,6 +141,7 @@ class SGLangEngine(Engine):
                 "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens,
                 "stop_token_ids": params.stop_token_ids,
+                "stop": params.stop,
                 "ignore_eos": params.ignore_eos,
                 "sampling_seed": params.seed,
             }

@@ -18,7 +18,7 @@ import threading
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine.base import ENGINES, Engine, EngineOutput, ScoredTokens, WeightsRejected
 from services.engine.state_dict import canonical_state_dict, spec_of
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weight_checks import check_state_dict
@@ -84,6 +84,14 @@ class RegexMask:
         return None
 
 
+def text_hits_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
+    """Whether the text of `ids` now holds a stop string. Only the tail is decoded: a character takes at most 4 tokens
+    (its bytes), and a stop string found earlier would have ended the sample then."""
+    window = 4 * max(map(len, stops)) + 8
+    tail = tokenizer.decode(ids[-window:], skip_special_tokens=True)
+    return any(s in tail for s in stops)
+
+
 @ENGINES.register("torch")
 class TorchEngine(Engine):
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", threads: int | None = None):
@@ -131,6 +139,22 @@ class TorchEngine(Engine):
 
     def health_token_id(self) -> int:
         return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
+
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def score(self, sequences: list[list[int]], top_k: int) -> list[ScoredTokens]:
+        """One forward pass per sequence, under the lock, on the weights being served."""
+        out = []
+        with self._lock, torch.inference_mode():
+            for ids in sequences:
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), -1)  # position j predicts j+1
+                chosen = logp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+                top = torch.topk(logp, top_k, -1) if top_k else None
+                alts = [list(zip(i.tolist(), v.tolist())) for v, i in zip(*top)] if top else [[] for _ in chosen]
+                out.append(ScoredTokens([None, *chosen], [[], *alts]))
+        return out
 
     # weights ---------------------------------------------------------------
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
@@ -215,6 +239,7 @@ class TorchEngine(Engine):
         toks, lps, slps, versions, past, epoch, aborted = [], [], [], [], None, self._abort_epoch, False
         rx = RegexMask(p.regex, self.tokenizer, set(stop.tolist())) if p.regex else None
         texts: list[list[int]] = [[] for _ in range(B)]  # constrained rows' tokens so far
+        said: list[list[int]] = [[] for _ in range(B)]  # each row's tokens so far, when stop strings are asked
         dead = torch.zeros(B, dtype=torch.bool, device=dev)  # constrained rows with no allowed token
         rows = torch.arange(B, device=dev)  # the rows still in the batch: a finished row leaves it, KV cache and all
         step_ids, step_pos = ids, pos
@@ -261,6 +286,9 @@ class TorchEngine(Engine):
             slps.append(slp)
             versions.append(self.weight_version)
             finished = ~done & torch.isin(tok, stop)
+            for i in rows.tolist() if p.stop else ():  # stop strings: the live rows' text so far
+                said[i].append(int(tok[i]))
+                finished[i] |= not bool(done[i]) and text_hits_stop(self.tokenizer, said[i], p.stop)
             lengths[finished.cpu()] = t + 1
             done |= finished
             if bool(done.all()):

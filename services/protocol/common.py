@@ -25,6 +25,12 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(
         default_factory=list, description="Extra token ids that end a sample (EOS always does)."
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Strings that end a sample when its text contains one (SGLang's `stop`); the sample keeps the "
+        "tokens up to the one that completed it.",
+    )
     ignore_eos: bool = Field(
         False, description="Keep generating past EOS, up to max_new_tokens (stop_token_ids still stop)."
     )
@@ -43,6 +49,13 @@ class SamplingParams(BaseModel):
         if self.top_k == 0:
             raise ValueError("top_k=0 keeps no token: use -1 to keep all, or a positive k")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("a stop string is empty: remove it")
+        return v
 
     @field_validator("regex")
     @classmethod

@@ -135,6 +135,39 @@ def test_stop_token_ids_end_samples(engine):
         assert stop not in o.token_ids[:-1]
 
 
+def test_stop_strings_end_samples_in_the_engine_at_the_token_that_completes_them(engine):
+    """A sample stops at the token that completes its first stop string and keeps that token: the same draw as
+    without the stop up to there (same seed, one row). In a batch, every row either ends right where its text first
+    holds the string, or runs to the length limit without it."""
+    decode = engine.tokenizer.decode
+    one = prompts(engine, ["Q: 3+3\nA:"])
+    free = engine.generate(one, SamplingParams(max_new_tokens=24, seed=5, ignore_eos=True))[0]
+    text = decode(free.token_ids)
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    cut = engine.generate(one, SamplingParams(max_new_tokens=24, seed=5, ignore_eos=True, stop=[stop]))[0]
+    n = next(k for k in range(1, len(free.token_ids) + 1) if stop in decode(free.token_ids[:k]))
+    assert cut.token_ids == free.token_ids[:n] < free.token_ids and cut.finish_reason == "stop"
+    batch = engine.generate(one * 6, SamplingParams(max_new_tokens=24, seed=9, ignore_eos=True, stop=[stop, "Q"]))
+    for o in batch:
+        hit = [s for s in (stop, "Q") if s in decode(o.token_ids)]
+        assert o.finish_reason == ("stop" if hit else "length")
+        assert not any(s in decode(o.token_ids[:-1]) for s in (stop, "Q"))  # it ended at the first occurrence
+
+
+def test_score_gives_each_tokens_logprob_and_the_top_alternatives_like_a_forward_pass(engine):
+    seqs = prompts(engine, ["Q: 12+3\nA: 15", "hi there"])
+    scored = engine.score(seqs, top_k=3)
+    for ids, s in zip(seqs, scored):
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        assert s.logprobs[0] is None and s.top[0] == []
+        expected = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
+        assert s.logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        for alts, row in zip(s.top[1:], logp):
+            assert [t for t, _ in alts] == row.topk(3).indices.tolist()
+            assert [lp for _, lp in alts] == pytest.approx(row.topk(3).values.tolist(), abs=1e-5)
+
+
 def test_finished_rows_leave_the_batch_without_changing_the_others(engine):
     """Rows that stop early are dropped from the batch (and its KV cache): the rest decode as they would alone."""
     ids = prompts(engine, ["Q: 3+3\nA:", "a much longer prompt, to force left padding", "hi", "Q: 71-5\nA: The"])

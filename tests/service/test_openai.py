@@ -70,9 +70,26 @@ def test_completion_logprobs_join_to_the_text_and_match_the_rollout(service, fre
     assert plain["choices"][0]["logprobs"] is None
 
 
-def test_completion_logprobs_above_zero_get_422(service):
-    r = httpx.post(f"{service}/v1/completions", json={"prompt": "hi", "logprobs": 3})
-    assert r.status_code == 422 and [d["field"] for d in r.json()["detail"]] == ["logprobs"]
+def test_unsupported_openai_fields_get_422_naming_them(service):
+    for path, body, field in [
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {}},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, "prompt.1.token_ids"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ]:
+        r = httpx.post(f"{service}{path}", json=body)
+        assert r.status_code == 422 and any(d["field"].startswith(field) for d in r.json()["detail"]), (body, r.json())
 
 
 def test_chat_logprobs_list_each_token(service, fresh_weights):

@@ -1,0 +1,42 @@
+"""OpenAI's streaming answer: server-sent events in its chunk format, ending with `data: [DONE]`.
+
+Each choice is sent whole, once its samples finish (the engines return whole samples): a chunk with the text (and
+logprobs), then a chunk with its finish_reason. With stream_options.include_usage, every chunk carries
+`"usage": null` and one last chunk has no choices and the usage block.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+
+def chunks(answer: dict, include_usage: bool) -> list[dict]:
+    """The chunks of a finished answer (what completions() or chat() returned)."""
+    chat = answer["object"] == "chat.completion"
+    head = {
+        "id": answer["id"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": answer["created"],
+        "model": answer["model"],
+    }
+    extra = {"usage": None} if include_usage else {}
+    out = []
+    for c in answer["choices"]:
+        if chat:
+            delta = {"role": "assistant", "content": c["message"]["content"]}
+            body = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+            end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+        else:
+            body = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
+            end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        out += [{**head, "choices": [body], **extra}, {**head, "choices": [end], **extra}]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": answer["usage"]})
+    return out
+
+
+async def events(answer: dict, include_usage: bool) -> AsyncIterator[str]:
+    for chunk in chunks(answer, include_usage):
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
