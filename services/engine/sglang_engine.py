@@ -1,7 +1,8 @@
 """SGLang's offline engine (`sglang.Engine`) behind the engine interface, for GPUs (the `sglang` extra).
 
-Written against sglang 0.5.14 (what `rollout-farm[sglang]` resolves to under transformers<5.11; 0.5.15
-and later pin newer transformers) and read against 0.5.23; it needs >= 0.5.6.
+Written against sglang 0.5.14, which the `sglang` extra pins (the newest under verl's transformers<5.11; 0.5.15
+and later pin newer transformers), and read against 0.5.23; it needs >= 0.5.6. tests/unit/test_sglang_contract.py
+checks this module's calls against the pinned version's source, without a GPU.
 
 Logprobs: generate asks for return_logprob=True and reads meta_info["output_token_logprobs"], a list of
 (logprob, token_id, text). By default SGLang returns them after temperature (log of the tempered
