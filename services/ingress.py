@@ -8,6 +8,7 @@ Fanout            a rollout spread over the replicas (and the group filter's sch
 Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
+SGLangCompat      SGLang's native endpoints, translated onto the objects above
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.request_checks import RequestChecks
 from services.rollout_jobs import RolloutJobs
 from services.rollouts import Rollouts
 from services.settings import ServiceSettings
+from services.sglang_compat import SGLangCompat
 from services.weight_push import WeightPush
 
 
@@ -47,4 +49,5 @@ class Ingress:
         self.openai = OpenAICompat(
             self.fanout, self.replicas, self.checks, settings.model, lambda: self.weights.committed
         )
+        self.sglang = SGLangCompat(self)
         self.started = asyncio.create_task(self.weights.sync_committed())  # a restarted ingress: what replicas serve

@@ -273,3 +273,18 @@ class EngineServer:
             }
             for ids, s in zip(sequences, scored)
         ]
+
+    # for the SGLang surface -------------------------------------------------------------------------------
+    async def score_ids(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+        """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
+        and the top_k alternatives of its position as [token_id, logprob] pairs."""
+        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded alone (SGLang's return_text_in_logprobs)."""
+        return self.engine.tokenizer.batch_decode([[i] for i in ids])
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Texts tokenized as SGLang's tokenizer manager does (tokenizer.encode: special tokens such as BOS added)."""
+        return [self.engine.tokenizer.encode(t) for t in texts]

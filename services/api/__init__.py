@@ -9,12 +9,12 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from services import protocol as P
-from services.api import control, errors, openai, queue, rollouts, samplers, weights
+from services.api import control, errors, openai, queue, rollouts, samplers, sglang, weights
 from services.api.deps import require_token
 from services.api.middleware import BodyLimit, record_request
 
-OPEN = (rollouts.router, samplers.router, weights.router, queue.router, control.router, openai.router)
-NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin)
+OPEN = (rollouts.router, samplers.router, weights.router, queue.router, control.router, openai.router, sglang.router)
+NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang.admin)
 
 
 def create_api() -> FastAPI:

@@ -1,0 +1,126 @@
+"""SGLang's native HTTP surface (sglang 0.5.14, srt/managers/io_struct.py and srt/sampling/sampling_params.py), so
+that code written against an SGLang server works against the farm with only the URL changed.
+
+Field names, defaults and shapes are SGLang's. A field SGLang defines that the farm cannot honour is absent here, or
+accepted only at its default, so that it is refused with a 422 naming it (extra="forbid"), never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.protocol.common import MAX_N, MAX_NEW_TOKENS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SGLangSamplingParams(_Strict):
+    """SGLang's sampling_params, the subset the farm's engines honour (the farm's SamplingParams underneath)."""
+
+    max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS, description="Most tokens to generate.")
+    stop: str | list[str] | None = Field(None, description="Strings that end the sample (trimmed from `text`).")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the sample, besides EOS.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="Softmax temperature; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Samples per prompt (answers are prompt-major).")
+    regex: str | None = Field(None, description="Constrain the text to match this regular expression.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS, up to max_new_tokens.")
+    sampling_seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling (farm: seed).")
+
+
+class GenerateRequest(_Strict):
+    """POST /generate: SGLang's GenerateReqInput, single (`text` a string, `input_ids` a flat list) or batch."""
+
+    text: str | list[str] | None = Field(None, description="Prompt text(s); give this or input_ids.")
+    input_ids: list[int] | list[list[int]] | None = Field(None, description="Prompt token ids; or text.")
+    sampling_params: list[SGLangSamplingParams] | None = Field(
+        None, description="One dict for every prompt, or one per prompt (a dict is read as a list of one)."
+    )
+    rid: str | list[str] | None = Field(
+        None,
+        description="Request id (meta_info.id; a batch's string becomes rid_0, rid_1, ...). A string rid also keys "
+        "the farm's request table: POST /abort_request cancels it, and a repeat of it returns the first answer.",
+    )
+    return_logprob: bool | list[bool] | None = Field(None, description="Return logprobs (one flag, or one per prompt).")
+    logprob_start_len: int | list[int] | None = Field(
+        None, description="First prompt position to return input logprobs for; -1 (default): none."
+    )
+    top_logprobs_num: int | list[int] | None = Field(
+        None, description="With return_logprob: the k most likely tokens at each position (0..20)."
+    )
+    return_text_in_logprobs: bool = Field(False, description="Fill the text slot of [logprob, token_id, text].")
+    stream: bool = Field(False, description="Server-sent events; the farm sends each answer as one whole chunk.")
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _one_as_list(cls, v):
+        return [v] if isinstance(v, dict) else v
+
+
+class UpdateWeightsFromDiskRequest(_Strict):
+    """POST /update_weights_from_disk: the farm's path push (POST /v1/weights/path), two phases over every replica."""
+
+    model_path: str = Field(..., min_length=1, description="Folder of *.safetensors files (inside FARM_WEIGHTS_DIR).")
+    load_format: Literal["safetensors"] | None = Field(None, description="Only safetensors folders are read.")
+    abort_all_requests: bool = Field(False, description="True: in-flight samples abort and rerun (policy 'abort').")
+    weight_version: str | None = Field(None, description="The new version, an integer; default: the served one + 1.")
+    is_async: Literal[False] = Field(False, description="Pushes return once every replica serves the version.")
+    torch_empty_cache: bool = Field(False, description="Accepted; the farm keeps no allocator cache to empty.")
+    keep_pause: Literal[False] = Field(False, description="The farm's push does not pause: nothing to keep.")
+    recapture_cuda_graph: bool = Field(False, description="Accepted; the farm's engines capture no CUDA graphs.")
+    token_step: int = Field(0, ge=0, description="Accepted; the farm versions by weight_version.")
+    flush_cache: bool = Field(True, description="Accepted; the farm's engines keep no prefix cache across requests.")
+    manifest: None = Field(None, description="Tensor metadata: not supported (the files' own headers are read).")
+
+
+class InitWeightsUpdateGroupRequest(_Strict):
+    """POST /init_weights_update_group: every replica joins the trainer's NCCL group (/v1/weights/distributed/init)."""
+
+    master_address: str = Field(..., description="The trainer's rendezvous host.")
+    master_port: int = Field(..., ge=1, le=65535, description="The trainer's rendezvous port.")
+    rank_offset: int = Field(..., ge=0, description="Rank of the first replica's first GPU.")
+    world_size: int = Field(..., ge=2, description="Trainer plus every replica's GPUs.")
+    group_name: str = Field("weight_update_group", description="The process group's name.")
+    backend: str = Field("nccl", description="torch.distributed backend.")
+
+
+class UpdateWeightsFromDistributedRequest(_Strict):
+    """POST /update_weights_from_distributed: the trainer broadcasts the tensors (farm: /v1/weights/distributed)."""
+
+    names: list[str] = Field(..., min_length=1, description="Tensor names, in broadcast order.")
+    dtypes: list[str] = Field(..., min_length=1, description="Each tensor's dtype, e.g. 'bfloat16'.")
+    shapes: list[list[int]] = Field(..., min_length=1, description="Each tensor's shape.")
+    group_name: str = Field("weight_update_group", description="The process group's name.")
+    flush_cache: bool = Field(True, description="Accepted; the farm's engines keep no prefix cache across requests.")
+    abort_all_requests: Literal[False] = Field(False, description="Not supported on the NCCL transport.")
+    weight_version: str | None = Field(None, description="The new version, an integer; default: the served one + 1.")
+    load_format: None = Field(None, description="Only one broadcast per tensor (no 'flattened_bucket').")
+    torch_empty_cache: bool = Field(False, description="Accepted; the farm keeps no allocator cache to empty.")
+
+
+class PauseGenerationRequest(_Strict):
+    """POST /pause_generation: abort what runs and admit nothing until /continue_generation."""
+
+    mode: Literal["abort"] = Field(
+        "abort",
+        description="Only 'abort': the farm's engines cannot hold a request mid-generation ('retract', 'in_place'); "
+        "POST /v1/pause lets running calls finish instead.",
+    )
+
+
+class ContinueGenerationRequest(_Strict):
+    """POST /continue_generation: admit generation again on every replica."""
+
+    torch_empty_cache: bool = Field(True, description="Accepted; the farm keeps no allocator cache to empty.")
+
+
+class AbortRequest(_Strict):
+    """POST /abort_request: cancel a /generate by its string rid, or everything running."""
+
+    rid: str = Field("", description="The rid a /generate was sent with.")
+    abort_all: bool = Field(False, description="End every replica's running generation at its next token.")
