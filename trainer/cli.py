@@ -7,11 +7,14 @@ import json
 import os
 import sys
 
-from services import logs
-
 
 def _setup_logging() -> None:
-    """One JSON object per log line on stdout (services/logs.py)."""
+    """One JSON object per log line on stdout (services/logs.py), or the extra to install where the default
+    install (the client alone) lacks the logging package of the service and trainer."""
+    try:
+        from services import logs
+    except ModuleNotFoundError as e:
+        sys.exit(f"farm needs the service and trainer ({e.name} is missing): pip install 'rollout-farm[trainer]'")
     logs.setup()
 
 

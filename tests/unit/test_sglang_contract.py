@@ -30,13 +30,14 @@ WHEEL_BUILD = ["--only-binary=:all:", "--python-version", "3.11", "--platform", 
 
 def pinned_sglang_version() -> str:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    match = re.fullmatch(r"sglang\[srt\]==([\w.]+)", extras["sglang"][0]) if len(extras["sglang"]) == 1 else None
-    if match is None:
+    pins = [m for req in extras["sglang"] if (m := re.fullmatch(r"sglang\[srt\]==([\w.]+)", req))]
+    named = [req for req in extras["sglang"] if req.startswith("sglang")]
+    if len(pins) != 1 or len(named) != 1:
         raise AssertionError(
             f"pyproject.toml's sglang extra is {extras['sglang']}: pin one exact version, like "
-            "['sglang[srt]==0.5.14'], so that this test checks the adapter against that version's source"
+            "'sglang[srt]==0.5.14', so that this test checks the adapter against that version's source"
         )
-    return match.group(1)
+    return pins[0].group(1)
 
 
 def download_wheel(version: str) -> Path:
