@@ -31,15 +31,14 @@ PRETRAIN_STEPS = 400
 CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm"))
 
 
-# A plain-text chat template ("user: hi\nassistant:"), so that chat works on the built-in models out of the box.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+# The built-in models' chat template: the messages' text, one per line, with no role labels. A single user
+# message renders to exactly its text, so the trainer (which renders prompts through a model's template) sends the
+# prompts the model was pretrained on, and chat works on the built-in models out of the box.
+CHAT_TEMPLATE = "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] }}{% endfor %}"
 
 
 def byte_tokenizer():
-    """A byte-level tokenizer (every byte one token) with pad and end-of-turn specials and a plain chat template."""
+    """A byte-level tokenizer (every byte one token) with pad and end-of-turn specials and CHAT_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -25,10 +25,18 @@ DISCONNECT_GRACE_S = 2.0  # short, so an abandoned rollout with a request_id fre
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
 
     from services.models import tiny_llama
 
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+    path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+    tok = AutoTokenizer.from_pretrained(path)  # a chat template with roles, so tests see the messages rendered
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tok.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")
