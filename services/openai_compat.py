@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from services import protocol as P
-from services.errors import Invalid
+from services.errors import Invalid, pydantic_fields
 from services.rollout_jobs import Job
 
 if TYPE_CHECKING:
@@ -121,10 +121,14 @@ def nothing(s: P.Sample) -> P.Sample:
 
 
 def sampling(max_tokens: int, req, stop: str | list[str] | None) -> P.SamplingParams:
+    """The rollout's sampling params; what only they check (an empty or 17th stop string) is a 422 on `stop`."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return P.SamplingParams(
-        max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=stops
-    )
+    try:
+        return P.SamplingParams(
+            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=stops
+        )
+    except ValidationError as e:
+        raise Invalid(pydantic_fields(e.errors())) from None
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:

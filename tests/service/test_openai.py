@@ -85,6 +85,8 @@ def test_unsupported_openai_fields_get_422_naming_them(service):
             "messages.0.content",
         ),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["x", ""]}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["s"] * 17}, "stop"),
         ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, "prompt.1.token_ids"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ]:
