@@ -72,6 +72,7 @@ class TrainingRun:
 
     def _start(self) -> None:
         resumed = checkpoint.latest(self.out) if self.out and self.cfg.trainer.resume_mode == "auto" else None
+        distributed.barrier()  # every rank looks before rank 0 saves step 0 below, or a late rank would resume from it
         if resumed:
             self.restore(resumed)
             log.info("resumed", extra={"checkpoint": str(resumed), "step": self.step, "rank": self.rank})

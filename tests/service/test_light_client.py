@@ -53,8 +53,8 @@ def light_venv(root: Path) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src)
-    for package in ("services", "trainer"):
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in (d for d in ROOT.iterdir() if (d / "__init__.py").is_file()):  # pyproject.toml picks among them
+        shutil.copytree(package, src / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     run([sys.executable, "-m", "venv", "--without-pip", root / "venv"], timeout=60)  # this pip installs into it
     python = root / "venv" / "bin" / "python"
     pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--disable-pip-version-check"]
