@@ -122,6 +122,7 @@ def start_service(**settings):
     from services import server
     from services.settings import ServiceSettings
 
+    settings.setdefault("state_dir", tempfile.mkdtemp(prefix="farm-bench-state-"))  # each run from version 0
     s = ServiceSettings(api_token=TOKEN, port=settings.pop("port", None) or free_port(), **settings)
     t = time.perf_counter()
     server.start(s)

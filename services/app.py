@@ -4,6 +4,8 @@ HTTP ─► Ingress (services/ingress.py; routes in services/api/) ─► Engine
               └─ weight push: header check, then stage and commit on every replica ─┘
                                                  WeightStore (deployment actor): the committed version,
                                                  loaded by a replica before it serves
+Shared control-plane state (queue, request_id records, committed version, policy stats): Redis at FARM_REDIS_URL
+(services/state.py; `farm serve` starts an embedded one when it is unset, services/server.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from services.api import create_api
 from services.ingress import Ingress
 from services.replica import CONTROL_SLOTS, EngineServer
 from services.settings import ServiceSettings
+from services.state import prefix
 from services.weight_store import WeightStore
 
 
@@ -34,7 +37,16 @@ def engine_scaling(settings: ServiceSettings) -> dict:
 
 
 def build_app(settings: ServiceSettings):
-    """The Serve application for these settings."""
+    """The Serve application for these settings (FARM_REDIS_URL set: services.server.start sets it to the
+    embedded Redis)."""
+    if not settings.redis_url:
+        raise ValueError(
+            "FARM_REDIS_URL is unset: point it at the Redis that holds the farm's state (redis://host:6379/0); "
+            "only `farm serve` starts an embedded one"
+        )
+    store = DeploymentActorConfig(
+        name="weights", actor_class=WeightStore, init_args=(settings.redis_url, prefix(settings.app_name))
+    )
     engine = serve.deployment(
         EngineServer,
         name="engine",
@@ -42,11 +54,12 @@ def build_app(settings: ServiceSettings):
         max_ongoing_requests=settings.engine_max_ongoing_requests + CONTROL_SLOTS,
         max_queued_requests=settings.engine_max_queued_requests,
         ray_actor_options={"num_cpus": settings.engine_num_cpus},
-        deployment_actors=[DeploymentActorConfig(name="weights", actor_class=WeightStore)],
+        deployment_actors=[store],
     )
     ingress = serve.deployment(
         serve.ingress(create_api())(Ingress),
         name="ingress",
+        num_replicas=settings.ingress_replicas,
         max_ongoing_requests=settings.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )

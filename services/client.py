@@ -230,9 +230,13 @@ class _Api:
     def queue_remove_source(self, name: str) -> P.QueueSourceState:
         return self._send(_Call("DELETE", f"/v1/queue/sources/{name}", P.QueueSourceState, replay=False))
 
-    def queue_add_prompts(self, name: str, prompts: list[P.Prompt]) -> P.QueueSourceState:
+    def queue_add_prompts(self, name: str, prompts: list[P.Prompt], batch_id: str | None = None) -> P.QueueSourceState:
+        """Add prompts to a source; with a batch_id the addition is idempotent (and so retried on failures)."""
         body, path = P.QueuePrompts(prompts=prompts).model_dump(exclude_none=True), f"/v1/queue/sources/{name}/prompts"
-        return self._send(_Call("POST", path, P.QueueSourceState, replay=False, json=body))
+        params = {"batch_id": batch_id} if batch_id else None
+        return self._send(
+            _Call("POST", path, P.QueueSourceState, replay=batch_id is not None, json=body, params=params)
+        )
 
     def queue_upload_jsonl(self, name: str, data: bytes) -> P.QueueSourceState:
         """Add prompts from JSONL bytes, one Prompt object per line."""

@@ -66,7 +66,7 @@ class Fanout:
             return await group_filter.produce(self, job, req, sampler, delivered)
         chunks = split(list(range(len(req.prompts))), self.settings.replicas * (2 if req.stream else 1))
         floor = self.floor(req)
-        params, meta = self.policy.plan(req.sampler.name, sampler, req.sampling_params, self.committed())
+        params, meta = await self.policy.plan(req.sampler.name, sampler, req.sampling_params, self.committed())
         calls = [self.call(req, c, j, params, floor, meta, req.sampler) for j, c in enumerate(chunks)]
 
         async def part(chunk, call):

@@ -28,7 +28,7 @@ async def produce(
 ) -> P.RolloutResponse:
     p, settings = flt.params, fanout.settings
     inner = make_sampler(p.inner, settings.plugins)
-    params, meta = fanout.policy.plan(p.inner.name, inner, req.sampling_params, fanout.committed())
+    params, meta = await fanout.policy.plan(p.inner.name, inner, req.sampling_params, fanout.committed())
     meta = {**meta, "filter": req.sampler.name}
     target, cap = p.target_groups or len(req.prompts), min(p.max_groups or len(req.prompts), len(req.prompts))
     todo = deque(

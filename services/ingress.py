@@ -9,15 +9,20 @@ Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
 SGLangCompat      SGLang's native endpoints, translated onto the objects above
+
+Their shared state (queue, request_id records, committed version, policy stats) is in Redis (services/state.py),
+so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm, and a restarted one loses nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from services import logs
+from services import logs, metrics, state
 from services.fanout import Fanout
 from services.openai_compat import OpenAICompat
 from services.plugins import load_plugins
@@ -31,23 +36,67 @@ from services.settings import ServiceSettings
 from services.sglang_compat import SGLangCompat
 from services.weight_push import WeightPush
 
+log = logging.getLogger("farm.service")
+FOLLOW_S = 0.5  # how often a replica reads the committed version and the policy stats back from Redis
+
 
 class Ingress:
     async def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
         load_plugins(settings)
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
+        self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
         self.replicas = Replicas(engine)
-        self.weights = WeightPush(self.replicas, settings)
-        self.policy = PolicyStatsBoard()
+        self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
+        self.policy = PolicyStatsBoard(self.redis, prefix)
         self.checks = RequestChecks(self.replicas, settings)
         self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy)
-        self.rollouts = Rollouts(self.fanout, self.checks, RolloutJobs(settings))
+        self.jobs = RolloutJobs(settings, self.redis, prefix)
+        self.rollouts = Rollouts(self.fanout, self.checks, self.jobs)
         self.queue = TrajectoryQueue(
-            self.fanout.generate_for_queue, lambda: self.weights.committed, batch_groups=4 * settings.replicas
+            self.redis,
+            prefix,
+            self.fanout.generate_for_queue,
+            self.weights.refresh,
+            batch_groups=4 * settings.replicas,
         )
-        self.openai = OpenAICompat(
-            self.fanout, self.replicas, self.checks, settings.model, lambda: self.weights.committed
-        )
+        self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
         self.sglang = SGLangCompat(self)
-        self.started = asyncio.create_task(self.weights.sync_committed())  # a restarted ingress: what replicas serve
+        await self.follow_once()
+        self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]
+
+    def local_metrics(self) -> tuple[str, str]:
+        """(this replica's id, its Prometheus text)."""
+        return serve.get_replica_context().replica_id.unique_id, metrics.local()
+
+    async def ingress_metrics(self) -> tuple[str, dict[str, str]]:
+        """This replica's id, and every ingress replica's Prometheus text by replica id (this one's alone if the
+        others do not answer in time). This replica's state gauges are read from Redis just now."""
+        await self.follow_once()
+        me, text = self.local_metrics()
+        peers = serve.get_deployment_handle("ingress", self.settings.app_name)
+        try:
+            answers = await peers.broadcast("local_metrics").results_async(timeout_s=5, return_exceptions=True)
+        except Exception as e:
+            log.warning("ingress_metrics_partial", extra={"error": repr(e)})
+            answers = []
+        return me, {**dict(a for a in answers if isinstance(a, tuple)), me: text}
+
+    async def follow_once(self) -> None:
+        metrics.VERSION.set(await self.weights.refresh())
+        await self.policy.refresh()
+
+    async def follow(self) -> None:
+        """Forever: the committed version and the policy stats as Redis has them (other replicas write them too)."""
+        failing = False
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                await self.follow_once()
+                if failing:
+                    log.info("state_reachable_again", extra={"committed": self.weights.committed})
+                failing = False
+            except state.STATE_ERRORS as e:
+                if not failing:
+                    log.warning("state_unreachable", extra={"error": repr(e)})
+                failing = True

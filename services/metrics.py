@@ -7,6 +7,8 @@ and only a module reference makes every copy count into the replica's one regist
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 REQUESTS = Counter("farm_requests_total", "HTTP requests", ["path", "status"])
 LATENCY = Histogram(
@@ -21,7 +23,7 @@ STALENESS = Histogram(
     "Committed version minus the sample's weight version, at delivery",
     buckets=(0, 1, 2, 4, 8, 16, 64),
 )
-VERSION = Gauge("farm_weight_version", "Newest weight version committed through this ingress")
+VERSION = Gauge("farm_weight_version", "The committed weight version (as this ingress read it from the state)")
 SYNC_SECONDS = Histogram(
     "farm_weight_sync_seconds",
     "Time to load a weight push on every replica",
@@ -77,9 +79,39 @@ def record_staleness(groups: list, committed: int) -> None:
         STALENESS.observe(max(0, committed - s.weight_version))
 
 
-def exposition(replica_states: list) -> bytes:
-    """Prometheus text: this process's metrics, plus each replica's version and tokens as read just now (P.ReplicaState;
-    a replica that did not answer is left out)."""
+def merged(texts: dict[str, str], me: str) -> bytes:
+    """The ingress replicas' Prometheus texts (by replica id) as one: counters and histograms summed over the
+    replicas; gauges as replica `me` has them (the state's gauges, read from Redis just now; its process's)."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple, float] = {}
+    for replica, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            for s in family.samples:
+                key = (family.name, s.name, tuple(sorted(s.labels.items())))
+                if family.type == "gauge":
+                    if replica == me:
+                        values[key] = s.value
+                else:
+                    values[key] = values.get(key, 0.0) + s.value
+    for (family, name, labels), value in values.items():
+        families[family].add_sample(name, dict(labels), value)
+    scrape = CollectorRegistry()
+    scrape.register(Snapshot(list(families.values())))
+    return generate_latest(scrape)
+
+
+class Snapshot:
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> bytes:
+    """Prometheus text: every ingress replica's metrics merged, plus each engine replica's version and tokens as read
+    just now (P.ReplicaState; a replica that did not answer is left out)."""
     scrape = CollectorRegistry()
     version = Gauge(
         "farm_replica_weight_version",
@@ -97,4 +129,9 @@ def exposition(replica_states: list) -> bytes:
         if not isinstance(st, Exception):
             version.labels(st.replica).set(st.weight_version)
             tokens.labels(st.replica).set(st.generated_tokens)
-    return generate_latest(REGISTRY) + generate_latest(scrape)
+    return merged(ingress_texts, me) + generate_latest(scrape)
+
+
+def local() -> str:
+    """This process's metrics (one ingress replica's)."""
+    return generate_latest(REGISTRY).decode()

@@ -27,7 +27,7 @@ class OpenAICompat:
 
     async def models(self) -> dict:
         """GET /v1/models: the one served policy, with the committed weight version and the context length."""
-        meta = {"weight_version": self.committed(), "context_length": await self.context_length()}
+        meta = {"weight_version": await self.committed(), "context_length": await self.context_length()}
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-farm", "meta": meta}
         return {"object": "list", "data": [card]}
 

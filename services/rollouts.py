@@ -8,23 +8,27 @@ from collections.abc import AsyncIterator
 from services import protocol as P
 from services.fanout import Fanout
 from services.request_checks import RequestChecks
-from services.rollout_jobs import Job, RolloutJobs
+from services.rollout_jobs import Job, RemoteJob, RolloutJobs, RunAgain
 
 
 class Rollouts:
     def __init__(self, fanout: Fanout, checks: RequestChecks, jobs: RolloutJobs):
         self.fanout, self.checks, self.jobs = fanout, checks, jobs
 
-    async def start(self, req: P.RolloutRequest) -> Job:
+    async def start(self, req: P.RolloutRequest) -> Job | RemoteJob:
         await self.checks.rollout(req)
-        return self.jobs.start(req, lambda job: self.fanout.produce(job, req))
+        return await self.jobs.start(req, lambda job: self.fanout.produce(job, req))
 
     async def answer(self, req: P.RolloutRequest) -> P.RolloutResponse:
-        return await self.jobs.result(await self.start(req), req.request_id)
+        while True:
+            try:
+                return await self.jobs.result(await self.start(req), req.request_id)
+            except RunAgain:  # the record's run failed or its replica died while this replay waited: run it here
+                continue
 
     async def stream(self, req: P.RolloutRequest) -> AsyncIterator[str]:
         """NDJSON lines; the checks run before the first line, so a bad request is still a plain 422."""
         return self.jobs.lines(await self.start(req), req.request_id)
 
-    def cancel(self, request_id: str) -> P.CancelResponse:
-        return P.CancelResponse(request_id=request_id, cancelled=self.jobs.cancel(request_id))
+    async def cancel(self, request_id: str) -> P.CancelResponse:
+        return P.CancelResponse(request_id=request_id, cancelled=await self.jobs.cancel(request_id))

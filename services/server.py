@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 import ray
 from ray import serve
 
 from services.app import build_app
 from services.engine import ENGINES
-from services.models import resolve_model
+from services.models import CACHE, resolve_model
+from services.redis_server import EmbeddedRedis
 from services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
+EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, stopped by stop()
 
 
 def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
@@ -25,10 +29,24 @@ def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
     return settings.model_copy(update={"model": str(resolve_model(settings.model))})
 
 
+def with_state(settings: ServiceSettings) -> ServiceSettings:
+    """The settings with FARM_REDIS_URL: as given, or an embedded redis-server's, persisting in FARM_STATE_DIR
+    (default: one folder per app and model, so another model never finds this one's committed weights)."""
+    if settings.redis_url:
+        return settings
+    model_hash = hashlib.sha256(settings.model.encode()).hexdigest()[:8]
+    folder = Path(settings.state_dir or CACHE / "state" / f"{settings.app_name}-{model_hash}")
+    embedded = EmbeddedRedis(folder)
+    url = embedded.start()
+    EMBEDDED.append(embedded)
+    return settings.model_copy(update={"redis_url": url, "state_dir": str(folder)})
+
+
 def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: str = "/") -> ServiceSettings:
-    """Start Ray (if needed) and the Serve app; returns the settings with the model path resolved. A second app
-    (another FARM_APP_NAME) can run beside the first under its own route prefix."""
-    settings = with_model_folder(settings)
+    """Start Ray (if needed), the state's Redis (if embedded) and the Serve app; returns the settings with the
+    model path and the Redis URL resolved. A second app (another FARM_APP_NAME) can run beside the first under its
+    own route prefix."""
+    settings = with_state(with_model_folder(settings))
     if not ray.is_initialized():
         cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
         ray.init(
@@ -45,13 +63,18 @@ def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: 
         build_app(settings), name=settings.app_name, route_prefix=route_prefix, logging_config={"log_level": "WARNING"}
     )
     url = f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
-    log.info("service_ready", extra={"url": url, "model": settings.model, "replicas": settings.replicas})
+    log.info(
+        "service_ready",
+        extra={"url": url, "model": settings.model, "replicas": settings.replicas, "state": settings.state_dir},
+    )
     return settings
 
 
 def stop() -> None:
     serve.shutdown()
     ray.shutdown()
+    while EMBEDDED:
+        EMBEDDED.pop().stop()
 
 
 def run_forever(settings: ServiceSettings) -> None:

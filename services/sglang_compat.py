@@ -127,7 +127,7 @@ class SGLangCompat:
             "tokenizer_path": s.model,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(self.farm.weights.committed),
+            "weight_version": str(await self.farm.weights.refresh()),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": config.get("model_type"),
@@ -146,7 +146,7 @@ class SGLangCompat:
             "tp_size": 1,
             "context_length": await self.farm.openai.context_length(),
             "max_running_requests": s.engine_max_ongoing_requests * s.replicas,
-            "weight_version": str(self.farm.weights.committed),
+            "weight_version": str(await self.farm.weights.refresh()),
             "internal_states": [x.model_dump() if isinstance(x, P.ReplicaState) else {"error": str(x)} for x in states],
             "version": SGLANG_VERSION,
             "engine": s.engine,
@@ -197,7 +197,7 @@ class SGLangCompat:
         if req.abort_all:
             await self.farm.replicas.control("abort")
         elif req.rid:
-            self.farm.rollouts.cancel(req.rid)
+            await self.farm.rollouts.cancel(req.rid)
         else:
             raise Invalid([{"field": "rid", "message": "give the rid to abort, or abort_all=true"}])
 

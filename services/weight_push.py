@@ -5,18 +5,23 @@
   commit  every replica serves the new version (its in-flight samples follow the push's policy)
 
 A push runs to its end even if its caller goes away: a push cut between its phases would not be atomic.
+One push at a time across every ingress replica (a lock in Redis). The committed version is read from Redis
+(services/weight_store.py writes it), so every ingress replica floors rollouts at the same version.
 The NCCL transport (SGLang) has no staging phase: the tensors go straight into the engines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
 
 import ray
+from redis.asyncio import Redis
+from redis.exceptions import LockError
 
 from services import metrics
 from services import protocol as P
@@ -24,6 +29,7 @@ from services.errors import Conflict, Invalid, ReplicasFailed
 from services.replicas import Replicas
 from services.settings import ServiceSettings
 from services.weight_checks import WeightsError, check_state_dict, check_upload, read_header_file
+from services.weight_store import weights_key
 
 log = logging.getLogger("farm.service")
 SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
@@ -45,22 +51,29 @@ def newer_than_served(version: int, served: dict[str, int], verb: str) -> int:
 
 
 class WeightPush:
-    def __init__(self, replicas: Replicas, settings: ServiceSettings):
-        self.replicas, self.settings = replicas, settings
-        self.lock = asyncio.Lock()
-        self.committed = 0  # the newest version committed through this ingress: no rollout runs on older weights
+    def __init__(self, replicas: Replicas, settings: ServiceSettings, r: Redis, prefix: str):
+        self.replicas, self.settings, self.r = replicas, settings, r
+        self.key = weights_key(prefix)
+        self.lock = r.lock(f"{prefix}:push-lock", timeout=settings.weight_sync_timeout_s * 2 + 60, sleep=0.05)
+        self.committed = 0  # the committed version, as last read from Redis: no rollout runs on older weights
         self.spec: dict | None = None  # the model's tensors (name -> shape, dtype), asked once
 
-    async def sync_committed(self) -> None:
-        """At start-up: the version the replicas already serve (this ingress may be a restarted one); retried
-        until the replicas answer."""
-        while True:
+    async def refresh(self) -> int:
+        self.committed = int(await self.r.hget(self.key, "version") or 0)
+        return self.committed
+
+    @contextlib.asynccontextmanager
+    async def _locked(self):
+        """The push lock, or 409 when another push holds it past FARM_WEIGHT_SYNC_TIMEOUT_S."""
+        if not await self.lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
+            raise Conflict(f"another weight push is running for longer than {SYNC_TIMEOUT}: retry later")
+        try:
+            yield
+        finally:
             try:
-                self.committed = max([self.committed, *(await self.replicas.versions()).values()])
-                return
-            except Exception as e:
-                log.warning("replica_versions_unknown", extra={"error": repr(e)})
-                await asyncio.sleep(2)
+                await self.lock.release()
+            except LockError:  # it expired: nothing to release
+                pass
 
     async def served(self) -> P.WeightsVersion:
         """The version every replica serves, and each replica's own."""
@@ -106,7 +119,7 @@ class WeightPush:
     async def _push(
         self, version: int, policy: str, check: Callable, source: Callable[[], tuple], size: int
     ) -> P.WeightsPushResponse:
-        async with self.lock:
+        async with self._locked():
             start = time.perf_counter()
             current = newer_than_served(version, await self.replicas.versions(), "push")
             if self.spec is None:
@@ -138,7 +151,7 @@ class WeightPush:
                     f"{len(failed)} replicas failed to commit version {version}",
                     [{"field": "replica", "message": f} for f in failed],
                 )
-            self.committed = version
+            self.committed = version  # the store wrote it to Redis, for the other ingress replicas
             seconds = time.perf_counter() - start
         metrics.VERSION.set(version)
         metrics.SYNC_SECONDS.observe(seconds)
@@ -157,7 +170,7 @@ class WeightPush:
         return run_to_end(self._distributed("update_weights_from_distributed", update))
 
     async def _distributed(self, method: str, body: P.DistributedGroup | P.DistributedUpdate) -> dict:
-        async with self.lock:
+        async with self._locked():
             served = await self.replicas.versions()
             if isinstance(body, P.DistributedUpdate):
                 newer_than_served(body.version, served, "send")
@@ -165,7 +178,8 @@ class WeightPush:
             results = await self.replicas.all(
                 method, body, sorted(served), timeout_s=self.settings.weight_sync_timeout_s
             )
-            if isinstance(body, P.DistributedUpdate):
+            if isinstance(body, P.DistributedUpdate):  # no copy to load from: a restarted replica serves the base
+                await self.r.hset(self.key, mapping={"version": body.version, "kind": "nccl", "path": ""})
                 self.committed = max(self.committed, body.version)
                 metrics.VERSION.set(body.version)
         return {"replicas": len(results), "results": results}

@@ -40,17 +40,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def service(tiny_model):
-    """The real service with two engine replicas on 127.0.0.1; yields its base URL."""
-    from services import server
+def service_settings(tiny_model, tmp_path_factory):
+    """The session service's settings: two engine replicas and two ingress replicas sharing the state in a real
+    redis-server (embedded, its append-only file in a temporary folder)."""
     from services.net import free_port
     from services.settings import ServiceSettings
 
-    settings = ServiceSettings(
+    return ServiceSettings(
         model=str(tiny_model),
         api_token=TOKEN,
         port=free_port(),
         replicas=2,
+        ingress_replicas=2,
         engine_threads=1,
         max_weights_bytes=MAX_WEIGHTS_BYTES,
         engine_max_ongoing_requests=2,
@@ -58,15 +59,23 @@ def service(tiny_model):
         min_version_wait_s=MIN_VERSION_WAIT_S,
         disconnect_grace_s=DISCONNECT_GRACE_S,
         plugins=["tests.farm_plugins"],  # a user's sampler and reward
-        log_level="WARNING",
-    )  # the replicas' INFO lines would fill the test output
-    server.start(settings)
-    yield f"http://127.0.0.1:{settings.port}"
+        log_level="WARNING",  # the replicas' INFO lines would fill the test output
+        state_dir=str(tmp_path_factory.mktemp("state")),
+    )
+
+
+@pytest.fixture(scope="session")
+def service(service_settings):
+    """The real service on 127.0.0.1; yields its base URL."""
+    from services import server
+
+    server.start(service_settings)
+    yield f"http://127.0.0.1:{service_settings.port}"
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def bench_service(service):
+def bench_service(service, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
     (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model."""
     from services import server
@@ -82,6 +91,7 @@ def bench_service(service):
         engine_num_cpus=0,
         plugins=["tests.farm_plugins"],
         log_level="WARNING",
+        state_dir=str(tmp_path_factory.mktemp("bench-state")),
     )
     server.start(settings, route_prefix="/bench")
     yield f"{service}/bench"

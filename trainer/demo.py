@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,9 +35,18 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    state = out_dir / "state"  # the service's embedded Redis: a demo starts from version 0 and an empty queue
+    shutil.rmtree(state, ignore_errors=True)
     path = resolve_model(model)  # builds the embedded default on first run
     token, port = secrets.token_urlsafe(24), free_port()
-    env = {**os.environ, "FARM_API_TOKEN": token, "FARM_PORT": str(port), "FARM_MODEL": str(path)}
+    env = {
+        **os.environ,
+        "FARM_API_TOKEN": token,
+        "FARM_PORT": str(port),
+        "FARM_MODEL": str(path),
+        "FARM_STATE_DIR": str(state),
+    }
+    env.pop("FARM_REDIS_URL", None)
     farm = [sys.executable, "-m", "trainer.cli"]
     with (out_dir / "service.log").open("w") as service_log:
         service = subprocess.Popen(farm + ["serve"], env=env, stdout=service_log, stderr=subprocess.STDOUT)

@@ -53,7 +53,6 @@ def train(run: TrainingRun) -> dict:
         batch = batch.to(run.device)
         metrics = train_step(run, batch)
         run.push()
-        rollouts.ack(run)
         run.step = step
         variance = variance_statistics(run, batch, metrics)
         actions, flags = check_guards(run, metrics["kl_ref"], variance)
@@ -64,6 +63,7 @@ def train(run: TrainingRun) -> dict:
             guard_actions.carry_out(run, action)
         if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
             run.save()
+        rollouts.ack(run)  # after the checkpoint: killed before it, a trainer gets these groups again; after, not
         bar.set_postfix(reward=f"{batch.rewards.mean().item():.3f}", kl=f"{metrics['kl_ref']:.4f}")
     if t.eval_size and run.rank == 0:
         summary["after"] = held_out_accuracy(run)

@@ -90,7 +90,8 @@ def lease_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
     name = t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
     if not any(s.name == name for s in run.client.queue_sources()):
         add_queue_source(run, name)
-    run.client.queue_add_prompts(name, prompts)
+    run.batches += 1
+    run.client.queue_add_prompts(name, prompts, batch_id=f"{run.run_id}:{run.batches}")  # once, even if resumed
     items: list[P.QueueItem] = []
     deadline = time.monotonic() + QUEUE_WAIT_S
     while len(items) < want:
@@ -127,7 +128,10 @@ def add_queue_source(run: TrainingRun, name: str) -> None:
 
 
 def ack(run: TrainingRun) -> None:
-    """Settle the step's leased queue groups: they are used, the queue may forget them."""
+    """Settle the step's leased queue groups: they are used, the queue may forget them. Called after the step's
+    checkpoint (the checkpoint lists them too, and a resume from it acks them), so with a checkpoint every step
+    (trainer.save_freq=1) each group is trained exactly once across kills; with sparser checkpoints the steps
+    after the last one are trained again from new groups."""
     if run.leased:
         run.client.queue_ack(run.leased)
         run.leased = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import uuid
 from pathlib import Path
 
 import torch
@@ -48,7 +49,9 @@ class TrainingRun:
         self.task = TASKS.get(t.task)()
         self.client = FarmClient(t.service_url, token)
         self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
-        self.leased: list[str] = []  # queue items of the current step, acked once its weights are pushed
+        self.leased: list[str] = []  # queue items of the current step, acked once its checkpoint is written
+        self.run_id = uuid.uuid4().hex[:12]  # with `batches`, names this run's prompt batches in the queue
+        self.batches = 0  # prompt batches fed to the queue; a resume goes back to the checkpoint's, a rollback not
         self.redelivered = 0  # queue groups that came back from an earlier (killed) trainer's lease
         self.out = Path(t.default_local_dir) if t.default_local_dir else None
         if self.out:
@@ -74,7 +77,10 @@ class TrainingRun:
         resumed = checkpoint.latest(self.out) if self.out and self.cfg.trainer.resume_mode == "auto" else None
         distributed.barrier()  # every rank looks before rank 0 saves step 0 below, or a late rank would resume from it
         if resumed:
-            self.restore(resumed)
+            state = self.restore(resumed)
+            self.run_id, self.batches = state.get("run_id", self.run_id), state.get("batches", 0)
+            if state.get("leased") and self.rank == 0:  # trained into this checkpoint; killed before their ack
+                self.client.queue_ack(state["leased"])
             log.info("resumed", extra={"checkpoint": str(resumed), "step": self.step, "rank": self.rank})
         if resumed or self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
             self.push()
@@ -93,15 +99,17 @@ class TrainingRun:
         if self.rank == 0:
             state = {"kl_coef": self.kl_ctrl.value, "mini_batch_size": self.mini_batch_size}
             state |= {"generated_tokens": self.generated_tokens, "config": self.cfg.model_dump()}
+            state |= {"run_id": self.run_id, "batches": self.batches, "leased": self.leased}
             checkpoint.save(self.out, self.step, self.policy, self.opt, state, critic=self.critic, trainer_rng=self.rng)
         distributed.barrier()
 
-    def restore(self, path: Path, rngs: bool = True) -> None:
-        """Load a checkpoint into this run; with rngs=False the RNGs keep their current state."""
+    def restore(self, path: Path, rngs: bool = True) -> dict:
+        """Load a checkpoint into this run; with rngs=False the RNGs keep their current state. Returns its state."""
         rng = self.rng if rngs else None
         state = checkpoint.load(path, self.policy, self.opt, critic=self.critic, trainer_rng=rng, rngs=rngs)
         self.step, self.kl_ctrl.value = state["step"], state["kl_coef"]
         self.mini_batch_size, self.generated_tokens = state["mini_batch_size"], state["generated_tokens"]
+        return state
 
 
 def _adamw(model: torch.nn.Module, optim: Optim) -> torch.optim.AdamW:

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services import metrics
 from services import protocol as P
 from services.api.deps import ingress
+from services.state import STATE_ERRORS
 
 SCRAPE_TIMEOUT_S = 10  # within Prometheus' default scrape timeout
 router = APIRouter(tags=["control"])
@@ -49,4 +50,9 @@ async def readyz(farm=Depends(ingress)):
 async def prometheus(farm=Depends(ingress)):
     """Prometheus metrics: the ingress's own, the queue's, and each replica's version and tokens."""
     states = await farm.replicas.states(timeout_s=SCRAPE_TIMEOUT_S)
-    return Response(metrics.exposition(states), media_type=CONTENT_TYPE_LATEST)
+    try:
+        await farm.queue.states()  # the queue gauges, as of now
+    except STATE_ERRORS:  # Redis away: the last ones, and the rest of the scrape
+        pass
+    me, texts = await farm.ingress_metrics()
+    return Response(metrics.exposition(states, texts, me), media_type=CONTENT_TYPE_LATEST)

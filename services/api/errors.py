@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from services import protocol as P
 from services.engine.base import EngineVerbMissing
 from services.errors import Invalid, NotSupported, ServiceError, pydantic_fields
+from services.state import STATE_ERRORS, unreachable
 
 log = logging.getLogger("farm.service")
 
@@ -33,6 +34,8 @@ def as_service_error(exc: BaseException) -> ServiceError:
         return Invalid(pydantic_fields(exc.errors()))
     if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
         return NotSupported(str(exc))
+    if isinstance(exc, STATE_ERRORS):  # Redis does not answer: 503 with Retry-After
+        return unreachable(exc)
     if isinstance(exc, HTTPException):
         error = ServiceError(str(exc.detail))
         error.status = exc.status_code
@@ -55,7 +58,7 @@ def install(api: FastAPI) -> None:
             log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
         return response(error)
 
-    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException):
+    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException, *STATE_ERRORS):
         api.add_exception_handler(kind, expected)
 
     @api.exception_handler(Exception)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
+from ray import serve
 from starlette.exceptions import HTTPException
 
 from services import metrics
@@ -46,9 +47,11 @@ class BodyLimit:
 
 
 async def record_request(request: Request, call_next):
-    """farm_request_seconds and farm_requests_total, by route template and status."""
+    """farm_request_seconds and farm_requests_total, by route template and status; the answering ingress replica
+    in the X-Farm-Ingress header."""
     start = time.perf_counter()
     answer = await call_next(request)
+    answer.headers["x-farm-ingress"] = serve.get_replica_context().replica_id.unique_id
     path = request.scope.get("route").path if request.scope.get("route") else "other"
     metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
     metrics.REQUESTS.labels(path, str(answer.status_code)).inc()

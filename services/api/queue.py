@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from services import protocol as P
 from services.api.deps import ingress
@@ -23,7 +23,7 @@ JSONL_BODY = {
 @router.get("/v1/queue/sources", response_model=list[P.QueueSourceState])
 async def queue_sources(farm=Depends(ingress)):
     """Every source: queued prompts, ready and leased groups, acks, redeliveries and stale drops."""
-    return farm.queue.states()
+    return await farm.queue.states()
 
 
 @admin.post(
@@ -34,7 +34,7 @@ async def queue_sources(farm=Depends(ingress)):
 async def queue_add_source(spec: P.QueueSource, farm=Depends(ingress)):
     """Register a prompt source; the service starts generating groups from it in the background."""
     await farm.checks.rollout(spec)
-    return farm.queue.add_source(spec)
+    return await farm.queue.add_source(spec)
 
 
 @admin.delete(
@@ -42,7 +42,7 @@ async def queue_add_source(spec: P.QueueSource, farm=Depends(ingress)):
 )
 async def queue_remove_source(name: str, farm=Depends(ingress)):
     """Stop a source and forget its groups (leased ones included)."""
-    return farm.queue.remove(name)
+    return await farm.queue.remove(name)
 
 
 @admin.post(
@@ -51,7 +51,16 @@ async def queue_remove_source(name: str, farm=Depends(ingress)):
     openapi_extra=JSONL_BODY,
     responses={code: {"model": P.ErrorResponse} for code in (404, 413, 422)},
 )
-async def queue_add_prompts(request: Request, name: str, farm=Depends(ingress)):
+async def queue_add_prompts(
+    request: Request,
+    name: str,
+    batch_id: str | None = Query(
+        None,
+        pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+        description="Makes the addition idempotent: a second addition with the same batch_id adds nothing.",
+    ),
+    farm=Depends(ingress),
+):
     """Add prompts to a source: a JSON QueuePrompts body, or an uploaded JSONL file (Content-Type
     application/x-ndjson), one Prompt per line."""
     body, _ = await read_body(
@@ -59,7 +68,7 @@ async def queue_add_prompts(request: Request, name: str, farm=Depends(ingress)):
     )
     prompts = prompts_from_body(body, request.headers.get("content-type"))
     await farm.checks.tokens(prompts)
-    return farm.queue.add_prompts(name, prompts)
+    return await farm.queue.add_prompts(name, prompts, batch_id)
 
 
 @admin.post(
@@ -74,4 +83,4 @@ async def queue_pull(req: P.PullRequest, farm=Depends(ingress)):
 @admin.post("/v1/queue/ack", response_model=P.AckResponse)
 async def queue_ack(req: P.AckRequest, farm=Depends(ingress)):
     """Settle groups the trainer has used; they are never delivered again. Acking twice is harmless."""
-    return farm.queue.ack(req.item_ids)
+    return await farm.queue.ack(req.item_ids)

@@ -30,4 +30,4 @@ async def rollouts(req: P.RolloutRequest, farm=Depends(ingress)):
 @admin.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse)
 async def cancel_rollout(request_id: str, farm=Depends(ingress)):
     """Cancel a running rollout by its request_id; its engine work stops at the next token."""
-    return farm.rollouts.cancel(request_id)
+    return await farm.rollouts.cancel(request_id)

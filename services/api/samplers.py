@@ -21,11 +21,11 @@ async def list_samplers() -> dict[str, str]:
 @router.get("/v1/policy_stats", response_model=P.PolicyStats)
 async def policy_stats(farm=Depends(ingress)):
     """The statistics the trainer last reported."""
-    return farm.policy.stats
+    return await farm.policy.refresh()
 
 
 @admin.post("/v1/policy_stats", response_model=P.PolicyStats, responses={422: {"model": P.ErrorResponse}})
 async def report_policy_stats(stats: P.PolicyStats, farm=Depends(ingress)):
     """The trainer reports its policy statistics; samplers read them from the next request on.
     Fields left out keep their last value."""
-    return farm.policy.report(stats)
+    return await farm.policy.report(stats)

@@ -51,6 +51,7 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
         "FARM_PORT": str(port),
         "FARM_MODEL": str(tiny_model),
         "FARM_ENGINE_THREADS": "1",
+        "FARM_STATE_DIR": str(tmp_path / "state"),
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", "serve"],

@@ -179,3 +179,30 @@ def test_a_late_ack_of_a_stale_dropped_group_withdraws_its_regeneration(service,
     assert state["acked"] == 2 and state["leased"] + state["pending_prompts"] == 0
     assert not pull(service, source="late", max_groups=2, wait_s=2)["items"]  # nothing of those prompts comes again
     httpx.delete(f"{service}/v1/queue/sources/late", headers=AUTH)
+
+
+def test_a_prompt_batch_with_a_batch_id_is_added_once(service, client):
+    from services import protocol as P
+
+    client.queue_add_source(P.QueueSource(name="batched", target_groups=8, sampling_params=SHORT))
+    prompts = [P.Prompt(text=f"Q: {a}+0\nA:") for a in range(3)]
+    client.queue_add_prompts("batched", prompts, batch_id="run-1:1")
+    client.queue_add_prompts("batched", prompts, batch_id="run-1:1")  # a retry, or a resumed trainer: nothing new
+    client.queue_add_prompts("batched", prompts[:1], batch_id="run-1:2")
+    items = []
+    while len(items) < 4:
+        got = client.queue_pull(P.PullRequest(source="batched", max_groups=8, wait_s=30)).items
+        assert got, client.queue_sources()
+        client.queue_ack([i.item_id for i in got])
+        items += got
+    assert not client.queue_pull(P.PullRequest(source="batched", max_groups=8, wait_s=3)).items
+    assert sorted(i.prompt.text for i in items) == sorted([p.text for p in prompts] + [prompts[0].text])  # 3 + 1
+    bad = httpx.post(
+        f"{service}/v1/queue/sources/batched/prompts",
+        params={"batch_id": "no spaces"},
+        json={"prompts": [{"text": "x"}]},
+        headers=AUTH,
+    )
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"].endswith("batch_id")
+    assert source_state(service, "batched")["acked"] == 4
+    client.queue_remove_source("batched")

@@ -31,6 +31,7 @@ def _deployments(**settings) -> dict[str, dict]:
     from services.app import build_app
     from services.settings import ServiceSettings
 
+    settings.setdefault("redis_url", "redis://127.0.0.1:1/0")  # only named here: building connects to nothing
     built = serve_build(build_app(ServiceSettings(api_token=TOKEN, **settings)), name="farm")
     return {d.name: deployment_to_schema(d).model_dump(exclude_unset=True) for d in built.deployments}
 
@@ -51,3 +52,12 @@ def test_max_replicas_turns_on_serve_autoscaling():
 def test_without_headroom_the_replica_count_is_fixed(max_replicas):
     engine = _deployments(replicas=2, max_replicas=max_replicas)["engine"]
     assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
+
+
+def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
+    from services.app import build_app
+    from services.settings import ServiceSettings
+
+    assert _deployments(ingress_replicas=3)["ingress"]["num_replicas"] == 3
+    with pytest.raises(ValueError, match="FARM_REDIS_URL"):  # serve run / KubeRay: no embedded Redis there
+        build_app(ServiceSettings(api_token=TOKEN))

