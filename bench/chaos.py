@@ -16,7 +16,8 @@ Lost and duplicated are read from the queue's own records in Redis after each ru
 (pid) the trainer fed must be acked exactly once (its `settled` count is 1), or still be waiting in the queue
 (pending, being generated, or a generated group not yet acked). Lost: a pid in none of these; duplicated: a pid
 acked more than once, or acked and still in the queue. Both must be 0.
-Throughput: groups trained per second of wall time, chaos ÷ clean.
+Throughput: groups trained per second of wall time, chaos ÷ clean. A trainer that exits with an error (a call the
+faults made fail) is started again, as an orchestrator would; those crashes are counted and reported.
 """
 
 from __future__ import annotations
@@ -71,14 +72,28 @@ def steps_done(out: Path) -> int:
     return len({json.loads(line)["step"] for line in path.read_text().splitlines()}) if path.exists() else 0
 
 
-def actors(prefix: str) -> list:
+def actors(prefix: str) -> dict[str, str]:
+    """Serve replicas whose actor name starts with `prefix`: name -> namespace."""
     import ray
 
-    return [
-        ray.get_actor(a["name"], namespace=a["namespace"])
+    return {
+        a["name"]: a["namespace"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith(prefix)
-    ]
+    }
+
+
+def running(deployment: str) -> int:
+    """Replicas of the deployment that Serve reports RUNNING."""
+    from ray import serve
+
+    return serve.status().applications["farm"].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def crash_reason(out: Path) -> str:
+    lines = (out.parent / f"{out.name}.trainer.log").read_text().splitlines()
+    errors = [line for line in lines if "Error" in line and not line.startswith(" ")]
+    return errors[-1][:300] if errors else "no error line"
 
 
 def ready(url: str) -> bool:
@@ -98,6 +113,7 @@ class Run:
         self.cmd = trainer_cmd(url, model, self.out, name, args)
         self.env = {**os.environ, "FARM_API_TOKEN": TOKEN}
         self.recoveries: list[dict] = []
+        self.crashes: list[str] = []  # the trainer's own exits (not our kills), each with its last error line
         self.lock = threading.Lock()
 
     def start_trainer(self) -> subprocess.Popen:
@@ -111,10 +127,14 @@ class Run:
         pending = sorted(self.faults)
         while True:
             code = self.proc.poll()
-            if code is not None:
-                if code != 0:
-                    raise RuntimeError(f"trainer exited {code}: see {self.out}.trainer.log")
+            if code == 0:
                 break
+            if code is not None:  # a crash the faults caused: restarted, as an orchestrator would, and counted
+                self.crashes.append(crash_reason(self.out))
+                log(f"trainer crashed ({self.crashes[-1]}); restarting it")
+                if len(self.crashes) > 5:
+                    raise RuntimeError(f"the trainer keeps crashing: see {self.out}.trainer.log")
+                self.proc = self.start_trainer()
             if pending and time.monotonic() - start >= pending[0][0]:
                 self.fault(pending.pop(0)[1])
             time.sleep(0.1)
@@ -135,12 +155,14 @@ class Run:
         else:
             import ray
 
-            prefix = {"engine": "SERVE_REPLICA::farm#engine", "ingress": "SERVE_REPLICA::farm#ingress"}[kind]
-            victims = actors(prefix)
-            ray.kill(random.Random(t0).choice(victims), no_restart=True)
-            count = len(victims)
-            watch = lambda: len(actors(prefix)) == count and ready(self.url)  # noqa: E731
-            time.sleep(1.0)  # let Serve notice the death before counting replicas again
+            replicas = actors(f"SERVE_REPLICA::farm#{kind}")
+            victim = random.Random(t0).choice(sorted(replicas))
+            ray.kill(ray.get_actor(victim, namespace=replicas[victim]), no_restart=True)
+            prefix = f"SERVE_REPLICA::farm#{kind}"
+
+            def watch():  # the dead replica's name is gone, Serve runs the full count again, and /readyz says so
+                return victim not in actors(prefix) and running(kind) == len(replicas) and ready(self.url)
+
         log(f"fault: {kind} killed")
 
         def wait():
@@ -221,12 +243,19 @@ def main() -> None:
     print(table(["run", "seconds", "lost", "duplicated", "groups/s", "throughput ratio"], rows))
     for kind, secs in by_kind.items():
         print(f"recovery after {kind} kills: {secs} s")
+    print(f"trainer crashes caused by the faults (restarted): {len(chaos.crashes)} {chaos.crashes}")
     write_json(
         "chaos",
         {
             "args": vars(args),
             "clean": {"seconds": clean_s, **clean_audit},
-            "chaos": {"seconds": chaos_s, **chaos_audit, "faults": sorted(faults), "recoveries": chaos.recoveries},
+            "chaos": {
+                "seconds": chaos_s,
+                **chaos_audit,
+                "faults": sorted(faults),
+                "recoveries": chaos.recoveries,
+                "trainer_crashes": chaos.crashes,
+            },
             "throughput_ratio": ratio,
         },
     )
