@@ -97,6 +97,12 @@ class RolloutJobs:
         self.settings, self.r, self.prefix = settings, r, prefix
         self.owner = Owner(r)
         self.jobs: dict[str, Job] = {}  # the jobs with a request_id running here
+        self.background: set[asyncio.Task] = set()  # held, so that the loop does not collect them mid-run
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:job:{request_id}"
@@ -115,7 +121,7 @@ class RolloutJobs:
         for _ in range(10):
             if await self._claim(key, fp):
                 job = self.jobs[req.request_id] = self._run(req, produce, fp)
-                asyncio.create_task(self._mirror(req.request_id, key, job))
+                self.spawn(self._mirror(req.request_id, key, job))
                 return job
             record = await self.r.hmget(key, "fp", "state")
             if record[0] is None:  # deleted between the two calls
@@ -182,7 +188,8 @@ class RolloutJobs:
                 key = self.key(request_id)
                 try:
                     await self.owner.extend(f"{key}:owner")
-                    await self.r.expire(key, int(self.settings.idempotency_ttl_s))
+                    for k in (key, f"{key}:groups"):
+                        await self.r.expire(k, int(self.settings.idempotency_ttl_s))
                     if await self.r.exists(f"{key}:cancel"):
                         self.cancel_here(request_id)
                 except Exception as e:
@@ -299,4 +306,4 @@ class RolloutJobs:
                     return
                 await asyncio.sleep(HEARTBEAT_S)
 
-        asyncio.create_task(after_grace())
+        self.spawn(after_grace())
