@@ -77,7 +77,8 @@ def service(service_settings):
 @pytest.fixture(scope="session")
 def bench_service(service, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
-    (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model."""
+    (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; two ingress
+    replicas."""
     from services import server
     from services.settings import ServiceSettings
 
@@ -88,6 +89,7 @@ def bench_service(service, tmp_path_factory):
         app_name="bench",
         engine="tests.farm_plugins:EchoEngine",
         bench_token_latency_s=0.001,
+        ingress_replicas=2,  # tests/service/test_state.py cancels through the replica not running the rollout
         engine_num_cpus=0,
         plugins=["tests.farm_plugins"],
         log_level="WARNING",

@@ -2,13 +2,15 @@
 replays through either ingress replica, a killed ingress losing nothing of the queue, and Redis going away."""
 
 import time
+import uuid
 
 import httpx
+import pytest
 import ray
 
 from services import server
 from services.redis_server import EmbeddedRedis
-from tests.service.helpers import AUTH, replica_metric, wait_until
+from tests.service.helpers import AUTH, any_busy, in_thread, replica_metric, wait_until
 
 SHORT = {"max_new_tokens": 8, "temperature": 1.0}
 
@@ -160,3 +162,27 @@ def test_redis_away_is_a_503_with_retry_after_and_nothing_is_lost(service, servi
     ).json()["items"]
     assert items and all(i["deliveries"] == 1 for i in items)
     httpx.delete(f"{service}/v1/queue/sources/outage", headers=AUTH)
+
+
+def test_a_delete_through_the_other_ingress_replica_cancels_the_rollout(bench_service):
+    """The bench app (1 ms a token, two ingress replicas): DELETE reaches either replica; the one running the
+    rollout cancels it at its next heartbeat."""
+    for trial in range(8):
+        rid = f"cross-cancel-{uuid.uuid4().hex}"
+        body = {
+            "prompts": [{"token_ids": [40, 41, 42]}],
+            "n": 2,
+            "sampling_params": {"max_new_tokens": 4096, "temperature": 0, "ignore_eos": True},
+            "request_id": rid,
+        }
+        t, out = in_thread(lambda: httpx.post(f"{bench_service}/v1/rollouts", json=body, timeout=300))
+        wait_until(lambda: any_busy(bench_service), "the bench replica busy with the rollout")
+        d = httpx.delete(f"{bench_service}/v1/rollouts/{rid}", headers=AUTH, timeout=30)
+        assert d.status_code == 200 and d.json()["cancelled"] is True
+        t.join(60)
+        r = out[0]
+        assert r.status_code == 409 and "cancelled" in r.json()["error"], r.text  # well before its 4 s of tokens
+        wait_until(lambda: not any_busy(bench_service), "the bench replica idle again")
+        if d.headers["x-farm-ingress"] != r.headers["x-farm-ingress"]:
+            return  # cancelled through the replica that was not running it
+    pytest.fail("every DELETE reached the replica running the rollout: the cross-replica path never ran")
