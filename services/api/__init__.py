@@ -6,13 +6,26 @@ the bearer token. Errors map to statuses in errors.py.
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
+
 from fastapi import Depends, FastAPI
+from pydantic.json_schema import models_json_schema
 
 from services import protocol as P
 from services.api import control, errors, openai, queue, rollouts, samplers, sglang, weights
 from services.api.deps import require_token
 from services.api.middleware import BodyLimit, record_request
 
+# What the routes that build their own responses answer with 200 (FastAPI would say JSON); {}: an empty body.
+OWN_ANSWERS = {
+    "/metrics": {"text/plain": {}},
+    "/flush_cache": {"text/plain": {}},
+    "/health": {},
+    "/health_generate": {},
+    "/abort_request": {},
+}
+STREAMED = {"/v1/rollouts": "application/x-ndjson", "/generate": "text/event-stream"}  # the answer to "stream": true
 OPEN = (rollouts.router, samplers.router, weights.router, queue.router, control.router, openai.router, sglang.router)
 NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang.admin)
 
@@ -29,4 +42,44 @@ def create_api() -> FastAPI:
         api.include_router(router)
     for router in NEED_TOKEN:
         api.include_router(router, dependencies=[Depends(require_token)], responses=unauthorized)
+    complete_openapi(api)
     return api
+
+
+def complete_openapi(api: FastAPI) -> None:
+    """/openapi.json as the service answers, resolving in full (tests/service/test_fuzz.py checks both):
+    - the models a route reads itself (the queue's JSON-or-JSONL prompts) are components too;
+    - the routes that answer something else than JSON say what (OWN_ANSWERS, STREAMED);
+    - every 422 is the service's ErrorResponse, not FastAPI's HTTPValidationError; a body not in UTF-8 is a 400;
+    - a route with two methods (PUT and POST /generate) gets one operationId per method, not one for both."""
+    default = api.openapi
+
+    def openapi() -> dict:
+        if api.openapi_schema is None:
+            with warnings.catch_warnings():  # FastAPI's warning about the shared operationId, fixed below
+                warnings.filterwarnings("ignore", "Duplicate Operation ID")
+                doc = default()
+            schemas = doc["components"]["schemas"]
+            _, extra = models_json_schema([(P.QueuePrompts, "validation")], ref_template="#/components/schemas/{model}")
+            for name, schema in extra["$defs"].items():
+                schemas.setdefault(name, schema)
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            shared = Counter(op["operationId"] for ops in doc["paths"].values() for op in ops.values())
+            for path, ops in doc["paths"].items():
+                doc["paths"][path] = ops = dict(sorted(ops.items()))  # a route's methods come from a set: fix the order
+                for method, op in ops.items():
+                    if path in OWN_ANSWERS:
+                        op["responses"]["200"]["content"] = OWN_ANSWERS[path]
+                    if path in STREAMED:
+                        op["responses"]["200"]["content"][STREAMED[path]] = {}
+                    if shared[op["operationId"]] > 1:  # FastAPI's id ends with one of the route's methods
+                        op["operationId"] = f"{op['operationId'].rsplit('_', 1)[0]}_{method}"
+                    if "422" in op["responses"]:
+                        op["responses"]["422"]["content"] = error
+                    if "requestBody" in op:  # FastAPI's answer to a body it cannot decode
+                        op["responses"]["400"] = {"description": "The body is not UTF-8", "content": error}
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+        return api.openapi_schema
+
+    api.openapi = openapi

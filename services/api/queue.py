@@ -10,12 +10,13 @@ from services.api.uploads import prompts_from_body, read_body
 
 router = APIRouter(tags=["queue"])
 admin = APIRouter(tags=["queue"])  # needs the token
-JSONL_BODY = {
+JSONL_BODY = {  # the route reads the body itself; QueuePrompts is added to the components in services/api/__init__.py
     "requestBody": {
+        "required": True,
         "content": {
-            "application/json": {"schema": P.QueuePrompts.model_json_schema()},
+            "application/json": {"schema": {"$ref": "#/components/schemas/QueuePrompts"}},
             "application/x-ndjson": {"schema": {"type": "string", "description": "One Prompt per line (JSONL)"}},
-        }
+        },
     }
 }
 

@@ -6,14 +6,28 @@ ignored. Limits a model sets (its context) are checked when the request reaches 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from services.protocol.common import MAX_N, MAX_NEW_TOKENS
+from services.protocol.common import (
+    MAX_N,
+    MAX_NEW_TOKENS,
+    MAX_STOPS,
+    Float,
+    Int64,
+    NonEmptyText,
+    RequestModel,
+    Temperature,
+    Text,
+    TokenId,
+)
+
+# for the schema: the service refuses an empty list of prompts or token ids too (with its message, naming `prompt`)
+NonEmptyIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
 
 
-class _Strict(BaseModel):
+class _Strict(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -24,36 +38,47 @@ class StreamOptions(_Strict):
 class CompletionRequest(_Strict):
     """POST /v1/completions."""
 
-    model: str | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="A text, a list of texts, token ids, or a list of token-id lists."
+    # the service's rule, for the schema: max_tokens 0 only with echo
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+            "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+        }
     )
+
+    model: Text | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(json_schema_extra={"minItems": 1})]
+        | NonEmptyIds
+        | Annotated[list[NonEmptyIds], Field(json_schema_extra={"minItems": 1})]
+    ) = Field(..., description="A text, a list of texts, token ids, or a list of token-id lists.")
     max_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="0 only with echo: score the prompt alone.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(
-        None, description="Up to 4 strings that end a choice inside the engine (the string is not returned)."
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = Field(
+        None, description="Up to 16 strings that end a choice inside the engine (the string is not returned)."
     )
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: Int64 | None = Field(None, ge=0)
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Logprobs of each token, and the top k alternatives at each position."
     )
     echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs if asked).")
     stream: bool = Field(False, description="Server-sent events, OpenAI's chunk format, ending with [DONE].")
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="Accepted and logged nowhere (OpenAI's end-user id).")
+    user: Text | None = Field(None, description="Accepted and logged nowhere (OpenAI's end-user id).")
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="Text, or text parts (other part types are refused).")
-    name: str | None = None
+    content: Text | list[TextPart] = Field(..., description="Text, or text parts (other part types are refused).")
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -62,19 +87,27 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Strict):
     """POST /v1/chat/completions; messages go through the model's chat template."""
 
-    model: str | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
+    # the service's rule, for the schema: top_logprobs only with logprobs
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
+
+    model: Text | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, le=MAX_NEW_TOKENS, description="Deprecated OpenAI name of max_completion_tokens."
     )
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
+    seed: Int64 | None = Field(None, ge=0)
     logprobs: bool = Field(False, description="Return each sampled token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: the top k alternatives too.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None

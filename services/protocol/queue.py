@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.protocol.common import MAX_N, Prompt, SamplingParams
+from services.protocol.common import MAX_N, Float, Int64, Prompt, RequestModel, SamplingParams, Text
 from services.protocol.rollouts import Group, SamplerSpec
 
 
-class QueueSource(BaseModel):
+class QueueSource(RequestModel):
     """POST /v1/queue/sources: register a prompt source; the service keeps `target_groups` groups ready from it."""
+
+    # the model validator's rule, for the schema: not a dataset and prompts together
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "properties": {"dataset": {"type": "string"}, "prompts": {"minItems": 1}},
+                "required": ["dataset", "prompts"],
+            }
+        }
+    )
 
     name: str = Field(
         ..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Source name: letters, digits, '_', '.', '-'."
@@ -26,9 +36,9 @@ class QueueSource(BaseModel):
     n: int = Field(4, ge=1, le=MAX_N, description="Samples per prompt (one group).")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
-    reward: str | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
+    reward: Text | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
     target_groups: int = Field(8, ge=1, le=4096, description="Groups kept generated ahead of the trainer.")
-    seed: int = Field(0, ge=0, description="Order of the dataset's prompts.")
+    seed: Int64 = Field(0, ge=0, description="Order of the dataset's prompts.")
 
     @model_validator(mode="after")
     def _dataset_or_prompts(self) -> "QueueSource":
@@ -37,7 +47,7 @@ class QueueSource(BaseModel):
         return self
 
 
-class QueuePrompts(BaseModel):
+class QueuePrompts(RequestModel):
     """POST /v1/queue/sources/{name}/prompts as JSON (or send JSONL: one Prompt per line)."""
 
     prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
@@ -60,19 +70,19 @@ class QueueSourceState(BaseModel):
     error: str | None = Field(None, description="The last generation failure, if the newest attempt failed.")
 
 
-class PullRequest(BaseModel):
+class PullRequest(RequestModel):
     """POST /v1/queue/pull: lease up to max_groups groups from a source."""
 
-    source: str
+    source: Text
     max_groups: int = Field(8, ge=1, le=4096)
-    max_staleness: int | None = Field(
+    max_staleness: Int64 | None = Field(
         None,
         ge=0,
         description="Largest allowed gap between the current version and a group's; older groups are dropped and "
         "generated again.",
     )
-    lease_s: float = Field(300.0, gt=0, le=86400, description="Seconds until unacked groups are delivered again.")
-    wait_s: float = Field(0.0, ge=0, le=600, description="Wait up to this long for at least one group.")
+    lease_s: Float = Field(300.0, gt=0, le=86400, description="Seconds until unacked groups are delivered again.")
+    wait_s: Float = Field(0.0, ge=0, le=600, description="Wait up to this long for at least one group.")
 
 
 class QueueItem(BaseModel):
@@ -95,10 +105,10 @@ class PullResponse(BaseModel):
     stale_dropped: int = Field(0, description="Groups this pull dropped as too stale.")
 
 
-class AckRequest(BaseModel):
+class AckRequest(RequestModel):
     """POST /v1/queue/ack: the groups the trainer has used. Acking twice is harmless."""
 
-    item_ids: list[str] = Field(..., min_length=1, max_length=100_000)
+    item_ids: list[Text] = Field(..., min_length=1, max_length=100_000)
 
 
 class AckResponse(BaseModel):

@@ -4,42 +4,52 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.protocol.common import MAX_N, MAX_PROMPTS, FinishReason, Prompt, SamplingParams
+from services.protocol.common import (
+    MAX_N,
+    MAX_PROMPTS,
+    FinishReason,
+    Float,
+    Int64,
+    Prompt,
+    RequestModel,
+    SamplingParams,
+    Text,
+)
 
 
-class PolicyStats(BaseModel):
+class PolicyStats(RequestModel):
     """POST /v1/policy_stats: what the trainer reports about its policy; samplers read it, /metrics exports it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kl: float | None = Field(
+    kl: Float | None = Field(
         None,
         ge=0,
         description="KL between the current and the reference (or behaviour) policy, as the trainer estimates it.",
     )
-    reward_var: float | None = Field(None, ge=0, description="Variance of the rewards of the last batch.")
-    step: int | None = Field(None, ge=0, description="The trainer's step.")
+    reward_var: Float | None = Field(None, ge=0, description="Variance of the rewards of the last batch.")
+    step: Int64 | None = Field(None, ge=0, description="The trainer's step.")
 
 
-class SamplerSpec(BaseModel):
+class SamplerSpec(RequestModel):
     """A registered sampler and its params (GET /v1/samplers lists them)."""
 
-    name: str = Field("plain", description="Registered sampler name.")
+    name: Text = Field("plain", description="Registered sampler name.")
     params: dict = Field(default_factory=dict, description="The sampler's own params; checked by the sampler.")
 
 
-class RolloutRequest(BaseModel):
+class RolloutRequest(RequestModel):
     """POST /v1/rollouts: n samples for each prompt, scored by a reward function."""
 
     prompts: list[Prompt] = Field(..., min_length=1, max_length=MAX_PROMPTS, description="The prompts, one group each.")
     n: int = Field(1, ge=1, le=MAX_N, description=f"Samples per prompt, 1..{MAX_N}.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="Shared by every sample.")
     sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each group is drawn.")
-    reward: str | None = Field(None, description="Registered reward function name, or none for reward 0.")
-    min_weight_version: int = Field(
+    reward: Text | None = Field(None, description="Registered reward function name, or none for reward 0.")
+    min_weight_version: Int64 = Field(
         0, ge=0, description="Run only on replicas serving this weight version or later (waits for it)."
     )
-    request_id: str | None = Field(
+    request_id: Text | None = Field(
         None,
         min_length=1,
         max_length=128,

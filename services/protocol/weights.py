@@ -4,36 +4,36 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from services.protocol.common import InFlightPolicy
+from services.protocol.common import Dim, InFlightPolicy, Int64, RequestModel, Text
 
 
-class WeightsFromPath(BaseModel):
+class WeightsFromPath(RequestModel):
     """POST /v1/weights/path: load a folder of safetensors files that every replica can read."""
 
-    path: str = Field(..., min_length=1, description="Folder with *.safetensors files (a shared volume in a cluster).")
-    version: int = Field(..., ge=1, description="The new version; higher than the served one.")
+    path: Text = Field(..., min_length=1, description="Folder with *.safetensors files (a shared volume in a cluster).")
+    version: Int64 = Field(..., ge=1, description="The new version; higher than the served one.")
     policy: InFlightPolicy = Field("finish", description="What happens to in-flight samples at the commit.")
 
 
-class DistributedGroup(BaseModel):
+class DistributedGroup(RequestModel):
     """POST /v1/weights/distributed/init: SGLang's init_weights_update_group, on every replica."""
 
-    master_address: str
+    master_address: Text
     master_port: int = Field(..., ge=1, le=65535)
-    rank_offset: int = Field(..., ge=0)
-    world_size: int = Field(..., ge=2)
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
+    rank_offset: Int64 = Field(..., ge=0)
+    world_size: Int64 = Field(..., ge=2)
+    group_name: Text = "weight_update_group"
+    backend: Text = "nccl"
 
 
-class DistributedUpdate(BaseModel):
+class DistributedUpdate(RequestModel):
     """POST /v1/weights/distributed: SGLang's update_weights_from_distributed; the trainer broadcasts the tensors."""
 
-    names: list[str] = Field(..., min_length=1)
-    dtypes: list[str] = Field(..., min_length=1)
-    shapes: list[list[int]] = Field(..., min_length=1)
-    version: int = Field(..., ge=1)
-    group_name: str = "weight_update_group"
+    names: list[Text] = Field(..., min_length=1)
+    dtypes: list[Text] = Field(..., min_length=1)
+    shapes: list[list[Dim]] = Field(..., min_length=1)
+    version: Int64 = Field(..., ge=1)
+    group_name: Text = "weight_update_group"
 
 
 class WeightsVersion(BaseModel):
