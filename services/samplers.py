@@ -28,7 +28,9 @@ from services import protocol as P
 from services.registry import Registry
 
 
-class NoParams(BaseModel):
+class NoParams(P.RequestModel):
+    """A sampler's params: unknown keys, NaN, infinite and subnormal floats and NUL bytes are refused (422)."""
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -101,18 +103,18 @@ class Plain(Sampler):
 
 
 class KLAdaptiveParams(NoParams):
-    base_temperature: float = Field(
+    base_temperature: P.Temperature = Field(
         0.7, ge=0, le=100, description="Temperature while the reported KL is low (or not reported)."
     )
-    low_temperature: float = Field(
+    low_temperature: P.Temperature = Field(
         0.5, ge=0, le=100, description="Temperature once the reported KL is above kl_threshold."
     )
-    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus mass, whatever the KL.")
-    kl_threshold: float = Field(0.02, ge=0, description="Reported KL above which the temperature drops.")
+    top_p: P.Float = Field(0.9, gt=0, le=1, description="Nucleus mass, whatever the KL.")
+    kl_threshold: P.Float = Field(0.02, ge=0, description="Reported KL above which the temperature drops.")
     schedule: Literal["step", "smooth"] = Field(
         "step", description="'step' switches at the threshold; 'smooth' follows a logistic curve around it."
     )
-    smooth_width: float = Field(
+    smooth_width: P.Float = Field(
         0.005, gt=0, description="For 'smooth': the KL distance over which the temperature moves most of the way."
     )
 
@@ -140,7 +142,8 @@ class KLAdaptiveTemperature(Sampler):
         if p.schedule == "step":
             return p.low_temperature if kl > p.kl_threshold else p.base_temperature
         x = max(-60.0, min(60.0, (kl - p.kl_threshold) / p.smooth_width * 4))  # 4: the logistic's ~12-88% per width
-        return p.base_temperature - (p.base_temperature - p.low_temperature) / (1 + math.exp(-x))
+        t = p.base_temperature - (p.base_temperature - p.low_temperature) / (1 + math.exp(-x))
+        return 0.0 if t < P.MIN_TEMPERATURE else t  # on the way to a greedy low_temperature: greedy, not 1e-30
 
     def plan(self, sampling: P.SamplingParams, state: SamplerState) -> tuple[P.SamplingParams, dict]:
         t = self.temperature(state.stats.kl)
@@ -163,7 +166,7 @@ class ImportanceParams(NoParams):
         "r(x)); 'policy_ratio': the raw policy p(x) (temperature 1, no top-p/k). q is the distribution the candidates "
         "were drawn from (the request's sampling params). Each kept sample's importance_weight maps it back to q.",
     )
-    beta: float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 keeps a uniform draw of n.")
+    beta: P.Float = Field(1.0, ge=-50, le=50, description="reward_tilt's strength; 0 keeps a uniform draw of n.")
 
 
 @SAMPLERS.register("importance_resampling")
@@ -298,7 +301,7 @@ class FilterParams(NoParams):
     max_groups: int | None = Field(
         None, ge=1, le=P.MAX_PROMPTS, description="Cap on groups started; default: every prompt."
     )
-    std_tolerance: float = Field(
+    std_tolerance: P.Float = Field(
         1e-6, ge=0, le=1e3, description="A group whose reward std is at most this is zero-variance and dropped."
     )
     prompts_per_call: int = Field(
