@@ -119,10 +119,11 @@ class WeightPush:
                     "weights refused; the old version keeps serving",
                 ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
-            if failed := await self.replicas.failures(
-                "stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT
-            ):
+            if errors := await self.replicas.errors("stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT):
                 await self.replicas.each("discard", version)
+                if all(isinstance(e, Invalid) for e in errors):  # every failing replica refused the content: 422
+                    raise Invalid(list({str(d): d for e in errors for d in e.detail}.values()), errors[0].message)
+                failed = [str(e).strip().splitlines()[-1] for e in errors]
                 log.error("weight_stage_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
                     f"{len(failed)} replicas failed to stage version {version}; every replica stays "

@@ -58,7 +58,7 @@ async def queue_add_prompts(request: Request, name: str, farm=Depends(ingress)):
         request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "body", "send the prompts in parts"
     )
     prompts = prompts_from_body(body, request.headers.get("content-type"))
-    await farm.checks.tokens(prompts)
+    await farm.checks.added_prompts(farm.queue.get(name).spec, prompts)
     return farm.queue.add_prompts(name, prompts)
 
 
