@@ -76,6 +76,12 @@ class Unavailable(ServiceError):
     status = 503
 
 
+class ReplicaLost(Unavailable):
+    """503 with Retry-After: the engine replica serving the call died or became unreachable (Serve restarts it)."""
+
+    retry_after_s = 1
+
+
 class NotSupported(ServiceError):
     """501: the engine serving this app lacks the verb (e.g. the NCCL transport on the torch engine)."""
 
@@ -108,7 +114,8 @@ class RolloutCancelled(Conflict):
 
 
 class ReplicaFull(Overloaded):
-    """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has CONTROL_SLOTS // 2 waiting."""
+    """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has CONTROL_SLOTS - 2 waiting (it answers
+    services.overload.Full; the ingress raises this)."""
 
     def __init__(self, message: str = QUEUES_FULL):
         super().__init__(message)

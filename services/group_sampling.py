@@ -20,6 +20,13 @@ log = logging.getLogger("farm.service")
 Generate = Callable[[list[list[int]], P.SamplingParams], Awaitable[list[EngineOutput]]]
 
 
+def prompt_ids(tokenizer, prompt: P.Prompt) -> list[int]:
+    """A prompt's token ids: as given, or its text tokenized without special tokens."""
+    if prompt.token_ids is not None:
+        return prompt.token_ids
+    return tokenizer(prompt.text, add_special_tokens=False).input_ids
+
+
 async def sample_groups(
     generate: Generate,
     tokenizer,
@@ -34,10 +41,7 @@ async def sample_groups(
     leaving the rounds once the sampler has `enough`; then the sampler selects each group's samples."""
     rng = random.Random(params.seed)
     m, step = sampler.candidates(n), max(1, sampler.round_size(n))
-    ids = [
-        p.token_ids if p.token_ids is not None else tokenizer(p.text, add_special_tokens=False).input_ids
-        for p in prompts
-    ]
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
     candidates: list[list[P.Sample]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # groups still generating: each round adds `step` candidates to each
     for r in range(-(-m // step)):

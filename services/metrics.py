@@ -61,6 +61,12 @@ FILTER_GROUPS = Counter(
 FILTER_WASTED_TOKENS = Counter(
     "farm_filter_wasted_tokens_total", "Tokens of finished groups dynamic_group_filter did not return"
 )
+OVERLOAD = Counter(
+    "farm_overload_rejections_total",
+    "Engine calls refused for lack of room (answered 429): replica_full (a replica's slots and waiting room), "
+    "engine_queue (the ingress's queue for the replicas, FARM_ENGINE_MAX_QUEUED_REQUESTS)",
+    ["kind"],
+)
 
 
 def record_groups(sampler: str, groups: list) -> None:

@@ -56,8 +56,9 @@ def byte_tokenizer():
     )
 
 
-def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """Save a randomly initialised Llama with the byte tokenizer to `out` (for tests and benchmarks)."""
+def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0, context: int = 512) -> Path:
+    """Save a randomly initialised Llama with the byte tokenizer to `out` (for tests and benchmarks); `context` is its
+    max_position_embeddings (the weights do not depend on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = byte_tokenizer()
@@ -68,7 +69,7 @@ def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> P
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

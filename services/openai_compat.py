@@ -23,7 +23,6 @@ class OpenAICompat:
     def __init__(self, fanout: Fanout, replicas: Replicas, checks: RequestChecks, model: str, committed):
         self.fanout, self.replicas, self.checks, self.committed = fanout, replicas, checks, committed
         self.model_name = os.path.basename(model.rstrip("/"))
-        self.context: int | None = None  # asked once
 
     async def models(self) -> dict:
         """GET /v1/models: the one served policy, with the committed weight version and the context length."""
@@ -32,9 +31,7 @@ class OpenAICompat:
         return {"object": "list", "data": [card]}
 
     async def context_length(self) -> int | None:
-        if self.context is None:
-            self.context = await self.replicas.call("context_length")
-        return self.context
+        return await self.checks.context_length()
 
     async def completions(self, req: P.CompletionRequest) -> dict:
         if req.max_tokens == 0 and not req.echo:
@@ -59,7 +56,7 @@ class OpenAICompat:
         if req.top_logprobs and not req.logprobs:
             raise Invalid([{"field": "top_logprobs", "message": "needs logprobs=true"}])
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        await self.check_context(max_tokens, "max_completion_tokens")
+        await self.checks.fits([P.Prompt(text=text)], max_tokens, "max_completion_tokens", "messages")
         groups = await self.generate([P.Prompt(text=text)], req.n, sampling(max_tokens, req, req.stop))
         top_k = req.top_logprobs or 0
         scored = await self.scored(groups, top_k, False) if req.logprobs and top_k else None
@@ -68,7 +65,7 @@ class OpenAICompat:
 
     async def prompts(self, prompt, max_tokens: int) -> list[P.Prompt]:
         """OpenAI's four prompt shapes as rollout prompts; token ids checked against the vocabulary, and every
-        prompt's length plus max_tokens against the context where the length is known."""
+        prompt's length plus max_tokens against the context."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -83,21 +80,8 @@ class OpenAICompat:
             await self.checks.tokens(out)
         except Invalid as e:
             raise Invalid([{**d, "field": d["field"].replace("prompts.", "prompt.")} for d in e.detail]) from None
-        await self.check_context(max_tokens, "max_tokens", max((len(p.token_ids or []) for p in out), default=0))
+        await self.checks.fits(out, max_tokens, "max_tokens", "prompt")
         return out
-
-    async def check_context(self, max_tokens: int, field: str, prompt_tokens: int = 0) -> None:
-        context = await self.context_length()
-        if context is not None and prompt_tokens + max_tokens > context:
-            raise Invalid(
-                [
-                    {
-                        "field": field,
-                        "message": f"{max_tokens} new tokens after a {prompt_tokens}-token prompt exceed the "
-                        f"model's context of {context} tokens: ask for at most {max(0, context - prompt_tokens)}",
-                    }
-                ]
-            )
 
     async def generate(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams) -> list[P.Group]:
         rollout = P.RolloutRequest(prompts=prompts, n=n, sampling_params=params)

@@ -21,8 +21,9 @@ from ray import serve
 from services import logs, openai_compat
 from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
-from services.errors import ReplicaFull, VersionNotReached
-from services.group_sampling import sample_groups
+from services.errors import Invalid, Unavailable, VersionNotReached
+from services.group_sampling import prompt_ids, sample_groups
+from services.overload import Full
 from services.plugins import load_plugins
 from services.samplers import make_sampler
 from services.settings import ServiceSettings
@@ -67,11 +68,12 @@ class EngineServer:
         min_version: int = 0,
         meta: dict | None = None,
         sampler: P.SamplerSpec | None = None,
-    ) -> list[P.Group]:
+    ) -> list[P.Group] | Full:
         """The groups of these prompts, n samples each. Rollouts take at most all but two of the control slots
-        waiting; past that the replica is full (429)."""
+        waiting; past that the replica is full: it answers Full (the ingress's 429), an expected answer, not an
+        exception (Serve would log each one with a traceback)."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
-            raise ReplicaFull()
+            return Full(self.rollouts_waiting)
         self.rollouts_waiting += 1
         try:
             await self.rollout_slots.acquire()
@@ -145,15 +147,20 @@ class EngineServer:
             await asyncio.sleep(0.05)
 
     async def stage(self, source: tuple, version: int) -> int:
-        """Phase one of a push: check and hold the weights next to the served ones."""
+        """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
+        NaN or inf in a tensor) are Invalid, a 422 naming the tensor."""
         kind, where = source
-        if kind == "path":
-            await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
-        else:
-            from safetensors.torch import load
+        try:
+            if kind == "path":
+                await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
+            else:
+                from safetensors.torch import load
 
-            tensors = await asyncio.to_thread(lambda: load(ray.get(where[0])))
-            await asyncio.to_thread(self.engine.stage_weights, tensors, version)
+                tensors = await asyncio.to_thread(lambda: load(ray.get(where[0])))
+                await asyncio.to_thread(self.engine.stage_weights, tensors, version)
+        except WeightsRejected as e:
+            detail = [{"field": "path" if kind == "path" else "body", "message": str(e)}]
+            raise Invalid(detail, "weights refused; the old version keeps serving") from None
         return version
 
     async def commit(self, version: int, policy: str | None, source: tuple) -> int:
@@ -238,10 +245,16 @@ class EngineServer:
         return self.state()
 
     async def health(self) -> P.Health:
+        """The engine samples one token (temperature 1); a replica that cannot (NaN weights, a broken device) is
+        Unavailable, naming itself and the error."""
+        me, version = replica_id(), self.engine.weight_version
         if self.engine.paused:
-            return P.Health(status="paused", weight_version=self.engine.weight_version)
-        token = await self._on_engine_thread(self.engine.health)
-        return P.Health(status="ok", weight_version=self.engine.weight_version, generated_token_id=token)
+            return P.Health(status="paused", weight_version=version, replica=me)
+        try:
+            token = await self._on_engine_thread(self.engine.health)
+        except Exception as e:
+            raise Unavailable(f"replica {me} cannot sample: {type(e).__name__}: {e}") from None
+        return P.Health(status="ok", weight_version=version, generated_token_id=token, replica=me)
 
     # for the OpenAI surface ------------------------------------------------------------------------------
     def vocab_size(self) -> int:
@@ -259,6 +272,10 @@ class EngineServer:
 
     def context_length(self) -> int | None:
         return self.engine.context_length()
+
+    def prompt_lengths(self, prompts: list[P.Prompt]) -> list[int]:
+        """Each prompt's length in tokens, tokenized as a rollout tokenizes it."""
+        return [len(prompt_ids(self.engine.tokenizer, p)) for p in prompts]
 
     async def score(self, sequences: list[list[int]], top_k: int) -> list[dict]:
         """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k

@@ -137,7 +137,7 @@ class SGLangCompat:
     async def server_info(self) -> dict:
         """GET /get_server_info: the server args SGLang clients read, each replica's state as internal_states."""
         s = self.farm.settings
-        states = await self.farm.replicas.states()
+        states = await self.farm.replicas.states(expected=s.replicas)
         return {
             "model_path": s.model,
             "tokenizer_path": s.model,
@@ -147,7 +147,7 @@ class SGLangCompat:
             "context_length": await self.farm.openai.context_length(),
             "max_running_requests": s.engine_max_ongoing_requests * s.replicas,
             "weight_version": str(await self.farm.weights.refresh()),
-            "internal_states": [x.model_dump() if isinstance(x, P.ReplicaState) else {"error": str(x)} for x in states],
+            "internal_states": [x.model_dump() for x in states.answers] + [{"error": m} for m in states.problems()],
             "version": SGLANG_VERSION,
             "engine": s.engine,
         }

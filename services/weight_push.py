@@ -26,7 +26,7 @@ from redis.exceptions import LockError
 from services import metrics
 from services import protocol as P
 from services.errors import Conflict, Invalid, ReplicasFailed
-from services.replicas import Replicas
+from services.replicas import Replicas, lost
 from services.settings import ServiceSettings
 from services.weight_checks import WeightsError, check_state_dict, check_upload, read_header_file
 from services.weight_store import weights_key
@@ -74,11 +74,6 @@ class WeightPush:
                 await self.lock.release()
             except LockError:  # it expired: nothing to release
                 pass
-
-    async def served(self) -> P.WeightsVersion:
-        """The version every replica serves, and each replica's own."""
-        replicas = await self.replicas.versions()
-        return P.WeightsVersion(version=min(replicas.values()), replicas=replicas)
 
     def upload(self, data: bytes, version: int, policy: P.InFlightPolicy) -> Awaitable[P.WeightsPushResponse]:
         """A safetensors blob, header-checked against the model, as `version`."""
@@ -132,10 +127,12 @@ class WeightPush:
                     "weights refused; the old version keeps serving",
                 ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
-            if failed := await self.replicas.failures(
-                "stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT
-            ):
+            errors = await self.replicas.errors("stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT)
+            if errors := self._without_lost(errors, "stage", version):
                 await self.replicas.each("discard", version)
+                if all(isinstance(e, Invalid) for e in errors):  # every failing replica refused the content: 422
+                    raise Invalid(list({str(d): d for e in errors for d in e.detail}.values()), errors[0].message)
+                failed = [str(e).strip().splitlines()[-1] for e in errors]
                 log.error("weight_stage_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
                     f"{len(failed)} replicas failed to stage version {version}; every replica stays "
@@ -143,9 +140,10 @@ class WeightPush:
                     [{"field": "replica", "message": f} for f in failed],
                 )
             await self.replicas.call("record", version, source)  # first: a replica starting from now on loads this
-            if failed := await self.replicas.failures(
+            errors = await self.replicas.errors(
                 "commit", version, policy, source, timeout_s=timeout, setting=SYNC_TIMEOUT
-            ):
+            )
+            if failed := [str(e).strip().splitlines()[-1] for e in self._without_lost(errors, "commit", version)]:
                 log.error("weight_commit_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
                     f"{len(failed)} replicas failed to commit version {version}",
@@ -160,6 +158,15 @@ class WeightPush:
             "weights_pushed", extra={"version": version, "bytes": size, "policy": policy, "seconds": round(seconds, 3)}
         )
         return P.WeightsPushResponse(version=version, tensors=tensors, bytes=size, seconds=seconds)
+
+    @staticmethod
+    def _without_lost(errors: list[Exception], phase: str, version: int) -> list[Exception]:
+        """The failures that refuse the push: a replica that died is no refusal (Serve replaces it, and the new one
+        loads the recorded version before it serves)."""
+        gone = [e for e in errors if lost(e)]
+        if gone:
+            log.warning("weight_push_replica_lost", extra={"phase": phase, "version": version, "replicas": len(gone)})
+        return [e for e in errors if not lost(e)]
 
     def init_distributed(self, group: P.DistributedGroup) -> Awaitable[dict]:
         """Every replica joins the trainer's NCCL group (SGLang's init_weights_update_group)."""

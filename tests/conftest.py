@@ -21,6 +21,7 @@ TOKEN = "test-token-0123456789"
 MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
 MIN_VERSION_WAIT_S = 5.0  # short, so a rollout asking for a version nobody pushes gets its 409 soon
 DISCONNECT_GRACE_S = 2.0  # short, so an abandoned rollout with a request_id frees the replicas soon
+CONTEXT = 4608  # the tiny model's context: the longest generations (4096 new tokens) after a prompt of up to 512
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +30,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
     from services.models import tiny_llama
 
-    path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0)
+    path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0, context=CONTEXT)
     tok = AutoTokenizer.from_pretrained(path)  # a chat template with roles, so tests see the messages rendered
     tok.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -30,8 +30,18 @@ OPEN = (rollouts.router, samplers.router, weights.router, queue.router, control.
 NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang.admin)
 
 
+class FarmAPI(FastAPI):
+    """FastAPI whose handlers for Serve's errors stay ours: Serve adds plain-text ones (BackPressureError: 503 without
+    Retry-After) to the ingress app after create_api() has registered ours (errors.SERVE_ERRORS)."""
+
+    def add_exception_handler(self, exc_class_or_status_code, handler) -> None:
+        if exc_class_or_status_code in errors.SERVE_ERRORS and exc_class_or_status_code in self.exception_handlers:
+            return
+        super().add_exception_handler(exc_class_or_status_code, handler)
+
+
 def create_api() -> FastAPI:
-    api = FastAPI(
+    api = FarmAPI(
         title="rollout-farm", version=P.API_VERSION, description="Rollout service for LLM reinforcement learning."
     )
     errors.install(api)

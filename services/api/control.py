@@ -34,25 +34,28 @@ async def abort(farm=Depends(ingress)):
     return await farm.replicas.control("abort")
 
 
-@router.get("/healthz", response_model=P.Health)
+@router.get("/healthz", response_model=P.Health, responses={503: {"model": P.ErrorResponse}})
 async def healthz(farm=Depends(ingress)):
-    """Alive: an engine replica generates a token (or reports that sampling is paused)."""
-    return await farm.replicas.call("health")
+    """Alive: every engine replica that answers samples a token (or reports that sampling is paused). 503 naming
+    the replica and its error when one cannot sample, or when none answers; replicas that are dead or restarting
+    are listed under `unreachable` while another one is healthy."""
+    return await farm.replicas.health(farm.settings.replicas)
 
 
 @router.get("/readyz", response_model=P.Readiness, responses={503: {"model": P.ErrorResponse}})
 async def readyz(farm=Depends(ingress)):
-    """Ready for rollouts: no replica is paused and every replica serves the same weight version."""
-    return await farm.replicas.readiness()
+    """Ready for rollouts: every replica answers, none is paused, and all serve the same weight version; else 503
+    naming the replicas that are missing, paused or behind."""
+    return await farm.replicas.readiness(farm.settings.replicas)
 
 
 @router.get("/metrics")
 async def prometheus(farm=Depends(ingress)):
-    """Prometheus metrics: the ingress's own, the queue's, and each replica's version and tokens."""
+    """Prometheus metrics: the ingress's own, the queue's, and each answering replica's version and tokens."""
     states = await farm.replicas.states(timeout_s=SCRAPE_TIMEOUT_S)
     try:
         await farm.queue.states()  # the queue gauges, as of now
     except STATE_ERRORS:  # Redis away: the last ones, and the rest of the scrape
         pass
     me, texts = await farm.ingress_metrics()
-    return Response(metrics.exposition(states, texts, me), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics.exposition(states.answers, texts, me), media_type=CONTENT_TYPE_LATEST)

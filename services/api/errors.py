@@ -1,6 +1,8 @@
-"""Every error answer, in one place: the service's own errors carry their status; the request's validation errors
-and an engine's missing verb are mapped here. (Serve's own back-pressure becomes Overloaded at the handle, in
-services/replicas.py: on this app Serve's handler for it would win.)
+"""Every error answer, in one place: the service's own errors carry their status; the request's validation errors,
+an engine's missing verb and Serve's own errors are mapped here. Serve's back-pressure becomes Overloaded at the
+handle (services/replicas.py); one that gets past it is a 429 here too, not Serve's plain-text 503: Serve registers
+its handlers for BackPressureError and DeploymentUnavailableError on the ingress app after ours, and
+services/api/__init__.py keeps ours.
 
 The body is always `{"error": "...", "detail": [{"field": "...", "message": "..."}]}` (P.ErrorResponse).
 """
@@ -13,14 +15,27 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
 from services import protocol as P
 from services.engine.base import EngineVerbMissing
-from services.errors import Invalid, NotSupported, ServiceError, pydantic_fields
+from services.errors import (
+    QUEUES_FULL,
+    Invalid,
+    NotSupported,
+    Overloaded,
+    ReplicaLost,
+    ServiceError,
+    Unavailable,
+    pydantic_fields,
+)
+from services.overload import RateLimitedWarning
 from services.state import STATE_ERRORS, unreachable
 
 log = logging.getLogger("farm.service")
+SERVE_ERRORS = (BackPressureError, DeploymentUnavailableError)  # Serve answers these in plain text unless mapped
+unavailable = RateLimitedWarning(log)  # a 503 (not ready, a replica restarting) is a state, polled: one line per path
 
 
 def as_service_error(exc: BaseException) -> ServiceError:
@@ -36,6 +51,10 @@ def as_service_error(exc: BaseException) -> ServiceError:
         return NotSupported(str(exc))
     if isinstance(exc, STATE_ERRORS):  # Redis does not answer: 503 with Retry-After
         return unreachable(exc)
+    if isinstance(exc, BackPressureError):
+        return Overloaded(QUEUES_FULL)
+    if isinstance(exc, DeploymentUnavailableError):
+        return ReplicaLost("no engine replica is running (starting or restarting): retry")
     if isinstance(exc, HTTPException):
         error = ServiceError(str(exc.detail))
         error.status = exc.status_code
@@ -50,15 +69,19 @@ def response(error: ServiceError) -> JSONResponse:
 
 
 def install(api: FastAPI) -> None:
-    """Register the handlers. Expected errors are handled without a traceback; anything else is a logged 500."""
+    """Register the handlers. Expected errors are handled without a traceback (a 503 logs a rate-limited warning);
+    anything else is a logged 500."""
 
     async def expected(request: Request, exc: Exception) -> JSONResponse:
         error = as_service_error(exc)
-        if error.status >= 500:
+        if isinstance(error, Unavailable):
+            path = request.url.path
+            unavailable("request_unavailable", path, path=path, status=error.status, error=error.message)
+        elif error.status >= 500:
             log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
         return response(error)
 
-    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException, *STATE_ERRORS):
+    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException, *SERVE_ERRORS, *STATE_ERRORS):
         api.add_exception_handler(kind, expected)
 
     @api.exception_handler(Exception)

@@ -68,7 +68,7 @@ async def queue_add_prompts(
         request, farm.settings.max_upload_bytes, "FARM_MAX_UPLOAD_BYTES", "body", "send the prompts in parts"
     )
     prompts = prompts_from_body(body, request.headers.get("content-type"))
-    await farm.checks.tokens(prompts)
+    await farm.checks.added_prompts((await farm.queue.get(name))[0], prompts)
     return await farm.queue.add_prompts(name, prompts, batch_id)
 
 

@@ -43,8 +43,9 @@ async def server_info(farm=Depends(ingress)):
 @router.get("/health")
 @router.get("/health_generate")
 async def health(farm=Depends(ingress)):
-    """200 once a replica generates a token; 503 while generation is paused."""
-    state = await farm.replicas.call("health")
+    """200 once the replicas that answer sample a token (as /healthz); 503 while generation is paused, or when a
+    replica cannot sample."""
+    state = await farm.replicas.health(farm.settings.replicas)
     return Response(status_code=200 if state.status == "ok" else 503)
 
 

@@ -14,10 +14,11 @@ router = APIRouter(tags=["weights"])
 admin = APIRouter(tags=["weights"])  # needs the token
 
 
-@router.get("/v1/weights/version", response_model=P.WeightsVersion)
+@router.get("/v1/weights/version", response_model=P.WeightsVersion, responses={503: {"model": P.ErrorResponse}})
 async def weights_version(farm=Depends(ingress)):
-    """The version every replica serves, and each replica's own."""
-    return await farm.weights.served()
+    """The version the replicas serve, each replica's own, and the replicas that did not answer (dead or
+    restarting); 503 only when no replica answers."""
+    return await farm.replicas.served(farm.settings.replicas)
 
 
 @admin.post("/v1/weights", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)

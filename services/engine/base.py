@@ -11,7 +11,7 @@ commit_weights   serve the staged weights as the new version; `policy` says what
 discard_weights  drop what was staged (another replica refused it)
 pause / resume   stop and restart admitting new generate calls (`paused` says which)
 abort            end every in-flight generate call at its next token ("abort")
-health           prove the engine can generate one token
+health           prove the engine can sample one token (temperature 1)
 init_weights_update_group / update_weights_from_distributed
                  the NCCL transport (SGLang); an engine without it raises EngineVerbMissing, a 501 naming the engine
 State read by the service: weight_version, paused, busy, generated_tokens, tokenizer, vocab_size().
@@ -23,6 +23,7 @@ module is in FARM_PLUGINS works too. The service builds one with `Engine.from_se
 from __future__ import annotations
 
 import abc
+import math
 import pathlib
 import threading
 from dataclasses import dataclass, field
@@ -171,9 +172,13 @@ class Engine(abc.ABC):
         """A generate call is running."""
 
     def health(self) -> int:
-        """Generate one greedy token from a one-token prompt and return it."""
-        out = self.generate([[self.health_token_id()]], SamplingParams(temperature=0.0, max_new_tokens=1))
-        return out[0].token_ids[0]
+        """Sample one token (temperature 1, as rollouts do) from a one-token prompt and return it; raise if the engine
+        cannot: NaN or inf in the distribution (torch.multinomial refuses it; greedy decoding would not notice), or a
+        non-finite logprob."""
+        (out,) = self.generate([[self.health_token_id()]], SamplingParams(temperature=1.0, max_new_tokens=1, seed=0))
+        if len(out.token_ids) != 1 or not all(math.isfinite(lp) for lp in out.logprobs):
+            raise RuntimeError(f"sampling one token gave {out.token_ids} with logprobs {out.logprobs}")
+        return out.token_ids[0]
 
     @abc.abstractmethod
     def health_token_id(self) -> int: ...

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
-from services.engine.state_dict import spec_of
+from services.engine.state_dict import non_finite, spec_of
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weight_checks import WeightsError, check_state_dict, read_header_file
 
@@ -197,6 +197,8 @@ class SGLangEngine(Engine):
             raise WeightsRejected("; ".join(problems))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        if problems := non_finite(state_dict):
+            raise WeightsRejected("; ".join(problems))
         self._check(spec_of(state_dict), version)
         self._staged = (version, state_dict)
 

@@ -35,3 +35,17 @@ def spec_of(tensors: dict[str, torch.Tensor]) -> Spec:
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The canonical tensors, detached, contiguous and on the CPU: what safetensors writes."""
     return {k: v.detach().cpu().contiguous() for k, v in canonical_state_dict(model).items()}
+
+
+def non_finite(tensors: dict[str, torch.Tensor], limit: int = 20) -> list[str]:
+    """A sentence for each floating-point tensor holding NaN or +-inf (at most `limit`): such weights would make
+    every sampled token fail."""
+    out = []
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            out.append(f"tensor {name!r} holds {nan} NaN and {inf} inf values: push finite weights")
+            if len(out) == limit:
+                break
+    return out

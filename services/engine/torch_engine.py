@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.engine.base import ENGINES, Engine, EngineOutput, ScoredTokens, WeightsRejected
-from services.engine.state_dict import canonical_state_dict, spec_of
+from services.engine.state_dict import canonical_state_dict, non_finite, spec_of
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weight_checks import check_state_dict
 
@@ -161,7 +161,7 @@ class TorchEngine(Engine):
         return spec_of(canonical_state_dict(self.model))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        problems = check_state_dict(self.weight_spec(), spec_of(state_dict))
+        problems = check_state_dict(self.weight_spec(), spec_of(state_dict)) + non_finite(state_dict)
         if version <= self.weight_version:
             problems.append(f"version {version} is not newer than the served version {self.weight_version}")
         if problems:

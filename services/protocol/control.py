@@ -12,7 +12,15 @@ class Health(BaseModel):
         ..., description="'paused' while sampling is paused; nothing is generated then."
     )
     weight_version: int
-    generated_token_id: int | None = Field(None, description="The token the engine generated to prove it works.")
+    generated_token_id: int | None = Field(
+        None, description="The token the engine sampled (temperature 1) to prove it works."
+    )
+    replica: str | None = Field(None, description="The replica that answered (GET /healthz: the first healthy one).")
+    unreachable: list[str] = Field(
+        default_factory=list,
+        description="Replicas that did not answer (dead, restarting, or not yet started): the service stays alive "
+        "while another replica samples.",
+    )
 
 
 class ReplicaState(BaseModel):

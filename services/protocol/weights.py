@@ -37,8 +37,13 @@ class DistributedUpdate(RequestModel):
 
 
 class WeightsVersion(BaseModel):
-    version: int = Field(..., description="The weight version every replica serves.")
+    version: int = Field(..., description="The weight version every answering replica serves (the oldest of them).")
     replicas: dict[str, int] = Field(default_factory=dict, description="Version reported by each replica.")
+    unreachable: list[str] = Field(
+        default_factory=list,
+        description="Replicas that did not answer (dead, restarting, or not yet started), each with what happened; "
+        "`version` and `replicas` leave them out. Empty when every replica answered.",
+    )
 
 
 class WeightsPushResponse(BaseModel):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import TOKEN
+from tests.conftest import CONTEXT, TOKEN
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def sdk(service):
 def test_models_lists_the_served_policy_with_its_weight_version(sdk, service, fresh_weights):
     (card,) = sdk.models.list().data
     assert card.id == "tiny-llama" and card.object == "model"
-    assert card.meta == {"weight_version": fresh_weights, "context_length": 512}
+    assert card.meta == {"weight_version": fresh_weights, "context_length": CONTEXT}
 
 
 def test_streamed_completions_join_to_the_plain_answer_and_end_with_usage(sdk):
@@ -105,12 +105,17 @@ def test_stop_strings_end_generation_inside_the_engine(sdk):
 
 
 def test_max_tokens_beyond_the_context_gets_422_with_both_numbers(service):
-    r = httpx.post(f"{service}/v1/completions", json={"prompt": [1] * 100, "max_tokens": 500})
+    prompt = CONTEXT - 100
+    r = httpx.post(f"{service}/v1/completions", json={"prompt": [1] * prompt, "max_tokens": 101}, timeout=120)
     assert r.status_code == 422
     (detail,) = r.json()["detail"]
-    assert detail["field"] == "max_tokens" and "100-token prompt" in detail["message"] and "512" in detail["message"]
+    assert detail["field"] == "max_tokens", detail
+    assert f"{prompt} tokens + max_tokens 101 = {CONTEXT + 1} > the model's context of {CONTEXT}" in detail["message"]
+    assert "at most 100" in detail["message"]
+    text = httpx.post(f"{service}/v1/completions", json={"prompt": "x" * prompt, "max_tokens": 101}, timeout=120)
+    assert text.status_code == 422 and f"{prompt} tokens" in text.json()["detail"][0]["message"]  # text is counted
     ok = httpx.post(
-        f"{service}/v1/completions", json={"prompt": [1] * 100, "max_tokens": 412, "stop": "\n"}, timeout=120
+        f"{service}/v1/completions", json={"prompt": [1] * prompt, "max_tokens": 100, "stop": "\n"}, timeout=120
     )
     assert ok.status_code == 200
 

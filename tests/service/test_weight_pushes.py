@@ -161,3 +161,30 @@ def test_wrong_content_sha256_is_refused_and_the_right_one_accepted(service, tin
     assert versions(service)["version"] == current
     r = push(service, data, current + 1, headers={"x-content-sha256": hashlib.sha256(data).hexdigest().upper()})
     assert r.status_code == 200 and versions(service)["version"] == current + 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_with_422_naming_the_tensor(service, fresh_weights, tiny_model, tmp_path, value):
+    """NaN or inf in a pushed tensor would make every sampled rollout fail: both transports refuse it at staging,
+    naming the tensor, and the old version keeps serving sampled rollouts."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    state = load_file(tiny_model / "model.safetensors")
+    state[name] = state[name].clone()
+    state[name][0, 0] = value
+    folder = tmp_path / "poisoned"
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors")
+    for r, field in (
+        (push(service, save(state), fresh_weights + 1), "body"),
+        (push_path(service, folder, fresh_weights + 1), "path"),
+    ):
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "weights refused; the old version keeps serving"
+        (detail,) = r.json()["detail"]  # both replicas refused the same tensor: said once
+        assert detail["field"] == field and f"tensor {name!r} holds" in detail["message"], detail
+        assert ("1 NaN" if value != value else "1 inf") in detail["message"]
+    now = versions(service)
+    assert now["version"] == fresh_weights and set(now["replicas"].values()) == {fresh_weights}
+    sampled = rollout(service, request(n=2))  # temperature 1: would fail on NaN weights
+    assert sampled.status_code == 200, sampled.text
+    assert {s["weight_version"] for g in sampled.json()["groups"] for s in g["samples"]} == {fresh_weights}

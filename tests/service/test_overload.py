@@ -1,0 +1,40 @@
+"""Overload, answered one way: a flood of small rollouts gets 200 or the service's own 429 (Retry-After, the error
+body), never Serve's plain-text 503; a full replica answers the ingress instead of raising, so every 429 is one
+rejection the ingress counted (farm_overload_rejections_total)."""
+
+import asyncio
+from collections import Counter
+
+import httpx
+
+from services.errors import QUEUES_FULL
+from tests.service.helpers import greedy
+
+FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 2 waiting) + 2 queued
+
+
+def rejections(service: str) -> dict[str, float]:
+    """farm_overload_rejections_total by kind."""
+    out = {}
+    for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines():
+        if line.startswith("farm_overload_rejections_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+async def test_a_flood_of_rollouts_is_answered_200_or_our_429(service):
+    assert httpx.get(f"{service}/v1/queue/sources").json() == []  # nothing else calls the replicas meanwhile
+    before = rejections(service)
+    body = greedy([[40, 41, 42]], max_new_tokens=2)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        answers = await asyncio.gather(*[http.post(f"{service}/v1/rollouts", json=body) for _ in range(FLOOD)])
+    codes = Counter(r.status_code for r in answers)
+    assert set(codes) <= {200, 429} and codes[200] and codes[429], codes  # overloaded, and still serving
+    for r in (r for r in answers if r.status_code == 429):
+        assert r.headers["retry-after"] == "1" and r.json() == {"error": QUEUES_FULL, "detail": []}, r.text
+    after = rejections(service)
+    counted = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in after}
+    assert counted.get("replica_full", 0) > 0, counted  # replicas answered Full rather than raising ReplicaFull
+    assert sum(counted.values()) == codes[429], (counted, codes)  # a request ends at its first refused call
