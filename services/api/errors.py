@@ -79,7 +79,7 @@ def install(api: FastAPI) -> None:
             unavailable("request_unavailable", path, path=path, status=error.status, error=error.message)
         elif error.status >= 500:
             log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
-        return response(error)
+        return response(error)  # without Starlette's Allow on a 405: it names the first matching route's methods only
 
     for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException, *SERVE_ERRORS, *STATE_ERRORS):
         api.add_exception_handler(kind, expected)

@@ -6,6 +6,7 @@ import time
 
 from fastapi import Request
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
 
 from services import metrics
@@ -46,12 +47,21 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+def replica_context():
+    """Serve's replica context; None where the app runs outside Serve (unit tests with a bare TestClient)."""
+    try:
+        return serve.get_replica_context()
+    except RayServeException:
+        return None
+
+
 async def record_request(request: Request, call_next):
     """farm_request_seconds and farm_requests_total, by route template and status; the answering ingress replica
     in the X-Farm-Ingress header."""
     start = time.perf_counter()
     answer = await call_next(request)
-    answer.headers["x-farm-ingress"] = serve.get_replica_context().replica_id.unique_id
+    if context := replica_context():
+        answer.headers["x-farm-ingress"] = context.replica_id.unique_id
     path = request.scope.get("route").path if request.scope.get("route") else "other"
     metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
     metrics.REQUESTS.labels(path, str(answer.status_code)).inc()

@@ -81,7 +81,9 @@ async def continue_generation(req: S.ContinueGenerationRequest | None = None, fa
 @admin.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache():
     """The farm's engines keep no prefix cache across requests: nothing to flush."""
-    return Response("Cache flushed.\nThe farm's engines keep no prefix cache across requests.\n")
+    return Response(
+        "Cache flushed.\nThe farm's engines keep no prefix cache across requests.\n", media_type="text/plain"
+    )
 
 
 @admin.post("/abort_request")

@@ -8,7 +8,7 @@ from collections import Counter
 import httpx
 
 from services.errors import QUEUES_FULL
-from tests.service.helpers import greedy
+from tests.service.helpers import any_busy, greedy, wait_until
 
 FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 2 waiting) + 2 queued
 
@@ -36,5 +36,7 @@ async def test_a_flood_of_rollouts_is_answered_200_or_our_429(service):
         assert r.headers["retry-after"] == "1" and r.json() == {"error": QUEUES_FULL, "detail": []}, r.text
     after = rejections(service)
     counted = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in after}
-    assert counted.get("replica_full", 0) > 0, counted  # replicas answered Full rather than raising ReplicaFull
-    assert sum(counted.values()) == codes[429], (counted, codes)  # a request ends at its first refused call
+    # which limit refuses first (a replica answering Full, or the ingress's handle queue) depends on how the two
+    # ingress replicas' handles spread the flood; each refusal is counted once, and a request ends at its first
+    assert sum(counted.values()) == codes[429] > 0, (counted, codes)
+    wait_until(lambda: not any_busy(service), "the replicas idle after the flood")

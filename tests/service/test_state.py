@@ -65,6 +65,7 @@ def test_a_replay_on_the_other_ingress_replica_while_the_first_runs_gets_its_res
         "sampling_params": {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True},
         "request_id": "concurrent-replay",
     }
+    wait_until(lambda: not any_busy(service), "the replicas idle: a full engine queue would fail the rollout (429)")
     tokens = generated_tokens(service)
 
     async def both():
