@@ -37,6 +37,7 @@ import httpx
 from common import RESULTS, TOKEN, log, resolve, start_service, stop_service, table, write_json
 
 KINDS = ("engine", "ingress", "trainer")
+REPLICAS = 2  # engine replicas, and ingress replicas
 
 
 def trainer_cmd(url: str, model: Path, out: Path, source: str, args) -> list[str]:
@@ -83,13 +84,6 @@ def actors(prefix: str) -> dict[str, str]:
     }
 
 
-def running(deployment: str) -> int:
-    """Replicas of the deployment that Serve reports RUNNING."""
-    from ray import serve
-
-    return serve.status().applications["farm"].deployments[deployment].replica_states.get("RUNNING", 0)
-
-
 def crash_reason(out: Path) -> str:
     lines = (out.parent / f"{out.name}.trainer.log").read_text().splitlines()
     errors = [line for line in lines if "Error" in line and not line.startswith(" ")]
@@ -109,7 +103,7 @@ class Run:
     def __init__(self, url: str, model: Path, name: str, args, faults: list[tuple[float, str]]):
         self.url, self.args, self.faults = url, args, faults
         self.out = RESULTS / "chaos" / name
-        subprocess.run(["rm", "-rf", str(self.out)], check=True)
+        subprocess.run(["rm", "-rf", str(self.out), f"{self.out}.trainer.log"], check=True)
         self.cmd = trainer_cmd(url, model, self.out, name, args)
         self.env = {**os.environ, "FARM_API_TOKEN": TOKEN}
         self.recoveries: list[dict] = []
@@ -138,11 +132,12 @@ class Run:
             if pending and time.monotonic() - start >= pending[0][0]:
                 self.fault(pending.pop(0)[1])
             time.sleep(0.1)
+        seconds = time.monotonic() - start  # the training run's; the recoveries still being watched are not in it
         for t in [t for t in threading.enumerate() if t.name == "recovery"]:
             t.join(timeout=300)
         if pending:
             log(f"run ended before {len(pending)} faults: {[k for _, k in pending]}")
-        return time.monotonic() - start
+        return seconds
 
     def fault(self, kind: str) -> None:
         t0 = time.monotonic()
@@ -160,8 +155,9 @@ class Run:
             ray.kill(ray.get_actor(victim, namespace=replicas[victim]), no_restart=True)
             prefix = f"SERVE_REPLICA::farm#{kind}"
 
-            def watch():  # the dead replica's name is gone, Serve runs the full count again, and /readyz says so
-                return victim not in actors(prefix) and running(kind) == len(replicas) and ready(self.url)
+            def watch():  # the dead replica's name is gone, the full count is back, and /readyz says all serve
+                now = actors(prefix)
+                return victim not in now and len(now) == REPLICAS and ready(self.url)
 
         log(f"fault: {kind} killed")
 
@@ -205,7 +201,7 @@ def audit(redis_url: str, source: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="arith-tiny", help="arith-tiny, smollm2 or an HF model folder")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="prompts (groups) per step")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--faults", type=int, default=2, help="kills of each kind")
@@ -216,7 +212,9 @@ def main() -> None:
     from services import server
 
     model = resolve(args.model)
-    url = start_service(model=str(model), replicas=2, ingress_replicas=2, engine_threads=1, log_level="WARNING")
+    url = start_service(
+        model=str(model), replicas=REPLICAS, ingress_replicas=REPLICAS, engine_threads=1, log_level="WARNING"
+    )
     try:
         redis_url = server.EMBEDDED[-1].url
         log("clean run")

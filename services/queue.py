@@ -88,9 +88,13 @@ return 1
 
 ADD = """
 if ARGV[1] ~= '' and redis.call('sadd', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('rpush', KEYS[1], unpack(ARGV, 2))
+local last = redis.call('hincrby', KEYS[3], 'pids', #ARGV - 1)
+for i = 2, #ARGV do
+  redis.call('rpush', KEYS[1], '{"pid": ' .. (last - #ARGV + i) .. ', "prompt": ' .. ARGV[i] .. '}')
+end
 return 1
-"""  # KEYS: pending batches; ARGV: batch_id ('' for none), the prompt entries -> 0 when the batch was added before
+"""  # KEYS: pending batches stats; ARGV: batch_id ('' for none), each prompt's JSON -> 0 when the batch came before
+# (the entries are what prompt_entries() writes; pids are taken here, so a batch added before takes none)
 
 
 class Keys:
@@ -185,8 +189,8 @@ class TrajectoryQueue:
         resumed trainer adding its step's prompts again adds nothing)."""
         await self.get(name)
         k = Keys(self.prefix, name)
-        last = await self.r.hincrby(k.stats, "pids", len(prompts))
-        await self._add(keys=[k.pending, k.batches], args=[batch_id or "", *prompt_entries(prompts, last)])
+        prompt_json = [json.dumps(p.model_dump(mode="json")) for p in prompts]
+        await self._add(keys=[k.pending, k.batches, k.stats], args=[batch_id or "", *prompt_json])
         return await self.state(name)
 
     async def remove(self, name: str) -> P.QueueSourceState:

@@ -32,6 +32,7 @@ log = logging.getLogger("farm.service")
 
 CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (FARM_ENGINE_MAX_ONGOING_REQUESTS)
 ABORT_RERUNS = 3  # times the samples cut by "abort" commits are run again
+STORE_FOLLOW_S = 2.0  # how often a replica checks the WeightStore for a version it missed
 
 
 def replica_id() -> str:
@@ -54,6 +55,17 @@ class EngineServer:
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
         self.pending_version = 0  # a commit in progress on this replica
         await self.catch_up(0)  # before Serve routes any traffic here
+        self.following = asyncio.create_task(self._follow_store())
+
+    async def _follow_store(self) -> None:
+        """Forever: load a version committed while this replica missed the push (it started between a push's
+        phases, so the commit's broadcast did not reach it)."""
+        while True:
+            await asyncio.sleep(STORE_FOLLOW_S)
+            try:
+                await self.catch_up(0)
+            except Exception as e:  # the store is being recreated, or the weights cannot be loaded: say so, retry
+                log.warning("catch_up_failed", extra={"error": repr(e)})
 
     def _on_engine_thread(self, fn, *args):
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

@@ -166,7 +166,7 @@ class Replicas:
         try:
             results = await self.each(method, *args, timeout_s=timeout_s)
         except TimeoutError:
-            raise Unavailable(f"replicas did not answer {method} within {timeout_s:g} s: retry") from None
+            raise ReplicaLost(f"replicas did not answer {method} within {timeout_s:g} s: retry") from None
         except DeploymentUnavailableError:
             raise ReplicaLost(NO_REPLICA) from None
         for r in results:
@@ -183,7 +183,7 @@ class Replicas:
         answer; 503 only when none answers."""
         found = await self.survey("weight_version", expected=expected)
         if not found.answers:
-            raise Unavailable("no engine replica answered", details(found.problems()))
+            raise ReplicaLost("no engine replica answered (starting or restarting): retry", details(found.problems()))
         replicas = dict(found.answers)
         return P.WeightsVersion(version=min(replicas.values()), replicas=replicas, unreachable=found.problems())
 
