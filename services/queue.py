@@ -7,20 +7,8 @@ takes over), keeping `target_groups` groups ready. A pull leases groups; an ack 
 out makes its unacked groups deliverable again under the same item_id. A group older than a pull's
 `max_staleness` is dropped and its prompt generated again; a late ack of it withdraws the regeneration.
 
-Keys of a source, under farm:<app>:q:<name>:
-  pending     list: prompts to generate, each JSON {"pid", "prompt"}; stale groups' prompts return to the front
-  generating  list: prompts the owner is generating now; back to the front of pending if the owner dies
-  ready       stream, one entry per group, read by the consumer group "trainers": XREADGROUP delivers an entry
-              (it joins the group's pending entries list, the PEL), XACK settles it, XCLAIM delivers it again
-  leases      zset: entry id -> lease deadline (ms, Redis clock)
-  deliveries  hash: entry id -> times delivered
-  acked       set: acked item_ids (acking again changes nothing)
-  dropped     hash: item_id -> prompt JSON, for delivered groups later dropped as stale
-  withdrawn   set: pids whose regeneration a late ack withdrew (skipped when they land or are first pulled)
-  stats       hash: redelivered, stale_dropped, error; drawn (dataset prompts taken so far); pids (last pid)
-  batches     set: the batch_ids of prompt additions (a repeated addition with the same batch_id adds nothing)
-  settled     hash: pid -> groups of that prompt acked (1 each; bench/chaos.py audits it)
-  owner       the generating replica's claim (services/state.py Owner)
+The Redis keys and the scripts that settle entries are in services/queue_store.py, the background generation in
+services/queue_generation.py, the gauges in services/queue_gauges.py.
 
 Why a zset of deadlines and XCLAIM rather than XAUTOCLAIM: every pull sets its own lease_s, and XAUTOCLAIM
 takes one min-idle time per call. Settling (ack, stale drop) runs as Lua scripts: each checks and changes the
@@ -30,104 +18,27 @@ entry in one step, so an ack racing a redelivery or a stale drop counts once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
-import random
 import uuid
-import weakref
 
-from prometheus_client import REGISTRY
-from prometheus_client.core import GaugeMetricFamily
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
 
 from services import metrics
 from services import protocol as P
 from services.errors import Conflict, NotFound
+from services.queue_gauges import GAUGES
+from services.queue_generation import QueueGeneration
+from services.queue_store import ACK, ADD, DROP, GROUP, Keys, prompt_entries
 from services.state import Owner
-from services.tasks import TASKS
 
 log = logging.getLogger("farm.queue")
 
-GROUP = "trainers"
 POLL_S = 0.05  # a pull that waits for groups looks again this often
-IDLE_S = 0.2  # an owner with nothing to generate looks again this often
-SUPERVISE_S = 0.5  # how often a replica looks for sources nobody generates for
-ORPHAN_IDLE_MS = 30_000  # a delivered entry with no lease (its ingress died between the two) gets one after this
-
-ACK = """
-if redis.call('sismember', KEYS[4], ARGV[1]) == 1 then return 2 end
-local entry = redis.call('xrange', KEYS[1], ARGV[2], ARGV[2])[1]
-if entry and redis.call('xack', KEYS[1], 'trainers', ARGV[2]) == 1 then
-  local fields, pid = entry[2], nil
-  for i = 1, #fields, 2 do if fields[i] == 'entry' then pid = cjson.decode(fields[i + 1])['pid'] end end
-  redis.call('xdel', KEYS[1], ARGV[2]); redis.call('zrem', KEYS[2], ARGV[2]); redis.call('hdel', KEYS[3], ARGV[2])
-  redis.call('sadd', KEYS[4], ARGV[1]); redis.call('hincrby', KEYS[8], tostring(pid), 1); return 1
-end
-local prompt = redis.call('hget', KEYS[5], ARGV[1])
-if prompt then
-  local pid = tostring(cjson.decode(prompt)['pid'])
-  redis.call('hdel', KEYS[5], ARGV[1]); redis.call('sadd', KEYS[4], ARGV[1]); redis.call('hincrby', KEYS[8], pid, 1)
-  if redis.call('lrem', KEYS[6], 1, prompt) == 0 then redis.call('sadd', KEYS[7], pid) end
-  return 1
-end
-return 0
-"""  # KEYS: ready leases deliveries acked dropped pending withdrawn settled; ARGV: item_id entry_id -> 1, 2 again, 0
-
-DROP = """
-if redis.call('xack', KEYS[1], 'trainers', ARGV[1]) == 0 then return 0 end
-redis.call('xdel', KEYS[1], ARGV[1]); redis.call('zrem', KEYS[2], ARGV[1]); redis.call('hdel', KEYS[3], ARGV[1])
-if ARGV[4] == 'withdrawn' then redis.call('srem', KEYS[7], ARGV[5]); return 1 end
-redis.call('lpush', KEYS[4], ARGV[3])
-if ARGV[4] == 'delivered' then redis.call('hset', KEYS[5], ARGV[2], ARGV[3]) end
-redis.call('hincrby', KEYS[6], 'stale_dropped', 1)
-return 1
-"""  # KEYS: ready leases deliveries pending dropped stats withdrawn; ARGV: entry_id item_id prompt how pid
 
 
-ADD = """
-if ARGV[1] ~= '' and redis.call('sadd', KEYS[2], ARGV[1]) == 0 then return 0 end
-local last = redis.call('hincrby', KEYS[3], 'pids', #ARGV - 1)
-for i = 2, #ARGV do
-  redis.call('rpush', KEYS[1], '{"pid": ' .. (last - #ARGV + i) .. ', "prompt": ' .. ARGV[i] .. '}')
-end
-return 1
-"""  # KEYS: pending batches stats; ARGV: batch_id ('' for none), each prompt's JSON -> 0 when the batch came before
-# (the entries are what prompt_entries() writes; pids are taken here, so a batch added before takes none)
-
-
-class Keys:
-    def __init__(self, prefix: str, name: str):
-        base = f"{prefix}:q:{name}"
-        self.pending, self.generating, self.ready = f"{base}:pending", f"{base}:generating", f"{base}:ready"
-        self.leases, self.deliveries, self.acked = f"{base}:leases", f"{base}:deliveries", f"{base}:acked"
-        self.dropped, self.withdrawn, self.stats = f"{base}:dropped", f"{base}:withdrawn", f"{base}:stats"
-        self.owner, self.batches, self.settled = f"{base}:owner", f"{base}:batches", f"{base}:settled"
-
-    def all(self) -> list[str]:
-        return list(vars(self).values())
-
-
-def dataset_prompts(spec: P.QueueSource, skip: int):
-    """The dataset's prompts in the source's order, from the `skip`-th on (endless)."""
-    task, rng = TASKS.get(spec.dataset)(), random.Random(spec.seed)
-    endless = (p for _ in itertools.count() for p in task.train_batch(rng, 64))
-    for problem in itertools.islice(endless, skip, None):
-        yield P.Prompt(text=problem.prompt, ground_truth=problem.answer)
-
-
-def prompt_entries(prompts: list[P.Prompt], last_pid: int) -> list[str]:
-    """The JSON entries of prompts whose pids end at last_pid (a pid tells a prompt's generations apart)."""
-    first = last_pid - len(prompts) + 1
-    return [json.dumps({"pid": first + i, "prompt": p.model_dump(mode="json")}) for i, p in enumerate(prompts)]
-
-
-def oldest_version(group: P.Group, default: int) -> int:
-    return min((min(s.token_weight_versions or [s.weight_version]) for s in group.samples), default=default)
-
-
-class TrajectoryQueue:
+class TrajectoryQueue(QueueGeneration):
     """The queue as this ingress replica sees it. `generate(request)` returns the groups of a RolloutRequest;
     `await version()` the committed version, read from the state (a push through another replica counts at once)."""
 
@@ -238,151 +149,6 @@ class TrajectoryQueue:
     async def _now_ms(self) -> int:
         seconds, micros = await self.r.time()
         return seconds * 1000 + micros // 1000
-
-    # generation -----------------------------------------------------------------------------------------
-    async def supervise(self) -> None:
-        """Claim the sources nobody generates for (new ones, and those of a replica that died), forever."""
-        while True:
-            try:
-                for name in await self.r.hkeys(self.sources_key):
-                    if name in self.running and not self.running[name].done():
-                        continue
-                    k = Keys(self.prefix, name)
-                    if await self.owner.claim(k.owner):
-                        await self._recover(k)
-                        self.running[name] = asyncio.create_task(self._generate_for(name))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # Redis away: try again
-                log.warning("queue_supervise_failed", extra={"error": repr(e)})
-            await asyncio.sleep(SUPERVISE_S)
-
-    async def _recover(self, k: Keys) -> None:
-        """What a previous owner was generating goes back to the front of pending, in order."""
-        moved = 0
-        while await self.r.lmove(k.generating, k.pending, "RIGHT", "LEFT") is not None:
-            moved += 1
-        if moved:
-            log.warning("queue_generation_recovered", extra={"source": k.owner, "prompts": moved})
-
-    async def _generate_for(self, name: str) -> None:
-        """While this replica owns the source: keep target_groups groups ready, a batch at a time."""
-        k, batch = Keys(self.prefix, name), 0
-        keepalive = asyncio.create_task(self._keep_owning(k))
-        try:
-            while not keepalive.done():
-                found = await self._source(name)
-                if found is None:
-                    return
-                spec, nonce = found
-                await self._lease_orphans(k)
-                state = await self.state(name)
-                need = spec.target_groups - state.ready
-                taken = await self._take(k, spec, min(need, self.batch_groups)) if need > 0 else []
-                if not taken:
-                    await asyncio.sleep(IDLE_S)
-                    continue
-                batch += 1
-                await self._generate_batch(k, spec, nonce, taken, batch)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("queue_owner_stopped", extra={"source": name, "error": repr(e)})
-        finally:
-            keepalive.cancel()
-            await asyncio.shield(self._let_go(k))
-
-    async def _keep_owning(self, k: Keys) -> None:
-        while await self.owner.extend(k.owner):
-            await asyncio.sleep(self.owner.ttl_ms / 5000)
-
-    async def _let_go(self, k: Keys) -> None:
-        try:
-            await self.owner.release(k.owner)
-        except Exception:  # it lapses by itself
-            pass
-
-    async def _take(self, k: Keys, spec: P.QueueSource, n: int) -> list[tuple[str, P.Prompt]]:
-        """Up to n prompts moved from pending to generating (a dataset source draws more when pending runs out);
-        each as (its JSON entry, the prompt)."""
-        entries = []
-        for _ in range(n):
-            entry = await self.r.lmove(k.pending, k.generating, "LEFT", "RIGHT")
-            if entry is None:
-                break
-            entries.append(entry)
-        if spec.dataset and len(entries) < n:
-            drawn = int(await self.r.hget(k.stats, "drawn") or 0)
-            at, prompts = self.cursors.get(spec.name, (-1, None))
-            if at != drawn:  # another replica drew before, or this one just took the source over
-                prompts = dataset_prompts(spec, drawn)
-            fresh = list(itertools.islice(prompts, n - len(entries)))
-            self.cursors[spec.name] = (drawn + len(fresh), prompts)
-            more = prompt_entries(fresh, await self.r.hincrby(k.stats, "pids", len(fresh)))
-            async with self.r.pipeline(transaction=True) as pipe:
-                pipe.rpush(k.generating, *more).hincrby(k.stats, "drawn", len(fresh))
-                await pipe.execute()
-            entries += more
-        return [(e, P.Prompt.model_validate(json.loads(e)["prompt"])) for e in entries]
-
-    async def _generate_batch(self, k: Keys, spec: P.QueueSource, nonce: str, taken, batch: int) -> None:
-        params = (
-            spec.sampling_params
-            if spec.sampling_params.seed is None
-            else spec.sampling_params.model_copy(update={"seed": (spec.sampling_params.seed + batch) % 2**63})
-        )
-        reward = spec.reward or (TASKS.get(spec.dataset).reward if spec.dataset else None)
-        req = P.RolloutRequest(
-            prompts=[p for _, p in taken], n=spec.n, sampling_params=params, sampler=spec.sampler, reward=reward
-        )
-        try:
-            groups = await self.generate(req)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the prompts wait at the front; try again shortly
-            await self._recover(k)
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            await self.r.hset(k.stats, "error", error)
-            log.warning("queue_generate_failed", extra={"source": spec.name, "error": error})
-            await asyncio.sleep(1.0)
-            return
-        landed = [(taken[g.prompt_index], g) for g in groups]  # a filtering sampler returns only some
-        await self._land(k, spec.name, nonce, landed)
-        metrics.QUEUE_GENERATED.labels(spec.name).inc(len(landed))
-
-    async def _land(self, k: Keys, name: str, nonce: str, landed) -> None:
-        """The groups into the ready stream and the batch out of generating, in one transaction, if this replica
-        still owns the source (else the new owner generates them again) and it was not removed meanwhile."""
-        async with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(k.owner, k.withdrawn, self.sources_key)
-                    raw = await pipe.hget(self.sources_key, name)
-                    if await pipe.get(k.owner) != self.owner.me or raw is None or json.loads(raw)["nonce"] != nonce:
-                        return
-                    withdrawn = await pipe.smembers(k.withdrawn)
-                    current = await self.version()
-                    pipe.multi()
-                    for (entry, prompt), group in landed:
-                        pid = str(json.loads(entry)["pid"])
-                        if pid in withdrawn:
-                            pipe.srem(k.withdrawn, pid)
-                            continue
-                        item = {"prompt": prompt.model_dump(mode="json"), "group": group.model_dump(mode="json")}
-                        fields = {"item": json.dumps(item), "entry": entry}
-                        pipe.xadd(k.ready, {**fields, "version": oldest_version(group, current)})
-                    pipe.delete(k.generating).hdel(k.stats, "error")
-                    await pipe.execute()
-                    return
-                except WatchError:
-                    continue
-
-    async def _lease_orphans(self, k: Keys) -> None:
-        """Entries delivered by a replica that died before it wrote their lease: deliverable again."""
-        stuck = await self.r.xpending_range(k.ready, GROUP, min="-", max="+", count=100, idle=ORPHAN_IDLE_MS)
-        for entry in stuck:
-            if await self.r.zscore(k.leases, entry["message_id"]) is None:
-                await self.r.zadd(k.leases, {entry["message_id"]: 0}, nx=True)
 
     # pulls and acks -------------------------------------------------------------------------------------
     async def pull(self, req: P.PullRequest) -> P.PullResponse:
@@ -496,28 +262,3 @@ class TrajectoryQueue:
                 metrics.QUEUE_ACKED.labels(name).inc()
             (unknown, acked, already)[outcome].append(item_id)
         return P.AckResponse(acked=acked, already_acked=already, unknown=unknown)
-
-
-class QueueGauges:
-    """farm_queue_ready_groups and farm_queue_leased_groups per source, as of the last states() (GET /metrics
-    refreshes them before it renders)."""
-
-    def __init__(self):
-        self.queues: weakref.WeakSet[TrajectoryQueue] = weakref.WeakSet()
-
-    def collect(self):
-        ready = GaugeMetricFamily(
-            "farm_queue_ready_groups", "Queue depth: generated groups waiting to be pulled", labels=["source"]
-        )
-        leased = GaugeMetricFamily(
-            "farm_queue_leased_groups", "Outstanding leases: pulled groups not yet acked", labels=["source"]
-        )
-        for queue in self.queues:
-            for s in queue.snapshot:
-                ready.add_metric([s.name], s.ready)
-                leased.add_metric([s.name], s.leased)
-        return [ready, leased]
-
-
-GAUGES = QueueGauges()
-REGISTRY.register(GAUGES)
