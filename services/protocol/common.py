@@ -82,6 +82,8 @@ Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Text = Annotated[str, Field(json_schema_extra={"pattern": NO_NUL})]
 """A string without NUL characters (RequestModel checks; the schema says so)."""
 NonEmptyText = Annotated[str, Field(json_schema_extra={"pattern": NO_NUL, "minLength": 1})]
+# for the schema: the service refuses an empty list of token ids too (with its message, naming the field)
+NonEmptyIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
 """Text that must not be empty: the schema says so, and the model's validator or the endpoint refuses "" with its own
 message naming the field (a stop string, a prompt)."""
 

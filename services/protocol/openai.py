@@ -16,15 +16,12 @@ from services.protocol.common import (
     MAX_STOPS,
     Float,
     Int64,
+    NonEmptyIds,
     NonEmptyText,
     RequestModel,
     Temperature,
     Text,
-    TokenId,
 )
-
-# for the schema: the service refuses an empty list of prompts or token ids too (with its message, naming `prompt`)
-NonEmptyIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
 
 
 class _Strict(RequestModel):

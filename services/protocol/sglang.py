@@ -20,6 +20,7 @@ from services.protocol.common import (
     Dim,
     Float,
     Int64,
+    NonEmptyIds,
     NonEmptyText,
     RequestModel,
     Temperature,
@@ -27,8 +28,6 @@ from services.protocol.common import (
     TokenId,
 )
 
-# for the schema: the service refuses an empty list of prompts or token ids too (with its message, naming the field)
-NonEmptyIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 LogprobStart = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 VERSION = "^[1-9][0-9]{0,18}$"  # SGLang's weight_version as the farm's integer version (at most INT64_MAX)
