@@ -16,7 +16,7 @@ from ray.serve.config import DeploymentActorConfig
 from services.api import create_api
 from services.ingress import Ingress
 from services.replica import CONTROL_SLOTS, EngineServer
-from services.settings import ServiceSettings
+from services.settings import ServiceSettings, SettingsError
 from services.state import prefix
 from services.weight_store import WeightStore
 
@@ -40,7 +40,7 @@ def build_app(settings: ServiceSettings):
     """The Serve application for these settings (FARM_REDIS_URL set: services.server.start sets it to the
     embedded Redis)."""
     if not settings.redis_url:
-        raise ValueError(
+        raise SettingsError(
             "FARM_REDIS_URL is unset: point it at the Redis that holds the farm's state (redis://host:6379/0); "
             "only `farm serve` starts an embedded one"
         )
@@ -53,7 +53,7 @@ def build_app(settings: ServiceSettings):
         **engine_scaling(settings),
         max_ongoing_requests=settings.engine_max_ongoing_requests + CONTROL_SLOTS,
         max_queued_requests=settings.engine_max_queued_requests,
-        ray_actor_options={"num_cpus": settings.engine_num_cpus},
+        ray_actor_options={"num_cpus": settings.engine_num_cpus, "num_gpus": settings.gpus_per_engine},
         deployment_actors=[store],
     )
     ingress = serve.deployment(

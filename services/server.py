@@ -16,7 +16,7 @@ from services.app import build_app
 from services.engine import ENGINES
 from services.models import CACHE, resolve_model
 from services.redis_server import EmbeddedRedis
-from services.settings import ServiceSettings
+from services.settings import ServiceSettings, SettingsError
 
 log = logging.getLogger("farm.service")
 EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, stopped by stop()
@@ -26,7 +26,10 @@ def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
     """The settings with FARM_MODEL as a folder (the embedded default built once here, not once per replica)."""
     if not ENGINES.get(settings.engine, settings.plugins).needs_model:
         return settings
-    return settings.model_copy(update={"model": str(resolve_model(settings.model))})
+    try:
+        return settings.model_copy(update={"model": str(resolve_model(settings.model))})
+    except FileNotFoundError as e:
+        raise SettingsError(f"FARM_MODEL={settings.model!r}: {e}") from None
 
 
 def with_state(settings: ServiceSettings) -> ServiceSettings:
@@ -56,6 +59,7 @@ def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: 
             logging_level=logging.WARNING,
             configure_logging=False,
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            _metrics_export_port=settings.ray_metrics_port,
         )
         on_ray_started()
     serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config={"log_level": "WARNING"})

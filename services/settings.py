@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAKE_TOKEN = "export FARM_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+SECRET_FIELDS = {"api_token"}  # never echoed in an error
+
+
+class SettingsError(ValueError):
+    """A setting the service cannot start with; the message names the FARM_* variable and the fix."""
 
 
 class ServiceSettings(BaseSettings):
@@ -33,6 +40,12 @@ class ServiceSettings(BaseSettings):
     )
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
+    engine_num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="Ray GPUs reserved per engine replica, fractional to share a GPU (e.g. 0.5); default: 1 when "
+        "FARM_DEVICE is cuda or FARM_ENGINE is sglang, else 0. Ray hides the GPUs from an actor that reserves none.",
+    )
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads per replica; default: all cores / replicas."
     )
@@ -76,9 +89,23 @@ class ServiceSettings(BaseSettings):
         "The state survives restarts of `farm serve` that use the same folder.",
     )
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas; every one shares the state in Redis.")
+    ray_metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="`farm serve` only: export Ray's own Prometheus metrics on this port (KubeRay sets Ray's port "
+        "itself, with rayStartParams metrics-export-port).",
+    )
     idempotency_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished rollout's result is kept for request_id replays."
     )
+
+    @property
+    def gpus_per_engine(self) -> float:
+        """Ray GPUs each engine replica asks for (FARM_ENGINE_NUM_GPUS, or 1 on CUDA or with SGLang)."""
+        if self.engine_num_gpus is not None:
+            return self.engine_num_gpus
+        return 1.0 if self.device.startswith("cuda") or self.engine == "sglang" else 0.0
 
     @model_validator(mode="after")
     def _known_engine(self) -> "ServiceSettings":
@@ -91,3 +118,20 @@ class ServiceSettings(BaseSettings):
         except (KeyError, ImportError) as e:
             raise ValueError(f"FARM_ENGINE: {e.args[0] if e.args else e}") from None
         return self
+
+
+def explain(error: ValidationError) -> str:
+    """One line per bad setting: its FARM_* variable, what is wrong, and what it should be (its description)."""
+    lines = ["the service cannot start with these settings (FARM_* environment variables):"]
+    for e in error.errors():
+        field = str(e["loc"][0]) if e["loc"] else ""
+        if not field:  # a check across fields; its message names the variable
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+            continue
+        var = f"FARM_{field.upper()}"
+        given = "" if field in SECRET_FIELDS or e["type"] == "missing" else f"={e['input']!r}"
+        problem = " is not set" if e["type"] == "missing" else f"{given}: {e['msg']}"
+        lines.append(f"  {var}{problem}. {ServiceSettings.model_fields[field].description}")
+        if field == "api_token":
+            lines.append(f"    make one: {MAKE_TOKEN}")
+    return "\n".join(lines)

@@ -86,15 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         from pydantic import ValidationError
 
         from services.server import run_forever
-        from services.settings import ServiceSettings
+        from services.settings import ServiceSettings, SettingsError, explain
 
         given = {"model": args.model, "port": args.port, "replicas": args.replicas}
         overrides = {k: v for k, v in given.items() if v is not None}
         try:
-            settings = ServiceSettings(**overrides)
+            run_forever(ServiceSettings(**overrides))
         except ValidationError as e:
-            sys.exit(f"invalid service settings; set the FARM_<FIELD> environment variables named below:\n{e}")
-        run_forever(settings)
+            sys.exit(explain(e))
+        except SettingsError as e:
+            sys.exit(f"the service cannot start: {e}")
     elif args.cmd == "train":
         from trainer.config import ConfigError
         from trainer.loop import train
@@ -112,10 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     elif hasattr(args, "call"):  # rollout, weights, control, cancel, queue
         sys.exit(_call_service(args))
     elif args.cmd == "build-model":
-        from services.models import CACHE, DEFAULT_MODEL, build_default, resolve_model
+        from services.models import DEFAULT_MODEL, build_default, default_model_folder, resolve_model
 
         if args.force:
-            build_default(CACHE / "models" / f"{DEFAULT_MODEL}-v1")
+            build_default(default_model_folder())
         print(resolve_model(DEFAULT_MODEL))
 
 

@@ -81,16 +81,33 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
     assert "service_stopping" in out
 
 
-def test_serve_without_token_fails_fast(tiny_model):
-    env = {k: v for k, v in os.environ.items() if k != "FARM_API_TOKEN"}
+def serve_fails(tmp_path, **env) -> str:
+    """`farm serve` with these FARM_* variables (and no FARM_API_TOKEN unless given): it must exit at once with a
+    message, before starting Ray; returns the message."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "serve", "--model", str(tiny_model)],
-        env=env,
+        [sys.executable, "-m", "trainer.cli", "serve"],
+        env={**base, "FARM_STATE_DIR": str(tmp_path / "state"), **env},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode != 0 and "api_token" in proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_serve_errors_name_the_variable_and_the_fix(tiny_model, tmp_path):
+    no_token = serve_fails(tmp_path, FARM_MODEL=str(tiny_model))
+    assert "FARM_API_TOKEN is not set" in no_token and "secrets.token_urlsafe(32)" in no_token
+    assert "Field required" not in no_token  # no pydantic dump
+    short = serve_fails(tmp_path, FARM_MODEL=str(tiny_model), FARM_API_TOKEN="s3cr3t", FARM_PORT="eighty")
+    assert "FARM_API_TOKEN: Value should have at least 8" in short
+    assert "s3cr3t" not in short  # a secret is never echoed
+    assert "FARM_PORT='eighty': Input should be a valid integer" in short
+    missing = serve_fails(tmp_path, FARM_MODEL=str(tmp_path / "nowhere"), FARM_API_TOKEN=TOKEN)
+    assert "FARM_MODEL=" in missing and "no model folder" in missing
+    engine = serve_fails(tmp_path, FARM_MODEL=str(tiny_model), FARM_API_TOKEN=TOKEN, FARM_ENGINE="vllm")
+    assert "FARM_ENGINE" in engine and "valid names" in engine
 
 
 def farm(*args: str, service: str) -> subprocess.CompletedProcess:

@@ -61,3 +61,21 @@ def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
     assert _deployments(ingress_replicas=3)["ingress"]["num_replicas"] == 3
     with pytest.raises(ValueError, match="FARM_REDIS_URL"):  # serve run / KubeRay: no embedded Redis there
         build_app(ServiceSettings(api_token=TOKEN))
+
+
+@pytest.mark.parametrize(
+    "settings, gpus",
+    [
+        ({}, 0),  # CPU: Ray hides GPUs from the replica, and there are none to hide
+        ({"device": "cuda"}, 1),  # the torch engine on CUDA must reserve its GPU, or Ray hides it
+        ({"engine": "sglang", "device": "cuda"}, 1),
+        ({"engine": "sglang"}, 1),  # SGLang always runs on a GPU
+        ({"device": "cuda", "engine_num_gpus": 0.5}, 0.5),  # two replicas share a GPU
+        ({"device": "cuda:1", "engine_num_gpus": 2}, 2),
+    ],
+)
+def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
+    deployments = _deployments(**settings)
+    assert deployments["engine"]["ray_actor_options"]["num_gpus"] == gpus
+    assert deployments["engine"]["ray_actor_options"]["num_cpus"] == 1.0
+    assert deployments["ingress"]["ray_actor_options"].get("num_gpus", 0) == 0  # the ingress never holds one

