@@ -69,6 +69,16 @@ OVERLOAD = Counter(
 )
 
 
+QUEUE_COUNTERS = (QUEUE_GENERATED, QUEUE_REDELIVERED, QUEUE_STALE, QUEUE_ACKED)
+
+
+def init_source(name: str) -> None:
+    """Export the queue counters of source `name` at 0 until they count (a labelled counter has no series before
+    its first `.labels()`, and `rate()` and alerts need one)."""
+    for counter in QUEUE_COUNTERS:
+        counter.labels(name)
+
+
 def record_groups(sampler: str, groups: list) -> None:
     """Count generated groups (P.Group) per sampler: samples, tokens, zero-variance groups, candidates, rejections."""
     GROUPS.labels(sampler).inc(len(groups))

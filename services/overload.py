@@ -28,6 +28,8 @@ FULL_KINDS = {
     "replica_full": "an engine replica runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has its waiting room full",
     "engine_queue": "the ingress's queue for the engine replicas is full (FARM_ENGINE_MAX_QUEUED_REQUESTS)",
 }
+for _kind in FULL_KINDS:  # exported at 0 from the start
+    metrics.OVERLOAD.labels(_kind)
 
 
 class RateLimitedWarning:

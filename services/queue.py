@@ -90,6 +90,7 @@ class TrajectoryQueue(QueueGeneration):
                 await pipe.execute()
             except WatchError:
                 raise Conflict(f"source {spec.name!r} was added or removed meanwhile: send the request again") from None
+        metrics.init_source(spec.name)
         log.info(
             "queue_source_added", extra={"source": spec.name, "dataset": spec.dataset, "prompts": len(spec.prompts)}
         )
@@ -141,6 +142,7 @@ class TrajectoryQueue(QueueGeneration):
         for name in sorted(await self.r.hkeys(self.sources_key)):
             try:
                 out.append(await self.state(name))
+                metrics.init_source(name)  # sources added through another replica, or before a restart
             except NotFound:  # removed meanwhile
                 pass
         self.snapshot = out

@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 GUARD_ACTIONS = ("rollback", "raise_mini_batch")  # what Guard.check may ask for
 ACTIONS = Counter("farm_trainer_guard_actions_total", "Guard actions the trainer took", ["action"])
+for _action in GUARD_ACTIONS:  # exported at 0 from the start, so increase() sees the first one
+    ACTIONS.labels(_action)
 
 
 class GuardConfig(BaseModel):

@@ -14,10 +14,13 @@ log = logging.getLogger("farm.trainer")
 GAUGE_HELP = {
     "step": "Last finished training step",
     "kl_ref": "KL of the policy to the reference, last step",
+    "reward_mean": "Batch reward mean, last step",
     "reward_std": "Batch reward std, last step",
     "kl_coef": "KL coefficient (the controller's value)",
     "adv_var": "Variance of the advantages, last step",
     "weight_version": "Last pushed weight version",
+    "step_seconds": "Seconds the last step took (rollouts to update)",
+    "tokens_per_s": "Response tokens per second of the last step",
 }
 STEP_GAUGES = {key: Gauge(f"farm_trainer_{key}", help) for key, help in GAUGE_HELP.items()}
 
