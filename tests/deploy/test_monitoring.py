@@ -116,8 +116,8 @@ def test_prometheus_scrapes_the_service_ray_and_the_trainer_and_loads_the_rules(
         for j in cfg["scrape_configs"]
     }
     assert jobs == {
-        "service": (["service:8000"], "/metrics"),
-        "ray": (["service:8080"], "/metrics"),
+        "service": (["farm:8000"], "/metrics"),
+        "ray": (["farm:8080"], "/metrics"),
         "trainer": (["trainer:9100"], "/metrics"),
     }
 
@@ -131,7 +131,7 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard_folder()
         True,
     )
     (provider,) = yaml.safe_load((GRAFANA / "dashboards" / "rollout-farm.yaml").read_text())["providers"]
-    assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
 
 
 def test_the_files_the_chart_and_compose_reference_exist():
