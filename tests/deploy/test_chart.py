@@ -1,0 +1,299 @@
+"""helm/rollout-farm rendered for several value sets: strict lint, kubernetes-validate on core kinds, check-jsonschema
+on the custom resources (KubeRay's and Prometheus Operator's CRD schemas, vendored in schemas/), what the values do,
+and bad values failing with a clear message."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+
+from services.settings import ServiceSettings
+from tests.deploy.chart_render import (
+    BASE,
+    CHART,
+    CRD_SCHEMAS,
+    FULLNAME,
+    ROOT,
+    all_containers,
+    check_jsonschema,
+    documented_values,
+    env,
+    lint_findings,
+    merged,
+    notes,
+    one,
+    pod_specs,
+    pod_templates,
+    ray_containers,
+    render,
+    render_error,
+    validate_core,
+)
+
+MONITORING = {k: {"enabled": True} for k in ("serviceMonitor", "podMonitor", "prometheusRule", "dashboard")}
+VALUE_SETS = {
+    "default": {},
+    "gpu-workers": {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5}, "dtype": "bfloat16"},
+    "autoscaling": {
+        "replicas": 2,
+        "autoscaling": {"enabled": True, "maxReplicas": 8, "targetOngoingRequests": 1.5},
+        "worker": {"minReplicas": 1, "maxReplicas": 6},
+        "settings": {"max_weights_bytes": 17179869184, "plugins": ["my_pkg.rewards"], "engine_num_cpus": 2},
+    },
+    "existing-secret": {"token": {"value": "", "existingSecret": "farm-api", "key": "api-token"}},
+    "created-secret": {"token": {"value": "a-much-longer-token", "key": "tok"}},
+    "trainer": {"trainer": {"enabled": True, "gpus": 1, "steps": 7, "overrides": {"actor_rollout_ref.rollout.n": 16}}},
+    "monitoring": {"monitoring": MONITORING, "trainer": {"enabled": True}},
+    "redis-gcs-ft": {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}},
+}
+VALUES = {name: merged(BASE, v) for name, v in VALUE_SETS.items()}
+RENDERED = {name: render(v) for name, v in VALUES.items()}
+CUSTOM_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+
+def rayservice(name: str) -> dict:
+    return one(RENDERED[name], "RayService")
+
+
+def containers(name: str) -> dict[str, dict]:
+    return ray_containers(RENDERED[name])
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_strict_lint_passes(name):
+    assert lint_findings(VALUES[name]) == []
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_core_kinds_validate_strictly(name):
+    docs = [d for d in RENDERED[name] if d["kind"] not in CUSTOM_KINDS] + pod_templates(rayservice(name))
+    for doc in docs:
+        validate_core(doc)  # raises kubernetes_validate.ValidationError naming the path
+
+
+def test_custom_resources_match_their_crds():
+    for kind, schema in CRD_SCHEMAS.items():
+        docs = [d for docs in RENDERED.values() for d in docs if d["kind"] == kind]
+        assert docs, kind
+        result = check_jsonschema(schema, docs)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+WORKER_CONTAINER = ("spec", "rayClusterConfig", "workerGroupSpecs", 0, "template", "spec", "containers", 0)
+
+
+@pytest.mark.parametrize(
+    "path, typo",
+    [(("spec", "rayClusterConfig"), "enableInTreeAutoscalling"), (WORKER_CONTAINER, "readinesProbe")],
+)
+def test_crd_schema_rejects_a_misspelled_field(path, typo):
+    doc = json.loads(json.dumps(rayservice("default")))
+    node = doc
+    for key in path:
+        node = node[key]
+    node[typo] = {}
+    result = check_jsonschema(CRD_SCHEMAS["RayService"], [doc])
+    assert result.returncode != 0 and typo in result.stdout, result.stdout
+
+
+def test_ray_version_follows_the_lock():
+    pin = re.search(r"^ray==(\S+)$", (ROOT / "requirements.lock").read_text(), re.M).group(1)
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert chart_values["rayVersion"] == pin, "bump values.yaml rayVersion with the ray pin of requirements.lock"
+    assert rayservice("default")["spec"]["rayClusterConfig"]["rayVersion"] == pin
+
+
+def test_default_layout():
+    rs = rayservice("default")
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert cluster["enableInTreeAutoscaling"] is False
+    group = cluster["workerGroupSpecs"][0]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert serve["applications"] == [{"name": "farm", "import_path": "services.serve_entry:app", "route_prefix": "/"}]
+    assert serve["http_options"]["port"] == 8000
+    head, worker = containers("default").values()
+    assert env(head) == env(worker), "head and workers get the same settings"
+    assert env(head)["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
+    assert all({"name": "serve", "containerPort": 8000} in c["ports"] for c in (head, worker))
+    # Probes: Ray's node health for liveness (and the head's readiness: KubeRay deploys Serve once the head is Ready);
+    # the node's Serve proxy for a worker's readiness.
+    for c in (head, worker):
+        assert c["livenessProbe"]["httpGet"] == {"path": "/api/healthz", "port": 52365}
+        assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] >= 300
+    assert head["readinessProbe"]["httpGet"] == {"path": "/api/healthz", "port": 52365}
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}
+
+
+def test_probes_can_be_overridden():
+    values = merged(BASE, {"worker": {"readinessProbe": {"httpGet": {"path": "/readyz"}, "failureThreshold": 12}}})
+    probe = ray_containers(render(values))["worker"]["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/readyz", "port": "serve"} and probe["failureThreshold"] == 12
+
+
+def test_shared_volume_on_head_and_workers():
+    claim = one(RENDERED["default"], "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for role, spec in pod_specs(rayservice("default")).items():
+        (volume,) = spec["volumes"]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"], role
+        (mount,) = spec["containers"][0]["volumeMounts"]
+        assert mount == {"name": volume["name"], "mountPath": "/data"}, role
+        farm = env(spec["containers"][0])
+        assert farm["FARM_WEIGHTS_DIR"].startswith("/data/") and farm["FARM_CACHE"].startswith("/data/"), role
+    existing = render(merged(BASE, {"storage": {"existingClaim": "weights"}}))
+    assert not [d for d in existing if d["kind"] == "PersistentVolumeClaim"]
+    assert {
+        s["volumes"][0]["persistentVolumeClaim"]["claimName"] for s in pod_specs(one(existing, "RayService")).values()
+    } == {"weights"}
+
+
+def test_gpu_workers():
+    head, worker = containers("gpu-workers").values()
+    for part in ("requests", "limits"):
+        assert worker["resources"][part]["nvidia.com/gpu"] == 2
+        assert "nvidia.com/gpu" not in head["resources"].get(part, {})
+    farm = env(worker)
+    assert (farm["FARM_DEVICE"], farm["FARM_ENGINE_NUM_GPUS"], farm["FARM_DTYPE"]) == ("cuda", "0.5", "bfloat16")
+    assert env(head) == farm
+    assert worker["image"] == head["image"] == "rollout-farm:0.1.0-gpu"
+    spec = pod_specs(rayservice("gpu-workers"))["worker"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert rayservice("gpu-workers")["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert "FARM_ENGINE_NUM_GPUS" not in env(containers("default")["worker"])
+
+
+def test_autoscaling():
+    cluster = rayservice("autoscaling")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["upscalingMode"] == "Default"
+    group = cluster["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 6)
+    farm = env(containers("autoscaling")["worker"])
+    assert (farm["FARM_REPLICAS"], farm["FARM_MAX_REPLICAS"], farm["FARM_TARGET_ONGOING_REQUESTS"]) == ("2", "8", "1.5")
+    # numbers stay integers (helm reads values as floats: no 1.7179869184e+10), lists are JSON
+    assert farm["FARM_MAX_WEIGHTS_BYTES"] == "17179869184" and farm["FARM_ENGINE_NUM_CPUS"] == "2"
+    assert json.loads(farm["FARM_PLUGINS"]) == ["my_pkg.rewards"]
+
+
+def test_every_farm_variable_is_a_setting():
+    fields = set(ServiceSettings.model_fields)
+    pending = {"engine_num_gpus"}  # being added to ServiceSettings in parallel; drop once it is there
+    containers = [c for docs in RENDERED.values() for doc in docs for c in all_containers(doc)]
+    names = {name for c in containers for name in env(c) if name.startswith("FARM_")}
+    unknown = {n for n in names if n[5:].lower() not in fields | pending} - {"FARM_CACHE"}
+    assert not unknown, unknown
+    settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
+    own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
+    assert set(settings_schema["properties"]) <= fields - own_values - {"dtype", "redis_url", "weights_dir", "app_name"}
+
+
+def test_token_secret_created_or_referenced():
+    created = one(RENDERED["created-secret"], "Secret")
+    assert created["stringData"] == {"tok": "a-much-longer-token"}
+    ref = {"secretKeyRef": {"name": created["metadata"]["name"], "key": "tok"}}
+    assert all(env(c)["FARM_API_TOKEN"] == ref for c in containers("created-secret").values())
+    assert not [d for d in RENDERED["existing-secret"] if d["kind"] == "Secret"]
+    ref = {"secretKeyRef": {"name": "farm-api", "key": "api-token"}}
+    assert all(env(c)["FARM_API_TOKEN"] == ref for c in containers("existing-secret").values())
+    assert "secret farm-api -o jsonpath='{.data.api-token}'" in notes(VALUES["existing-secret"])
+
+
+def test_trainer_job():
+    job = one(RENDERED["trainer"], "Job")
+    spec = job["spec"]["template"]["spec"]
+    (wait,), (trainer,) = spec["initContainers"], spec["containers"]
+    url = f"http://{FULLNAME}-serve-svc:8000"
+    assert wait["command"][-2] == url and "/readyz" in wait["command"][2]
+    args = trainer["args"]
+    assert args[:2] == ["farm", "train"] and args[args.index("--service-url") + 1] == url
+    assert args[args.index("--steps") + 1] == "7" and args[args.index("--out") + 1] == "/data/runs/farm"
+    assert {"trainer.metrics_port=9100", "actor_rollout_ref.rollout.n=16"} <= set(args)
+    assert trainer["ports"] == [{"name": "metrics", "containerPort": 9100}]
+    assert env(trainer)["FARM_API_TOKEN"] == {"secretKeyRef": {"name": f"{FULLNAME}-token", "key": "token"}}
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["volumes"] == pod_specs(rayservice("trainer"))["worker"]["volumes"]
+
+
+def test_monitoring():
+    docs = RENDERED["monitoring"]
+    sm = one(docs, "ServiceMonitor")["spec"]
+    assert sm["selector"]["matchLabels"]["ray.io/serve"] == f"{FULLNAME}-serve"
+    assert (sm["endpoints"][0]["port"], sm["endpoints"][0]["path"]) == ("serve", "/metrics")
+    ray, trainer = (d["spec"] for d in docs if d["kind"] == "PodMonitor")
+    assert ray["podMetricsEndpoints"][0]["port"] == trainer["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert all({"name": "metrics", "containerPort": 8080} in c["ports"] for c in containers("monitoring").values())
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    assert one(docs, "PrometheusRule")["spec"]["groups"] == alerts["groups"]
+    dashboard, file = one(docs, "ConfigMap"), CHART / "files" / "dashboard.json"
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["rollout-farm.json"]) == json.loads(file.read_text())
+    label = {"enabled": True, "labelName": "dash", "labelValue": "yes"}
+    assert (
+        one(render(merged(BASE, {"monitoring": {"dashboard": label}})), "ConfigMap")["metadata"]["labels"]["dash"]
+        == "yes"
+    )
+    assert not {d["kind"] for d in RENDERED["default"]} & (CUSTOM_KINDS - {"RayService"} | {"ConfigMap"})
+
+
+def test_in_chart_redis_and_gcs_fault_tolerance():
+    docs = RENDERED["redis-gcs-ft"]
+    redis = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert redis["image"].startswith("redis:") and "--appendonly" in redis["args"]
+    service = one(docs, "Service")
+    assert env(containers("redis-gcs-ft")["head"])["FARM_REDIS_URL"] == f"redis://{service['metadata']['name']}:6379/0"
+    ft = rayservice("redis-gcs-ft")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert ft == {"redisAddress": f"{service['metadata']['name']}:6379"}
+    external = merged(BASE, {"gcsFaultTolerance": {"enabled": True, "redisPasswordSecret": {"name": "r", "key": "pw"}}})
+    ft = one(render(external), "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    password = {"valueFrom": {"secretKeyRef": {"name": "r", "key": "pw"}}}
+    assert ft == {"redisAddress": "redis.db:6379", "redisPassword": password}
+    assert "gcsFaultToleranceOptions" not in rayservice("default")["spec"]["rayClusterConfig"]
+
+
+NO_TOKEN = {"redis": {"url": "redis://r:6379/0"}}
+BAD_VALUES = {
+    "no token": (NO_TOKEN, "token: set token.existingSecret"),
+    "empty token": (merged(BASE, {"token": {"value": ""}}), "token: set token.existingSecret"),
+    "short token": (merged(BASE, {"token": {"value": "short"}}), "at least 8 characters"),
+    "two tokens": (merged(BASE, {"token": {"existingSecret": "s"}}), "not both"),
+    "string replicas": (merged(BASE, {"replicas": "2"}), "at '/replicas': got string, want integer"),
+    "negative replicas": (merged(BASE, {"replicas": -1}), "at '/replicas': minimum: got -1, want 1"),
+    "negative workers": (merged(BASE, {"worker": {"replicas": -1}}), "at '/worker/replicas': minimum"),
+    "gpu with 0 gpus": (merged(BASE, {"gpu": {"enabled": True, "perWorker": 0}}), "at '/gpu/perWorker': minimum"),
+    "replica larger than a worker": (merged(BASE, {"gpu": {"enabled": True, "perReplica": 2}}), "gpu.perReplica (2)"),
+    "no redis": ({"token": BASE["token"]}, "redis: the service keeps its state in Redis"),
+    "two redis": (merged(BASE, {"redis": {"inChart": {"enabled": True}}}), "redis: give either redis.url"),
+    "autoscale to fewer": (merged(BASE, {"autoscaling": {"enabled": True, "maxReplicas": 1}}), "must exceed replicas"),
+    "unknown setting": (merged(BASE, {"settings": {"engine_max_ongoing": 3}}), "'engine_max_ongoing' not allowed"),
+    "managed setting": (merged(BASE, {"settings": {"redis_url": "x"}}), "'redis_url' not allowed"),
+    "long name": (merged(BASE, {"fullnameOverride": "r" * 48}), "at most 47"),
+    "sglang on cpus": (merged(BASE, {"engine": "sglang"}), "sglang runs on GPUs"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_bad_values_fail_clearly(case):
+    values, message = BAD_VALUES[case]
+    assert message in render_error(values)
+
+
+@pytest.mark.parametrize("file, toggle", [("alerts.yaml", "prometheusRule"), ("dashboard.json", "dashboard")])
+def test_missing_monitoring_file_fails_clearly(tmp_path, file, toggle):
+    chart = shutil.copytree(CHART, tmp_path / "rollout-farm")
+    (chart / "files" / file).unlink()
+    error = render_error(merged(BASE, {"monitoring": {toggle: {"enabled": True}}}), chart=chart)
+    assert f"no files/{file}" in error
+
+
+def test_every_value_is_documented():
+    documented, undocumented = documented_values((CHART / "values.yaml").read_text())
+    assert not undocumented, f"values without a # -- comment: {undocumented}"
+    readme = (CHART / "README.md").read_text()
+    assert not [key for key in documented if f"| `{key}` |" not in readme], "README.md's values table is behind"
