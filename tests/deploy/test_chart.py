@@ -33,6 +33,7 @@ from tests.deploy.chart_render import (
     render_error,
     validate_core,
 )
+from tests.deploy.farm_env import assert_known_farm_vars
 
 MONITORING = {k: {"enabled": True} for k in ("serviceMonitor", "podMonitor", "prometheusRule", "dashboard")}
 VALUE_SETS = {
@@ -184,11 +185,8 @@ def test_autoscaling():
 
 def test_every_farm_variable_is_a_setting():
     fields = set(ServiceSettings.model_fields)
-    pending = {"engine_num_gpus"}  # being added to ServiceSettings in parallel; drop once it is there
     containers = [c for docs in RENDERED.values() for doc in docs for c in all_containers(doc)]
-    names = {name for c in containers for name in env(c) if name.startswith("FARM_")}
-    unknown = {n for n in names if n[5:].lower() not in fields | pending} - {"FARM_CACHE"}
-    assert not unknown, unknown
+    assert_known_farm_vars({name for c in containers for name in env(c)}, "the chart")
     settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
     own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
     assert set(settings_schema["properties"]) <= fields - own_values - {"dtype", "redis_url", "weights_dir", "app_name"}
