@@ -1,148 +1,201 @@
-"""Weight sync: time to push one version to every replica vs a raw safetensors round trip.
+"""Weight sync: every transport side by side against a raw safetensors round trip, then its share of a training step.
 
-  push  serialize the model's canonical (untied) state dict to safetensors bytes, then
-        FarmClient.push_weights(bytes, version) to the real service (--replicas engine replicas; the
-        client streams 8 MiB slices with the body's SHA-256); the call returns once every replica serves
-        the new version (stage on all, then commit). --transport path writes them with safetensors
-        save_file into a folder and calls FarmClient.push_weights_path (POST /v1/weights/path, no upload).
-  raw   serialize the same state dict to safetensors bytes (safetensors.torch.save), deserialize
-        them (safetensors.torch.load) and copy every tensor into one model's parameters, in this
-        process, with the torch threads of one replica.
-The two alternate (A B, B A, ...) for --rounds rounds of --reps each; the figure is the median over
-rounds of mean push time / mean raw time. Other jobs on a small machine skew both sides: each round
-first waits until other processes are idle, and one in which they used more than --max-foreign of the
-cores is measured again. Goal: <= 1.5.
+Arms, each a new version pushed to the real service (--replicas engine replicas; a push returns once every replica
+serves it), and before each one the weights take a step like an optimizer's at the demo's learning rate (--lr: every
+element moves by lr * sign(noise), as Adam's first steps do), so bucketed and delta pushes see real changes:
+  raw       safetensors.torch.save of the state dict, load, and copy of every tensor into a second model's
+            parameters, in this process, with the torch threads of one replica
+  full      services/weight_client.WeightPusher "full": buckets streamed from the tensors' memory with per-tensor
+            xxh3 checksums; the ingress puts each bucket in the object store once, replicas view them in place
+  bucketed  only the tensors whose checksum changed (at any lr > 0 every trained tensor changes)
+  delta     changed tensors as XOR against the last push, byte planes zlib-compressed
+  bytes     the old client path: FarmClient.push_weights(safetensors.torch.save(state)) (one bucket, SHA-256)
+  path      safetensors save_file into a folder + POST /v1/weights/path (no upload)
+The arms run in a rotated order each round (--rounds); per arm the median time and range, and per round its time
+over raw's: the median ratio and range. Goal: full <= 1.5x raw for a model of >= 100 MB.
+
+--train-steps N then runs `farm train` for N steps per mode (--train-modes) against the same service, with the
+demo's settings (trainer/demo.py), and reads each step's time (metrics.jsonl, step_seconds: rollouts, training and
+the push) and each push's seconds and bytes (FARM_WEIGHT_SYNC_STATS): the sync's share of the step and the bytes
+sent per step at the demo's learning rate. Results: docs/data/weight_sync.json, one entry per --model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-from common import TOKEN, CpuMeter, log, quartiles, resolve, start_service, stop_service, table, wait_quiet, write_json
+from common import DATA, TOKEN, log, resolve, start_service, stop_service, table, wait_quiet, write_json
+
+ARMS = ("raw", "full", "bucketed", "delta", "bytes", "path")
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="arith-tiny", help="arith-tiny, smollm2 or an HF model folder")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument(
-        "--reps", type=int, default=3, help="pushes (and raw round trips) per round; the round's figure is their mean"
-    )
-    ap.add_argument(
-        "--transport", choices=["client", "path"], default="client", help="how the push travels (see above)"
-    )
-    ap.add_argument(
-        "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
-    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--lr", type=float, default=2e-5, help="the step before each push (the demo's lr)")
+    ap.add_argument("--train-steps", type=int, default=0, help="farm train steps per mode for the step-time share")
+    ap.add_argument("--train-modes", default="full,bucketed,delta")
+    ap.add_argument("--train-args", default="", help="more farm train overrides, space-separated")
     args = ap.parse_args()
 
     import torch
     from safetensors.torch import load, save, save_file
     from transformers import AutoModelForCausalLM
 
-    from services import protocol as P
     from services.client import FarmClient
     from services.engine.state_dict import canonical_state_dict
+    from services.weight_client import WeightPusher
 
+    arms = args.arms.split(",")
     path = resolve(args.model)
     threads = max(1, (os.cpu_count() or 1) // args.replicas)
     torch.set_num_threads(threads)  # what one replica gets
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    state = canonical_state_dict(model)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # raw's "replica"
+    state, into = canonical_state_dict(model), canonical_state_dict(target)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     folders = tempfile.mkdtemp(prefix="weight-sync-")
     url = start_service(model=str(path), replicas=args.replicas, engine_threads=threads)
+    gen = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    sent: dict[str, list[int]] = {a: [] for a in arms}
+    ratios: dict[str, list[float]] = {a: [] for a in arms if a != "raw"}
+    train: dict = {}
     try:
-        with FarmClient(url, TOKEN) as client:
-            version, server_s = client.weights_version().version, []
+        with FarmClient(url, TOKEN, timeout=1800) as client:
+            pusher = WeightPusher(client, "full", keep_copy=True)
+            version = client.weights_version().version
 
-            def send(v: int) -> P.WeightsPushResponse:
-                if args.transport == "client":
-                    return client.push_weights(save(state), v)
-                folder = os.path.join(folders, str(v))
-                os.makedirs(folder)
-                save_file(state, os.path.join(folder, "model.safetensors"))
-                shutil.rmtree(os.path.join(folders, str(v - 2)), ignore_errors=True)  # kept until a newer one is served
-                return client.push_weights_path(folder, v)
+            def step() -> None:
+                with torch.no_grad():
+                    for t in state.values():
+                        t.sub_(args.lr * torch.sign(torch.randn(t.shape, generator=gen)))
 
-            def push() -> float:
+            def run(arm: str) -> tuple[float, int]:
                 nonlocal version
+                if arm == "raw":
+                    t = time.perf_counter()
+                    loaded = load(save(state))
+                    with torch.no_grad():
+                        for name, tensor in loaded.items():
+                            into[name].copy_(tensor)
+                    return time.perf_counter() - t, 0
                 version += 1
                 t = time.perf_counter()
-                r = send(version)
+                if arm in ("full", "bucketed", "delta"):
+                    pusher.mode = arm
+                    r = pusher.push(state, version)
+                    assert pusher.last["mode"] == arm, pusher.last
+                elif arm == "bytes":
+                    r = client.push_weights(save(state), version)
+                else:
+                    folder = os.path.join(folders, str(version))
+                    os.makedirs(folder)
+                    save_file(state, os.path.join(folder, "model.safetensors"))
+                    r = client.push_weights_path(folder, version)
                 seconds = time.perf_counter() - t
-                assert r.version == version and client.weights_version().version == version
-                server_s.append(r.seconds)  # the service's own figure: upload received -> every replica serves it
-                return seconds
+                assert r.version == version
+                if arm in ("bytes", "path"):
+                    pusher.remember(state, version)  # what the replicas serve now, for the next base push
+                    shutil.rmtree(os.path.join(folders, str(version - 3)), ignore_errors=True)
+                return seconds, r.bytes
 
-            def raw() -> float:
-                t = time.perf_counter()
-                loaded = load(save(state))
-                with torch.no_grad():
-                    for name, tensor in loaded.items():
-                        state[name].copy_(tensor)
-                return time.perf_counter() - t
-
-            size = len(save(state))
-            log(f"{len(state)} tensors, {size / 2**20:.1f} MiB; warm-up")
-            push(), raw()
-            rows, redone = [], 0
-            while len(rows) < args.rounds:
-                wait_quiet()
-                a, b = (push, raw) if len(rows) % 2 == 0 else (raw, push)
-                with CpuMeter() as m:
-                    res = {fn: sum(fn() for _ in range(args.reps)) / args.reps for fn in (a, b)}
-                if m.foreign > args.max_foreign and redone < 2 * args.rounds:
-                    redone += 1
-                    log(f"other processes used {m.foreign:.0%} of the cores during the round: measuring it again")
-                    continue
-                rows.append(
-                    [
-                        len(rows) + 1,
-                        res[push],
-                        sum(server_s[-args.reps :]) / args.reps,
-                        res[raw],
-                        res[push] / res[raw],
-                        m.foreign,
-                    ]
-                )
-                log(f"round {len(rows)}/{args.rounds}: push {res[push]:.3f}s, raw {res[raw]:.3f}s")
+            log(f"{len(state)} tensors, {nbytes / 2**20:.1f} MiB; warm-up")
+            for arm in ["full", *arms]:
+                step()
+                run(arm)
+            for i in range(args.rounds):
+                wait_quiet(0.25, 120)
+                order = arms[i % len(arms) :] + arms[: i % len(arms)]
+                got = {}
+                for arm in order:
+                    step()
+                    got[arm] = run(arm)
+                    times[arm].append(got[arm][0])
+                    sent[arm].append(got[arm][1])
+                for arm in ratios:
+                    ratios[arm].append(got[arm][0] / got["raw"][0])
+                log(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{a} {got[a][0]:.3f}s" for a in arms))
+            for mode in args.train_modes.split(",") if args.train_steps else []:
+                train[mode] = train_steps(url, path, mode, args)
     finally:
         stop_service()
         shutil.rmtree(folders, ignore_errors=True)
 
-    q1, ratio, q3 = quartiles([row[4] for row in rows])
-    print(
-        f"weight sync: {args.model} ({len(state)} tensors, {size / 2**20:.1f} MiB float32), {args.replicas} replicas, "
-        f"transport {args.transport}"
-    )
-    print(table(["round", "push s", "service-side s", "raw s", "push/raw", "other procs CPU"], rows))
-    print(
-        f"median push / raw: {ratio:.2f}, quartiles {q1:.2f}-{q3:.2f}  "
-        f"(goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})"
-    )
-    name = args.model if args.model in ("arith-tiny", "smollm2") else "custom"
-    write_json(
-        f"weight_sync_{name}" + ("" if args.transport == "client" else f"_{args.transport}"),
-        {
-            "args": vars(args),
-            "model_path": str(path),
-            "tensors": len(state),
-            "bytes": size,
-            "rounds": [
-                dict(zip(["round", "push_s", "service_side_s", "raw_s", "ratio", "other_processes_cpu_share"], r))
-                for r in rows
-            ],
-            "median_ratio": ratio,
-            "quartiles": [q1, q3],
-            "goal": "<= 1.5",
-            "met": ratio <= 1.5,
+    rows = [
+        [a, spread(times[a])["median"], spread(times[a])["min"], spread(times[a])["max"], *ratio_cells(ratios.get(a))]
+        + [statistics.median(sent[a]) / 2**20 if a != "raw" else nbytes / 2**20]
+        for a in arms
+    ]
+    mib = nbytes / 2**20
+    print(f"weight sync: {args.model} ({len(state)} tensors, {mib:.1f} MiB float32), {args.replicas} replicas")
+    print(table(["arm", "median s", "min s", "max s", "/raw median", "/raw min", "/raw max", "MiB sent"], rows))
+    for mode, t in train.items():
+        print(
+            f"farm train, {mode}: step {t['step_s']['median']:.2f}s, push {t['push_s']['median']:.3f}s = "
+            f"{t['share']['median']:.1%} of the step; {t['bytes_per_step']['median'] / 2**20:.2f} MiB per step"
+        )
+    result = {
+        "model": args.model,
+        "model_path": str(path),
+        "args": vars(args),
+        "tensors": len(state),
+        "bytes": nbytes,
+        "arms": {
+            a: {"seconds": spread(times[a]), "ratio_to_raw": spread(ratios[a]) if a in ratios else None}
+            | {"bytes_sent": statistics.median(sent[a]) if a != "raw" else None}
+            for a in arms
         },
-    )
+        "train": train,
+    }
+    merged = json.loads((DATA / "weight_sync.json").read_text()) if (DATA / "weight_sync.json").exists() else {}
+    write_json("weight_sync", {"models": {**merged.get("models", {}), args.model: result}})
+
+
+def ratio_cells(xs: list[float] | None) -> list:
+    return ["-", "-", "-"] if not xs else [statistics.median(xs), min(xs), max(xs)]
+
+
+def train_steps(url: str, path, mode: str, args) -> dict:
+    """args.train_steps steps of `farm train` with FARM_WEIGHT_SYNC=mode; each step's time and its push."""
+    from trainer.demo import DEMO_SETTINGS
+
+    out = tempfile.mkdtemp(prefix=f"weight-sync-train-{mode}-")
+    stats = os.path.join(out, "pushes.jsonl")
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC": mode, "FARM_WEIGHT_SYNC_STATS": stats}
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", url, "--model", str(path)]
+    cmd += ["--steps", str(args.train_steps), "--eval-size", "0", "--out", out, "trainer.resume_mode=disable"]
+    cmd += [*DEMO_SETTINGS, *args.train_args.split()]
+    log(f"farm train, {args.train_steps} steps, FARM_WEIGHT_SYNC={mode}")
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train_step"' in x]
+    pushes = [json.loads(x) for x in open(stats)][-len(steps) :]  # the first line is the start's push
+    shutil.rmtree(out, ignore_errors=True)
+    step_s = [s["step_seconds"] for s in steps]
+    return {
+        "steps": len(steps),
+        "step_s": spread(step_s),
+        "push_s": spread([p["seconds"] for p in pushes]),
+        "share": spread([p["seconds"] / s for p, s in zip(pushes, step_s)]),
+        "bytes_per_step": spread([p["bytes"] for p in pushes]),
+        "sent_as": [p["mode"] for p in pushes],
+        "settings": [*DEMO_SETTINGS, *args.train_args.split()],
+    }
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -65,12 +65,14 @@ def _retryable(e: BaseException, replay: bool) -> bool:
     return isinstance(e, httpx.ConnectError) or (replay and isinstance(e, httpx.TransportError))
 
 
-def _slices(data: bytes) -> Iterator[memoryview]:
-    view = memoryview(data)
-    return (view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES))
+def _slices(data: bytes | Callable[[], Iterable]) -> Iterator[memoryview]:
+    """The upload in slices of at most CHUNK_BYTES: bytes, or a callable giving its pieces afresh (each attempt)."""
+    for piece in data() if callable(data) else (data,):
+        view = memoryview(piece).cast("B")
+        yield from (view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES))
 
 
-async def _aslices(data: bytes) -> AsyncIterator[memoryview]:
+async def _aslices(data: bytes | Callable[[], Iterable]) -> AsyncIterator[memoryview]:
     for s in _slices(data):
         yield s
 
@@ -85,11 +87,19 @@ class _Call:
     """One call of the API: what to send, the model of its answer (of each item of a list; None: the JSON as it is),
     and whether it is safe to send twice. `upload` goes in slices of CHUNK_BYTES, a fresh iterator per attempt."""
 
-    def __init__(self, method: str, path: str, returns: Any, replay: bool = True, upload: bytes | None = None, **kw):
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        returns: Any,
+        replay: bool = True,
+        upload: bytes | Callable[[], Iterable] | None = None,
+        **kw,
+    ):
         self.method, self.path, self.returns = method, path, returns
         self.replay, self.upload, self.kw = replay, upload, kw
 
-    def request_kw(self, slices: Callable[[bytes], Any]) -> dict:
+    def request_kw(self, slices: Callable[[Any], Any]) -> dict:
         return self.kw if self.upload is None else {**self.kw, "content": slices(self.upload)}
 
     def answer(self, r: httpx.Response) -> Any:
@@ -202,6 +212,18 @@ class _Api:
         headers["x-content-sha256"] = hashlib.sha256(data).hexdigest()
         call = _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=data, params=params, headers=headers)
         return self._send(call)
+
+    def push_pieces(
+        self, pieces: Callable[[], Iterable], size: int, version: int, policy: P.InFlightPolicy = "finish"
+    ) -> P.WeightsPushResponse:
+        """Upload a body made of pieces (bytes-like; `pieces()` gives them afresh for each attempt) of `size` bytes in
+        all, as `version`: what services/weight_client.py's WeightPusher sends (buckets straight from the tensors'
+        memory, with a manifest of per-tensor checksums). For a state dict, use WeightPusher.push."""
+        params = {"version": version, "policy": policy}
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        return self._send(
+            _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=pieces, params=params, headers=headers)
+        )
 
     def push_weights_path(self, path: str, version: int, policy: P.InFlightPolicy = "finish") -> P.WeightsPushResponse:
         """Load a folder of safetensors files that every replica can read, as `version`."""

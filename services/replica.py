@@ -15,7 +15,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
 from ray import serve
 
 from services import logs, openai_compat
@@ -160,19 +159,34 @@ class EngineServer:
 
     async def stage(self, source: tuple, version: int) -> int:
         """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
-        NaN or inf in a tensor) are Invalid, a 422 naming the tensor."""
+        NaN or inf in a tensor) are Invalid, a 422 naming the tensor; a push with a base version that does not fit
+        the served weights is a Conflict (409) telling the client to send a full push. A catch-up ("chain") first
+        commits the versions before `version` it still lacks."""
+        from services.errors import Conflict
+        from services.weight_stage import BaseMismatch, staged_tensors
+
         kind, where = source
         try:
+            if kind == "chain":
+                *before, (last, source) = where
+                for v, step in before:
+                    if step is not None and v > self.engine.weight_version:
+                        await self.stage(step, v)
+                        await asyncio.to_thread(self.engine.commit_weights, v, None)
+                kind, where = source
             if kind == "path":
                 await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
             else:
-                from safetensors.torch import load
-
-                tensors = await asyncio.to_thread(lambda: load(ray.get(where[0])))
+                tensors = await asyncio.to_thread(staged_tensors, source, self.engine)
                 await asyncio.to_thread(self.engine.stage_weights, tensors, version)
         except WeightsRejected as e:
             detail = [{"field": "path" if kind == "path" else "body", "message": str(e)}]
             raise Invalid(detail, "weights refused; the old version keeps serving") from None
+        except BaseMismatch as e:
+            raise Conflict(
+                "the push does not apply to a replica's weights; the old version keeps serving",
+                [{"field": "base", "message": str(e)}],
+            ) from None
         return version
 
     async def commit(self, version: int, policy: str | None, source: tuple) -> int:
@@ -191,9 +205,11 @@ class EngineServer:
             self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
         return self.engine.weight_version
 
-    async def record(self, version: int, source: tuple) -> None:
-        """Make `version` the one a starting replica loads (the store belongs to this deployment)."""
-        await serve.get_deployment_actor("weights").commit.remote(version, source)
+    async def record(self, version: int, source: tuple, hold: bool = False) -> None:
+        """Make `version` the one a starting replica loads (the store belongs to this deployment). hold=True: the
+        store only takes its own copy of the upload, while the replicas stage (services/weight_store.py)."""
+        store = serve.get_deployment_actor("weights")
+        await (store.hold if hold else store.commit).remote(version, source)
 
     def discard(self, version: int) -> None:
         self.engine.discard_weights(version)

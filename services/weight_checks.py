@@ -50,16 +50,24 @@ def read_header_file(path) -> dict[str, tuple[list[int], str]]:
 
 
 def _parse(raw: bytes, payload: int) -> dict[str, tuple[list[int], str]]:
+    return parse_header(raw, payload)[0]
+
+
+def parse_header(raw: bytes, payload: int | None = None) -> tuple[dict, dict[str, tuple[int, int]], dict]:
+    """(name -> (shape, dtype), name -> (begin, end), __metadata__) of a safetensors header. `payload`: the bytes
+    after the header (None: not known yet, while streaming; then the tensors' ranges say it). The ranges must cover
+    the payload without gaps or overlaps, as safetensors writes them."""
     try:
         header = json.loads(raw)
     except ValueError as e:
         raise WeightsError([f"safetensors header is not JSON ({e})"]) from None
     if not isinstance(header, dict):
         raise WeightsError(["safetensors header is not a JSON object"])
-    spec = {}
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise WeightsError(["safetensors __metadata__ is not a JSON object"])
+    spec, offsets = {}, {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             shape, dtype, (begin, end) = (
                 [int(x) for x in info["shape"]],
@@ -70,8 +78,10 @@ def _parse(raw: bytes, payload: int) -> dict[str, tuple[list[int], str]]:
             raise WeightsError(
                 [f"tensor {name!r} has a malformed header entry: need shape, dtype and data_offsets"]
             ) from None
-        if end > payload:
+        if payload is not None and end > payload:
             raise WeightsError([f"tensor {name!r} ends at byte {end} of a {payload}-byte payload: the upload was cut"])
+        if min(shape, default=0) < 0 or not 0 <= begin <= end:
+            raise WeightsError([f"tensor {name!r} has a negative shape or byte range"])
         if dtype in DTYPE_BYTES and end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise WeightsError(
                 [
@@ -79,8 +89,18 @@ def _parse(raw: bytes, payload: int) -> dict[str, tuple[list[int], str]]:
                     f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
                 ]
             )
-        spec[name] = (shape, dtype)
-    return spec
+        spec[name], offsets[name] = (shape, dtype), (begin, end)
+    at = 0
+    for name, (begin, end) in sorted(offsets.items(), key=lambda kv: kv[1]):
+        if begin != at:
+            raise WeightsError([f"tensor {name!r} starts at byte {begin}, not {at}: the byte ranges leave a gap"])
+        at = end
+    return spec, offsets, metadata
+
+
+def payload_size(offsets: dict[str, tuple[int, int]]) -> int:
+    """The bytes a header's tensors cover (its data follows the header)."""
+    return max((end for _, end in offsets.values()), default=0)
 
 
 def check_state_dict(expected: dict[str, tuple[list[int], str]], got: dict[str, tuple[list[int], str]]) -> list[str]:

@@ -15,24 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import pathlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-import ray
 from redis.asyncio import Redis
 from redis.exceptions import LockError
 
 from services import metrics
 from services import protocol as P
-from services.errors import Conflict, Invalid, ReplicasFailed
+from services.errors import Conflict, Invalid, ReplicasFailed, TooLarge
 from services.replicas import Replicas, lost
 from services.settings import ServiceSettings
-from services.weight_checks import WeightsError, check_state_dict, check_upload, read_header_file
+from services.weight_checks import DTYPE_BYTES, WeightsError, check_state_dict, read_header_file
+from services.weight_stage import FULL_PUSH
 from services.weight_store import weights_key
+from services.weight_stream import Body, receive
 
 log = logging.getLogger("farm.service")
 SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
+REFUSED = "weights refused; the old version keeps serving"
 
 
 def run_to_end(coro: Awaitable):
@@ -75,13 +78,39 @@ class WeightPush:
             except LockError:  # it expired: nothing to release
                 pass
 
-    def upload(self, data: bytes, version: int, policy: P.InFlightPolicy) -> Awaitable[P.WeightsPushResponse]:
-        """A safetensors blob, header-checked against the model, as `version`."""
+    async def upload(
+        self, chunks: AsyncIterator[bytes], declared: int, version: int, policy: P.InFlightPolicy, sha256: str | None
+    ) -> P.WeightsPushResponse:
+        """A streamed upload (one or more safetensors buckets, services/weight_buckets.py), checked bucket by bucket
+        against the model as it arrives and put in the object store once, as `version`."""
+        limit = self.settings.max_weights_bytes
+        too_large = TooLarge(
+            f"upload larger than FARM_MAX_WEIGHTS_BYTES={limit}: raise it, or push a folder by path "
+            "(POST /v1/weights/path)"
+        )
+        if declared > limit:
+            raise too_large
+        if self.spec is None:
+            self.spec = await self.replicas.call("weight_spec")
+        try:
+            got = await receive(Body(chunks, limit, too_large, hashed=bool(sha256)), self.spec)
+        except WeightsError as e:
+            raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
+        if sha256:
+            from services.api.uploads import check_sha256
+
+            check_sha256(sha256, got.sha256)
+        base = got.manifest.base if got.manifest else None
+        if base is None:
+            source = ("bytes", got.refs)
+        else:
+            source = ("delta", {"base": base, "refs": got.refs, "bytes": got.bytes})
 
         async def check(spec):
-            return check_upload(data, spec)
+            return len(spec)
 
-        return run_to_end(self._push(version, policy, check, lambda: ("bytes", [ray.put(data)]), len(data)))
+        push = self._push(version, policy, check, lambda: source, got.bytes, base, len(got.names))
+        return await run_to_end(push)
 
     def from_path(self, body: P.WeightsFromPath) -> Awaitable[P.WeightsPushResponse]:
         """A folder of safetensors files every replica can read (inside FARM_WEIGHTS_DIR when that is set)."""
@@ -112,13 +141,23 @@ class WeightPush:
         return run_to_end(self._push(body.version, body.policy, check, lambda: ("path", str(folder)), size))
 
     async def _push(
-        self, version: int, policy: str, check: Callable, source: Callable[[], tuple], size: int
+        self,
+        version: int,
+        policy: str,
+        check: Callable,
+        source: Callable[[], tuple],
+        size: int,
+        base: int | None = None,
+        sent: int | None = None,
     ) -> P.WeightsPushResponse:
         async with self._locked():
             start = time.perf_counter()
-            current = newer_than_served(version, await self.replicas.versions(), "push")
+            served = await self.replicas.versions()
+            current = newer_than_served(version, served, "push")
             if self.spec is None:
                 self.spec = await self.replicas.call("weight_spec")
+            if base is not None:
+                await self._check_base(base, served, size)
             try:
                 tensors = await check(self.spec)
             except WeightsError as e:
@@ -127,11 +166,18 @@ class WeightPush:
                     "weights refused; the old version keeps serving",
                 ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
+            # the store copies the upload while the replicas stage it (services/weight_store.py)
+            hold = asyncio.ensure_future(self.replicas.call("record", version, source, True))
             errors = await self.replicas.errors("stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT)
+            with contextlib.suppress(Exception):  # a failed copy is taken again at the commit below
+                await hold
             if errors := self._without_lost(errors, "stage", version):
                 await self.replicas.each("discard", version)
+                detail = list({str(d): d for e in errors for d in getattr(e, "detail", [])}.values())
                 if all(isinstance(e, Invalid) for e in errors):  # every failing replica refused the content: 422
-                    raise Invalid(list({str(d): d for e in errors for d in e.detail}.values()), errors[0].message)
+                    raise Invalid(detail, errors[0].message)
+                if all(isinstance(e, (Invalid, Conflict)) for e in errors):  # a replica refused the base: 409
+                    raise Conflict(next(e for e in errors if isinstance(e, Conflict)).message, detail)
                 failed = [str(e).strip().splitlines()[-1] for e in errors]
                 log.error("weight_stage_failed", extra={"version": version, "errors": failed})
                 raise ReplicasFailed(
@@ -139,7 +185,13 @@ class WeightPush:
                     f"on version {current}",
                     [{"field": "replica", "message": f} for f in failed],
                 )
-            await self.replicas.call("record", version, source)  # first: a replica starting from now on loads this
+            try:  # first: a replica starting from now on loads this
+                await self.replicas.call("record", version, source)
+            except Exception as e:
+                await self.replicas.each("discard", version)
+                detail = [{"field": "base", "message": str(e).strip().splitlines()[-1]}]
+                message = f"the weight store cannot record version {version}; every replica stays on {current}"
+                raise Conflict(message, detail) from None
             errors = await self.replicas.errors(
                 "commit", version, policy, source, timeout_s=timeout, setting=SYNC_TIMEOUT
             )
@@ -157,7 +209,27 @@ class WeightPush:
         log.info(
             "weights_pushed", extra={"version": version, "bytes": size, "policy": policy, "seconds": round(seconds, 3)}
         )
-        return P.WeightsPushResponse(version=version, tensors=tensors, bytes=size, seconds=seconds)
+        return P.WeightsPushResponse(
+            version=version, tensors=tensors, bytes=size, seconds=seconds, base=base, sent_tensors=sent
+        )
+
+    async def _check_base(self, base: int, served: dict[str, int], size: int) -> None:
+        """409 (field base) unless every replica serves `base`, and the store's chain of deltas stays under the
+        model's size with this one (else a replica starting later would replay too much)."""
+        if set(served.values()) != {base}:
+            raise Conflict(
+                f"the push applies to base version {base}, but the replicas serve {sorted(set(served.values()))}: "
+                f"{FULL_PUSH}",
+                [{"field": "base", "message": f"send a full push; the replicas serve {max(served.values())}"}],
+            )
+        chain = int(await self.r.hget(self.key, "chain_bytes") or 0)
+        full = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for shape, dtype in self.spec.values())
+        if chain + size > full:
+            raise Conflict(
+                f"the deltas since the last full push ({chain} bytes, and {size} now) would pass the model's {full} "
+                f"bytes, which the store keeps for replicas that start later: {FULL_PUSH}",
+                [{"field": "base", "message": "send a full push"}],
+            )
 
     @staticmethod
     def _without_lost(errors: list[Exception], phase: str, version: int) -> list[Exception]:

@@ -1,18 +1,52 @@
-"""The policy's weights to the service: safetensors bytes, pushed as the next version, checked to be served."""
+"""The policy's weights to the service, pushed as the next version and checked to be served.
+
+The push streams the canonical state dict straight from the parameters' memory (services/weight_client.py): no
+safetensors copy is made, and every replica verifies each tensor's checksum. The mode is FARM_WEIGHT_SYNC:
+  full      (default) every tensor, every step: the fastest on one machine (docs: bench/weight_sync.py)
+  bucketed  only the tensors that changed since the last push
+  delta     changed tensors as compressed XOR against the last push: the fewest bytes, for a slow link
+bucketed and delta fall back to a full push by themselves when a replica is not on the version they diff against.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import weakref
+
 import torch
-from safetensors.torch import save
 
 from services.client import FarmClient
-from services.engine.state_dict import cpu_state_dict
+from services.engine.state_dict import canonical_state_dict
+from services.weight_client import MODES, WeightPusher
+
+MODE_ENV = "FARM_WEIGHT_SYNC"
+STATS_ENV = "FARM_WEIGHT_SYNC_STATS"  # a file: one JSON line per push (seconds, bytes, mode), for bench/weight_sync.py
+DEFAULT_MODE = "full"
+_pushers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its pusher (the last push's state)
+
+
+def mode() -> str:
+    chosen = os.environ.get(MODE_ENV, DEFAULT_MODE)
+    if chosen not in MODES:
+        raise ValueError(f"{MODE_ENV}={chosen!r}: use one of {', '.join(MODES)}")
+    return chosen
+
+
+def pusher(client: FarmClient) -> WeightPusher:
+    if client not in _pushers:
+        _pushers[client] = WeightPusher(client, mode())
+    return _pushers[client]
 
 
 def push_weights(client: FarmClient, policy: torch.nn.Module) -> int:
     """Send the policy as the service's next version; returns the version the service now serves (that one)."""
-    data = save(cpu_state_dict(policy))
-    pushed = client.push_weights(data, newest(client) + 1)  # above every replica's, as the service requires
+    state, p, start = canonical_state_dict(policy), pusher(client), time.perf_counter()
+    pushed = p.push(state, newest(client) + 1)  # above every replica's, as the service requires
+    if path := os.environ.get(STATS_ENV):
+        with open(path, "a") as f:
+            f.write(json.dumps({"version": pushed.version, "seconds": time.perf_counter() - start, **p.last}) + "\n")
     served = newest(client)
     if served != pushed.version:
         raise RuntimeError(f"pushed version {pushed.version} but the service serves {served}")

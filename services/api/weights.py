@@ -6,7 +6,6 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 
 from services import protocol as P
 from services.api.deps import ingress
-from services.api.uploads import check_sha256, read_body
 
 PUSH_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 413, 422)}
 NCCL_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 501)}
@@ -31,17 +30,14 @@ async def push_weights(
     x_content_sha256: str | None = Header(None, description="Hex SHA-256 of the body; a mismatch is refused."),
     farm=Depends(ingress),
 ):
-    """Upload a safetensors state dict (raw body, streamed) as `version`. Two phases: every replica
-    stages it, then all commit; if any replica refuses, none changes. Returns once all serve it."""
-    data, digest = await read_body(
-        request,
-        farm.settings.max_weights_bytes,
-        "FARM_MAX_WEIGHTS_BYTES",
-        "upload",
-        "raise it, or push a folder by path (POST /v1/weights/path)",
-    )
-    check_sha256(x_content_sha256, digest)
-    return await farm.weights.upload(data, version, policy)
+    """Upload a safetensors state dict (raw body, streamed) as `version`: one safetensors file, or several back to
+    back (buckets of whole tensors). The first may carry a manifest in its `__metadata__` ("farm": per tensor a
+    checksum and full/same/xor, and a `base` version) for a bucketed push of only the changed tensors or a delta push
+    (docs/api.md). Two phases: every replica stages it, then all commit; if any replica refuses, none changes.
+    Returns once all serve it. 409 with field `base`: the push does not apply to the served weights; send a full
+    push."""
+    declared = int(request.headers.get("content-length") or 0)
+    return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256)
 
 
 @admin.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)

@@ -192,5 +192,14 @@ class Engine(abc.ABC):
         first), and the top_k most likely tokens at each position: prompt logprobs for OpenAI's echo."""
         raise EngineVerbMissing.of(self, "score", "use FARM_ENGINE=torch for prompt logprobs")
 
+    def served_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The served weights by canonical name (read only), which a delta push is rebuilt against; None when the
+        engine cannot give them (then a push with a base version is refused: send a full push). The default reads
+        `self.model` when the engine keeps an nn.Module there (the torch engine)."""
+        from services.engine.state_dict import canonical_state_dict
+
+        model = getattr(self, "model", None)
+        return canonical_state_dict(model) if isinstance(model, torch.nn.Module) else None
+
 
 ENGINES: Registry[type[Engine]] = Registry("engine", base=Engine)

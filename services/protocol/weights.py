@@ -51,3 +51,7 @@ class WeightsPushResponse(BaseModel):
     tensors: int = Field(..., description="Tensors loaded.")
     bytes: int = Field(..., description="Size of the upload.")
     seconds: float = Field(..., description="Time from upload received to every replica serving it.")
+    base: int | None = Field(None, description="The version a bucketed or delta push applied to; null: a full push.")
+    sent_tensors: int | None = Field(
+        None, description="Tensors whose bytes the upload carried (a push with a base leaves unchanged ones out)."
+    )
