@@ -36,6 +36,7 @@ from services.weight_stream import Body, receive
 log = logging.getLogger("farm.service")
 SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
 REFUSED = "weights refused; the old version keeps serving"
+CHAIN_FLOOR = 64 << 20  # the store keeps deltas up to the model's size, and at least this many bytes
 
 
 def run_to_end(coro: Awaitable):
@@ -223,11 +224,12 @@ class WeightPush:
                 [{"field": "base", "message": f"send a full push; the replicas serve {max(served.values())}"}],
             )
         chain = int(await self.r.hget(self.key, "chain_bytes") or 0)
-        full = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for shape, dtype in self.spec.values())
-        if chain + size > full:
+        model = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for shape, dtype in self.spec.values())
+        if chain + size > max(model, CHAIN_FLOOR):
             raise Conflict(
-                f"the deltas since the last full push ({chain} bytes, and {size} now) would pass the model's {full} "
-                f"bytes, which the store keeps for replicas that start later: {FULL_PUSH}",
+                f"the deltas since the last full push ({chain} bytes, and {size} now) would pass the model's size "
+                f"({model} bytes, at least {CHAIN_FLOOR}), which the store keeps for replicas that start later: "
+                f"{FULL_PUSH}",
                 [{"field": "base", "message": "send a full push"}],
             )
 
