@@ -131,19 +131,23 @@ def main() -> None:
                 for arm in ratios:
                     ratios[arm].append(got[arm][0] / got["raw"][0])
                 log(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{a} {got[a][0]:.3f}s" for a in arms))
+            report(args, path, len(state), nbytes, arms, times, sent, ratios, train)
             for mode in args.train_modes.split(",") if args.train_steps else []:
                 train[mode] = train_steps(url, path, mode, args)
+                report(args, path, len(state), nbytes, arms, times, sent, ratios, train)
     finally:
         stop_service()
         shutil.rmtree(folders, ignore_errors=True)
 
+
+def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, train) -> None:
     rows = [
         [a, spread(times[a])["median"], spread(times[a])["min"], spread(times[a])["max"], *ratio_cells(ratios.get(a))]
         + [statistics.median(sent[a]) / 2**20 if a != "raw" else nbytes / 2**20]
         for a in arms
     ]
     mib = nbytes / 2**20
-    print(f"weight sync: {args.model} ({len(state)} tensors, {mib:.1f} MiB float32), {args.replicas} replicas")
+    print(f"weight sync: {args.model} ({n_tensors} tensors, {mib:.1f} MiB float32), {args.replicas} replicas")
     print(table(["arm", "median s", "min s", "max s", "/raw median", "/raw min", "/raw max", "MiB sent"], rows))
     for mode, t in train.items():
         print(
@@ -154,7 +158,7 @@ def main() -> None:
         "model": args.model,
         "model_path": str(path),
         "args": vars(args),
-        "tensors": len(state),
+        "tensors": n_tensors,
         "bytes": nbytes,
         "arms": {
             a: {"seconds": spread(times[a]), "ratio_to_raw": spread(ratios[a]) if a in ratios else None}

@@ -36,6 +36,7 @@ from services.weight_stream import Body, receive
 log = logging.getLogger("farm.service")
 SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
 REFUSED = "weights refused; the old version keeps serving"
+HOLD_ABOVE = 16 << 20  # uploads larger than this are copied by the store while the replicas stage
 CHAIN_FLOOR = 64 << 20  # the store keeps deltas up to the model's size, and at least this many bytes
 
 
@@ -168,10 +169,11 @@ class WeightPush:
                 ) from None
             source, timeout = source(), self.settings.weight_sync_timeout_s
             # the store copies the upload while the replicas stage it (services/weight_store.py)
-            hold = asyncio.ensure_future(self.replicas.call("record", version, source, True))
+            big = source[0] != "path" and size > HOLD_ABOVE  # a small upload: the store copies it at the commit
+            hold = asyncio.ensure_future(self.replicas.call("record", version, source, True)) if big else None
             errors = await self.replicas.errors("stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT)
             with contextlib.suppress(Exception):  # a failed copy is taken again at the commit below
-                await hold
+                await hold if hold else None
             if errors := self._without_lost(errors, "stage", version):
                 await self.replicas.each("discard", version)
                 detail = list({str(d): d for e in errors for d in getattr(e, "detail", [])}.values())

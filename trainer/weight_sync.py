@@ -17,9 +17,9 @@ import weakref
 
 import torch
 
-from services.client import FarmClient
+from services.client import FarmClient, FarmError
 from services.engine.state_dict import canonical_state_dict
-from services.weight_client import MODES, WeightPusher
+from services.weight_client import MODES, WeightPusher, base_refused
 
 MODE_ENV = "FARM_WEIGHT_SYNC"
 STATS_ENV = "FARM_WEIGHT_SYNC_STATS"  # a file: one JSON line per push (seconds, bytes, mode), for bench/weight_sync.py
@@ -41,16 +41,21 @@ def pusher(client: FarmClient) -> WeightPusher:
 
 
 def push_weights(client: FarmClient, policy: torch.nn.Module) -> int:
-    """Send the policy as the service's next version; returns the version the service now serves (that one)."""
+    """Send the policy as the service's next version; returns the version the service now serves (that one). The push
+    answers once every replica serves it. The next version is one above the last this trainer pushed (asked of the
+    service the first time, and again if another pusher got there first: a 409 that is not about a base)."""
     state, p, start = canonical_state_dict(policy), pusher(client), time.perf_counter()
-    pushed = p.push(state, newest(client) + 1)  # above every replica's, as the service requires
+    version = (p.version if p.version is not None else newest(client)) + 1
+    try:
+        pushed = p.push(state, version)
+    except FarmError as e:
+        if e.status != 409 or base_refused(e):
+            raise
+        pushed = p.push(state, newest(client) + 1)  # above every replica's, as the service requires
     if path := os.environ.get(STATS_ENV):
         with open(path, "a") as f:
             f.write(json.dumps({"version": pushed.version, "seconds": time.perf_counter() - start, **p.last}) + "\n")
-    served = newest(client)
-    if served != pushed.version:
-        raise RuntimeError(f"pushed version {pushed.version} but the service serves {served}")
-    return served
+    return pushed.version
 
 
 def newest(client: FarmClient) -> int:
