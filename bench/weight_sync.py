@@ -76,6 +76,7 @@ def main() -> None:
     sent: dict[str, list[int]] = {a: [] for a in arms}
     ratios: dict[str, list[float]] = {a: [] for a in arms if a != "raw"}
     train: dict = {}
+    modes: dict[str, list[str]] = {a: [] for a in arms}  # how each push went (a bucketed push of everything: full)
     try:
         with FarmClient(url, TOKEN, timeout=1800) as client:
             pusher = WeightPusher(client, "full", keep_copy=True)
@@ -100,7 +101,8 @@ def main() -> None:
                 if arm in ("full", "bucketed", "delta"):
                     pusher.mode = arm
                     r = pusher.push(state, version)
-                    assert pusher.last["mode"] == arm, pusher.last
+                    assert not pusher.last["fallback"], pusher.last  # sent as asked (or in full: all changed)
+                    modes[arm].append(pusher.last["mode"])
                 elif arm == "bytes":
                     r = client.push_weights(save(state), version)
                 else:
@@ -131,16 +133,16 @@ def main() -> None:
                 for arm in ratios:
                     ratios[arm].append(got[arm][0] / got["raw"][0])
                 log(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{a} {got[a][0]:.3f}s" for a in arms))
-            report(args, path, len(state), nbytes, arms, times, sent, ratios, train)
+            report(args, path, len(state), nbytes, arms, times, sent, ratios, train, modes)
             for mode in args.train_modes.split(",") if args.train_steps else []:
                 train[mode] = train_steps(url, path, mode, args)
-                report(args, path, len(state), nbytes, arms, times, sent, ratios, train)
+                report(args, path, len(state), nbytes, arms, times, sent, ratios, train, modes)
     finally:
         stop_service()
         shutil.rmtree(folders, ignore_errors=True)
 
 
-def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, train) -> None:
+def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, train, modes) -> None:
     rows = [
         [a, spread(times[a])["median"], spread(times[a])["min"], spread(times[a])["max"], *ratio_cells(ratios.get(a))]
         + [statistics.median(sent[a]) / 2**20 if a != "raw" else nbytes / 2**20]
@@ -162,7 +164,7 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
         "bytes": nbytes,
         "arms": {
             a: {"seconds": spread(times[a]), "ratio_to_raw": spread(ratios[a]) if a in ratios else None}
-            | {"bytes_sent": statistics.median(sent[a]) if a != "raw" else None}
+            | {"bytes_sent": statistics.median(sent[a]) if a != "raw" else None, "sent_as": modes[a][-args.rounds :]}
             for a in arms
         },
         "train": train,

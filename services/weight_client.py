@@ -31,6 +31,10 @@ def base_refused(e: FarmError) -> bool:
     return e.status == 409 and any(d.get("field") == "base" for d in body.get("detail") or [])
 
 
+class _SendFull(Exception):
+    """A push with a base would carry (nearly) the whole model: a full push is as small and resets the store's chain."""
+
+
 class WeightPusher:
     def __init__(
         self, client: FarmClient, mode: str = "full", bucket_bytes: int = BUCKET_BYTES, keep_copy: bool | None = None
@@ -59,6 +63,8 @@ class WeightPusher:
                 if not base_refused(e):
                     raise
                 fallback = True
+            except _SendFull:
+                pass
         payloads = full_payloads(tensors)
         manifest = Manifest(self.hash, None, {n: (h, "full") for n, h in hashes.items()})
         r = self._send(payloads, manifest, version, policy)
@@ -78,6 +84,9 @@ class WeightPusher:
                     continue
             payloads[n] = full_payloads({n: t})[n]
             entries[n] = (hashes[n], "full")
+        full = sum(t.numel() * t.element_size() for t in tensors.values())
+        if sum(len(p[2]) for p in payloads.values()) > DELTA_KEEP * full:  # (nearly) everything changed: send it full
+            raise _SendFull()
         return self._send(payloads, Manifest(self.hash, self.version, entries), version, policy)
 
     def _send(self, payloads, manifest, version, policy) -> P.WeightsPushResponse:

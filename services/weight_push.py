@@ -37,7 +37,7 @@ log = logging.getLogger("farm.service")
 SYNC_TIMEOUT = "FARM_WEIGHT_SYNC_TIMEOUT_S"
 REFUSED = "weights refused; the old version keeps serving"
 HOLD_ABOVE = 16 << 20  # uploads larger than this are copied by the store while the replicas stage
-CHAIN_FLOOR = 64 << 20  # the store keeps deltas up to the model's size, and at least this many bytes
+CHAIN_MODELS, CHAIN_FLOOR = 2, 64 << 20  # the store keeps deltas up to twice the model's size, at least 64 MiB
 
 
 def run_to_end(coro: Awaitable):
@@ -94,8 +94,13 @@ class WeightPush:
             raise too_large
         if self.spec is None:
             self.spec = await self.replicas.call("weight_spec")
+
+        async def early(manifest):  # a push with a base that cannot apply: 409 before its tensors stream in
+            if manifest is not None and manifest.base is not None:
+                await self._check_base(manifest.base, await self.replicas.versions(), declared)
+
         try:
-            got = await receive(Body(chunks, limit, too_large, hashed=bool(sha256)), self.spec)
+            got = await receive(Body(chunks, limit, too_large, hashed=bool(sha256)), self.spec, early)
         except WeightsError as e:
             raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
         if sha256:
@@ -227,10 +232,11 @@ class WeightPush:
             )
         chain = int(await self.r.hget(self.key, "chain_bytes") or 0)
         model = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for shape, dtype in self.spec.values())
-        if chain + size > max(model, CHAIN_FLOOR):
+        if chain + size > max(CHAIN_MODELS * model, CHAIN_FLOOR):
             raise Conflict(
-                f"the deltas since the last full push ({chain} bytes, and {size} now) would pass the model's size "
-                f"({model} bytes, at least {CHAIN_FLOOR}), which the store keeps for replicas that start later: "
+                f"the deltas since the last full push ({chain} bytes, and {size} now) would pass {CHAIN_MODELS}x the "
+                f"model's size ({model} bytes; at least {CHAIN_FLOOR}), which the store keeps for replicas that start "
+                "later: "
                 f"{FULL_PUSH}",
                 [{"field": "base", "message": "send a full push"}],
             )

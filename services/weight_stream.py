@@ -10,7 +10,7 @@ nothing from the network is unpickled.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,8 +101,12 @@ def check_complete(spec: dict, received: Received) -> list[str]:
     return problems[:20]
 
 
-async def receive(body: Body, spec: dict) -> Received:
-    """Every bucket of the body into the object store; WeightsError (a 422) on the first problem."""
+OnManifest = Callable[[Manifest | None], Awaitable] | None
+
+
+async def receive(body: Body, spec: dict, on_manifest: OnManifest = None) -> Received:
+    """Every bucket of the body into the object store; WeightsError (a 422) on the first problem. `on_manifest` sees
+    the manifest as soon as the first header has come (before any tensor bytes), and may refuse the push."""
     out = Received()
     while not await body.at_end():
         first = not out.refs
@@ -113,6 +117,8 @@ async def receive(body: Body, spec: dict) -> Received:
         got, offsets, metadata = parse_header(raw, None)
         if first:
             out.manifest = Manifest.from_metadata(metadata)
+            if on_manifest is not None:
+                await on_manifest(out.manifest)
         elif metadata.get("farm") is not None:
             raise WeightsError(["the manifest must be in the first bucket"])
         if problems := check_bucket(spec, got, out.manifest, out.names):

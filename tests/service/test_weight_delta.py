@@ -89,7 +89,8 @@ def test_a_push_on_the_wrong_base_is_409_and_the_pusher_falls_back_to_full(servi
     before = tokens(rollout(service, greedy(PROMPTS)))
     pusher = WeightPusher(client, "delta")
     pusher.push(base_state, fresh_weights + 1)
-    new = stepped(base_state, seed=4, lr=0.05)
+    layer0 = {k: v for k, v in base_state.items() if "layers.0." in k}
+    new = {**base_state, **stepped(layer0, seed=4, lr=0.05)}  # a delta of a few tensors, unless refused
     # a base version the replicas do not serve: refused, naming the fix
     manifest = manifest_of(new, base=fresh_weights)
     manifest.tensors = {n: (h, "same") for n, (h, _) in manifest.tensors.items()}
@@ -182,8 +183,8 @@ def test_an_engine_that_cannot_export_its_weights_refuses_a_delta(bench_service)
             c.push_pieces(lambda: buckets({}, manifest, 1 << 16), size({}, manifest, 1 << 16), version + 2)
         assert e.value.status == 409 and "cannot apply a push with a base" in str(e.value.body)
         assert "send a full push" in str(e.value.body)
-        r = pusher.push({"bench.weight": torch.zeros(1)}, version + 2)  # falls back to full
-        assert r.version == version + 2 and pusher.last["fallback"]
+        r = pusher.push({"bench.weight": torch.zeros(1)}, version + 2)  # everything changed: sent in full
+        assert r.version == version + 2 and r.base is None and pusher.last["mode"] == "full"
         assert P.WeightsVersion.model_validate(c.weights_version()).version == version + 2
 
 
