@@ -1,4 +1,4 @@
-"""Checks on a safetensors upload before any replica sees it. No torch, no unpickling: header JSON only."""
+"""Checks on safetensors headers before any replica sees the tensors. No torch, no unpickling: header JSON only."""
 
 from __future__ import annotations
 
@@ -25,16 +25,6 @@ class WeightsError(ValueError):
     def __init__(self, problems: list[str]):
         super().__init__("; ".join(problems))
         self.problems = problems
-
-
-def read_header(data: bytes) -> dict[str, tuple[list[int], str]]:
-    """name -> (shape, dtype) from a safetensors blob; raises WeightsError if it is cut or malformed."""
-    if len(data) < 8:
-        raise WeightsError(["body is not a safetensors file (shorter than its 8-byte header length)"])
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise WeightsError([f"safetensors header says {n} bytes but only {len(data) - 8} arrived: the upload was cut"])
-    return _parse(data[8 : 8 + n], len(data) - 8 - n)
 
 
 def read_header_file(path) -> dict[str, tuple[list[int], str]]:
@@ -113,12 +103,3 @@ def check_state_dict(expected: dict[str, tuple[list[int], str]], got: dict[str, 
         if expected[n][1] != got[n][1]:
             problems.append(f"tensor {n!r} has dtype {got[n][1]}, the model needs {expected[n][1]}")
     return sorted(problems)[:20]
-
-
-def check_upload(data: bytes, expected: dict[str, tuple[list[int], str]]) -> int:
-    """Number of tensors in `data` if it matches the model's spec exactly; else WeightsError."""
-    got = read_header(data)
-    problems = check_state_dict(expected, got)
-    if problems:
-        raise WeightsError(problems)
-    return len(got)
