@@ -123,6 +123,8 @@ async def receive(body: Body, spec: dict, on_manifest: OnManifest = None) -> Rec
             raise WeightsError(["the manifest must be in the first bucket"])
         if problems := check_bucket(spec, got, out.manifest, out.names):
             raise WeightsError(problems)
+        if body.count - len(body.pending) + payload_size(offsets) > body.limit:  # before allocating it
+            raise body.too_large
         buf = np.empty(8 + n + payload_size(offsets), np.uint8)
         buf[:8] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
         buf[8 : 8 + n] = np.frombuffer(raw, np.uint8)

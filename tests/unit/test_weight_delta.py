@@ -178,6 +178,12 @@ def test_a_body_over_the_limit_is_refused_as_it_streams(monkeypatch):
     monkeypatch.setattr(ray, "put", lambda x: 0)
     with pytest.raises(TooLarge):
         received(save(state()), spec_of(state()), limit=1000)
+    # a header that declares a huge delta tensor: refused before anything of that size is allocated
+    m = Manifest("xxh3_128", 1, {n: ("00", "same") for n in state()})
+    m.tensors["a.weight"] = ("00", "xor")
+    huge = header([("a.weight", "U8", [1 << 60], 1 << 60)], m)
+    with pytest.raises(TooLarge):
+        received(huge, spec_of(state()), limit=1 << 30)
 
 
 def test_manifest_checks():
