@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray import serve
@@ -72,8 +71,7 @@ class EngineServer:
         kind = ENGINES.get(settings.engine, settings.plugins)
         model = str(resolve_model(settings.model)) if kind.needs_model else settings.model
         threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")  # building the engine, scoring prompts
-        self.engine: Engine = await self._on_engine_thread(kind.from_settings, model, settings, threads)
+        self.engine: Engine = await asyncio.to_thread(kind.from_settings, model, settings, threads)
         self.catch_up_lock = asyncio.Lock()
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
         self.rollouts_running = 0
@@ -93,7 +91,8 @@ class EngineServer:
                 log.warning("catch_up_failed", extra={"error": repr(e)})
 
     def _on_engine_thread(self, fn, *args):
-        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """A blocking engine verb (scoring, health) on the engine's one thread (Engine.engine_thread)."""
+        return asyncio.get_running_loop().run_in_executor(self.engine.engine_thread(), fn, *args)
 
     # rollouts --------------------------------------------------------------------------------------------
     async def rollout(
@@ -297,7 +296,7 @@ class EngineServer:
         if self.engine.paused:
             return P.Health(status="paused", weight_version=version, replica=me)
         try:
-            token = await asyncio.to_thread(self.engine.health)
+            token = await self._on_engine_thread(self.engine.health)
         except Exception as e:
             raise Unavailable(f"replica {me} cannot sample: {type(e).__name__}: {e}") from None
         return P.Health(status="ok", weight_version=version, generated_token_id=token, replica=me)

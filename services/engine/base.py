@@ -84,13 +84,13 @@ def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]
     return tensors
 
 
-GENERATE_THREADS = 1024  # most generate calls that Engine.agenerate's default runs at once (threads start on demand)
+GENERATE_THREADS = 1024  # most generate calls a concurrent engine's default agenerate runs at once (threads on demand)
 _callers: ThreadPoolExecutor | None = None
 
 
 def generate_threads() -> ThreadPoolExecutor:
-    """The threads that Engine.agenerate's default blocks in, one per call in flight: not the event loop's default
-    executor, whose few threads would cap how many calls an engine can merge."""
+    """The threads that Engine.agenerate's default blocks in, one per call in flight, for an engine whose generate
+    merges concurrent calls: not the event loop's default executor, whose few threads would cap the merging."""
     global _callers
     if _callers is None:
         _callers = ThreadPoolExecutor(GENERATE_THREADS, thread_name_prefix="generate")
@@ -99,6 +99,9 @@ def generate_threads() -> ThreadPoolExecutor:
 
 class Engine(abc.ABC):
     needs_model: ClassVar[bool] = True  # False: runs without model weights (the bench engine)
+    # True: generate is thread-safe and merges concurrent calls (the bench engine); False: the default agenerate
+    # runs every generate call on the engine's one thread, one at a time, as engines written for one thread expect
+    concurrent_generate: ClassVar[bool] = False
     ranks_per_engine: ClassVar[int] = 1  # NCCL ranks one engine takes in the trainer's group
     weight_version: int = 0
     generated_tokens: int = 0  # since the engine started
@@ -120,12 +123,20 @@ class Engine(abc.ABC):
     async def agenerate(
         self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
     ) -> list[EngineOutput]:
-        """generate, awaited. This default blocks a thread of its own per call (generate_threads()), so concurrent
-        calls wait side by side and an engine whose generate merges them (the bench engine) gets them together; an
-        engine with its own scheduler (torch) or an async API (SGLang) overrides it and holds no thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            generate_threads(), self.generate, prompts, params, cancel
-        )
+        """generate, awaited. This default runs it on the engine's one thread (engine_thread()), one call at a time;
+        with concurrent_generate, on a thread of its own per call (generate_threads()), so that concurrent calls
+        reach generate together and it can merge them. An engine with its own scheduler (torch) or an async API
+        (SGLang) overrides this and holds no thread."""
+        pool = generate_threads() if self.concurrent_generate else self.engine_thread()
+        return await asyncio.get_running_loop().run_in_executor(pool, self.generate, prompts, params, cancel)
+
+    def engine_thread(self) -> ThreadPoolExecutor:
+        """The one thread the replica runs this engine's blocking verbs on (scoring, health; generate too by
+        default), created on first use."""
+        found = self.__dict__.get("_engine_thread")
+        if found is None:
+            found = self.__dict__.setdefault("_engine_thread", ThreadPoolExecutor(1, thread_name_prefix="engine"))
+        return found
 
     @property
     def stats(self) -> EngineStats:

@@ -33,6 +33,7 @@ class _Run:
 @ENGINES.register("bench")
 class BenchEngine(Engine):
     needs_model = False
+    concurrent_generate = True  # generate merges concurrent calls: the replica calls it from a thread per call
 
     def __init__(self, model_path: str | None = None, token_latency_s: float = 0.01):
         if model_path and (pathlib.Path(model_path) / "config.json").exists():

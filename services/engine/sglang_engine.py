@@ -140,9 +140,13 @@ class SGLangEngine(Engine):
             await asyncio.sleep(0.05)
         version, rids = self.weight_version, [uuid.uuid4().hex for _ in prompts]
         sampling = self._sampling(params)
-        done = self._loop.submit(
-            self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids)
-        )
+        try:
+            done = self._loop.submit(
+                self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids)
+            )
+        except BaseException:
+            self._leave()
+            raise
         done.add_done_callback(lambda _: self._leave())  # when SGLang has returned, even if the caller has gone
         result = asyncio.wrap_future(done)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
