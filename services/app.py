@@ -15,7 +15,7 @@ from ray.serve.config import DeploymentActorConfig
 
 from services.api import create_api
 from services.ingress import Ingress
-from services.replica import CONTROL_SLOTS, EngineServer
+from services.replica import EngineServer, request_slots, routing_queue
 from services.settings import ServiceSettings, SettingsError
 from services.state import prefix
 from services.weight_store import WeightStore
@@ -51,8 +51,8 @@ def build_app(settings: ServiceSettings):
         EngineServer,
         name="engine",
         **engine_scaling(settings),
-        max_ongoing_requests=settings.engine_max_ongoing_requests + CONTROL_SLOTS,
-        max_queued_requests=settings.engine_max_queued_requests,
+        max_ongoing_requests=request_slots(settings),
+        max_queued_requests=routing_queue(settings),
         ray_actor_options={"num_cpus": settings.engine_num_cpus, "num_gpus": settings.gpus_per_engine},
         deployment_actors=[store],
     )

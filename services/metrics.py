@@ -6,7 +6,10 @@ and only a module reference makes every copy count into the replica's one regist
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -126,8 +129,8 @@ class Snapshot:
 
 
 def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> bytes:
-    """Prometheus text: every ingress replica's metrics merged, plus each engine replica's version and tokens as read
-    just now (P.ReplicaState; a replica that did not answer is left out)."""
+    """Prometheus text: every ingress replica's metrics merged, plus each engine replica's version, tokens, busy time,
+    rollouts and batch sizes as read just now (P.ReplicaState; a replica that did not answer is left out)."""
     scrape = CollectorRegistry()
     version = Gauge(
         "farm_replica_weight_version",
@@ -141,10 +144,49 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
         ["replica"],
         registry=scrape,
     )
+    busy = Gauge(
+        "farm_replica_busy_seconds",
+        "Seconds each replica's engine had at least one sample generating, since it started (read at scrape time; "
+        "rollout idle ratio: 1 - rate(farm_replica_busy_seconds[5m]))",
+        ["replica"],
+        registry=scrape,
+    )
+    running = Gauge(
+        "farm_replica_rollouts_running",
+        "Rollout calls each replica runs (read at scrape time)",
+        ["replica"],
+        registry=scrape,
+    )
+    waiting = Gauge(
+        "farm_replica_rollouts_waiting",
+        "Rollout calls waiting for a slot on each replica (read at scrape time)",
+        ["replica"],
+        registry=scrape,
+    )
+    sizes = {
+        "batch_rows": HistogramMetricFamily(
+            "farm_engine_batch_size", "Samples decoded together, per engine decode step", labels=["replica"]
+        ),
+        "batch_calls": HistogramMetricFamily(
+            "farm_engine_batch_calls",
+            "Generate calls (rollout requests' engine calls) sharing one engine decode step",
+            labels=["replica"],
+        ),
+    }
     for st in replica_states:
         if not isinstance(st, Exception):
             version.labels(st.replica).set(st.weight_version)
             tokens.labels(st.replica).set(st.generated_tokens)
+            busy.labels(st.replica).set(st.busy_seconds)
+            running.labels(st.replica).set(st.rollouts_running)
+            waiting.labels(st.replica).set(st.rollouts_waiting)
+            for field, family in sizes.items():
+                h = getattr(st, field)
+                if h.bounds:
+                    cumulative = list(itertools.accumulate(h.counts))
+                    buckets = [(str(b), c) for b, c in zip(h.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+                    family.add_metric([st.replica], buckets, h.sum)
+    scrape.register(Snapshot(list(sizes.values())))
     return merged(ingress_texts, me) + generate_latest(scrape)
 
 

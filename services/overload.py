@@ -25,8 +25,10 @@ class Full(NamedTuple):
 
 
 FULL_KINDS = {
-    "replica_full": "an engine replica runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has its waiting room full",
-    "engine_queue": "the ingress's queue for the engine replicas is full (FARM_ENGINE_MAX_QUEUED_REQUESTS)",
+    "replica_full": "an engine replica runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and its waiting room (its share "
+    "of FARM_ENGINE_MAX_QUEUED_REQUESTS) is full",
+    "engine_queue": "Serve's queue at the ingress for the engine replicas is full (a backstop: the replicas' slots "
+    "and FARM_ENGINE_MAX_QUEUED_REQUESTS)",
 }
 for _kind in FULL_KINDS:  # exported at 0 from the start
     metrics.OVERLOAD.labels(_kind)

@@ -1,9 +1,13 @@
 """One engine replica (a Serve deployment): it owns an Engine and serves the ingress's calls.
 
-Rollouts run on one dedicated engine thread (torch runs fastest when one thread makes every model call), at most
-FARM_ENGINE_MAX_ONGOING_REQUESTS at once; Serve gives the replica CONTROL_SLOTS more request slots, so weight
-pushes, control and scrapes get through a full replica. Before a replica serves its first request it loads the
-committed weight version from the WeightStore, and a rollout asking for a newer version waits for it.
+Rollouts run at once, up to FARM_ENGINE_MAX_ONGOING_REQUESTS: each awaits engine.agenerate, and the engine merges
+their calls into shared batches (the torch engine's scheduler thread makes every model call: torch runs fastest
+that way; SGLang batches them itself). Past that, a replica holds its share of FARM_ENGINE_MAX_QUEUED_REQUESTS
+waiting (waiting_room), and answers Full (the ingress's 429) beyond. Serve gives the replica CONTROL_SLOTS more
+request slots (request_slots), so weight pushes, control and scrapes get through a full replica, and Serve's own
+queue at the ingress is only a backstop (routing_queue). Before a replica
+serves its first request it loads the committed weight version from the WeightStore, and a rollout asking for a
+newer version waits for it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
@@ -29,13 +32,32 @@ from services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
 
-CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (FARM_ENGINE_MAX_ONGOING_REQUESTS)
+CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (running and waiting)
 ABORT_RERUNS = 3  # times the samples cut by "abort" commits are run again
 STORE_FOLLOW_S = 2.0  # how often a replica checks the WeightStore for a version it missed
 
 
 def replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
+
+
+def waiting_room(settings: ServiceSettings) -> int:
+    """Rollouts a replica holds waiting for a slot: its share of FARM_ENGINE_MAX_QUEUED_REQUESTS (rounded up)."""
+    return -(-settings.engine_max_queued_requests // settings.replicas)
+
+
+def request_slots(settings: ServiceSettings) -> int:
+    """Serve's max_ongoing_requests for a replica: its running rollouts, its waiting room, and CONTROL_SLOTS that
+    rollouts hold only for an instant (one past the waiting room gets Full at once and gives its slot back)."""
+    return settings.engine_max_ongoing_requests + waiting_room(settings) + CONTROL_SLOTS
+
+
+def routing_queue(settings: ServiceSettings) -> int:
+    """Serve's max_queued_requests for the engine deployment (each ingress replica's handle): a backstop. Serve counts
+    a call as queued while it routes it, and refuses past the limit even when replicas have free slots (a burst of
+    calls counts in full), so the limit holds every call the replicas could admit at once; the replicas' waiting
+    rooms keep FARM_ENGINE_MAX_QUEUED_REQUESTS."""
+    return max(settings.replicas, settings.max_replicas) * request_slots(settings) + settings.engine_max_queued_requests
 
 
 class EngineServer:
@@ -48,10 +70,11 @@ class EngineServer:
         kind = ENGINES.get(settings.engine, settings.plugins)
         model = str(resolve_model(settings.model)) if kind.needs_model else settings.model
         threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self.engine: Engine = await self._on_engine_thread(kind.from_settings, model, settings, threads)
+        self.engine: Engine = await asyncio.to_thread(kind.from_settings, model, settings, threads)
         self.catch_up_lock = asyncio.Lock()
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
+        self.rollouts_running = 0
+        self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
@@ -67,7 +90,8 @@ class EngineServer:
                 log.warning("catch_up_failed", extra={"error": repr(e)})
 
     def _on_engine_thread(self, fn, *args):
-        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """A blocking engine verb (scoring, health) on the engine's one thread (Engine.engine_thread)."""
+        return asyncio.get_running_loop().run_in_executor(self.engine.engine_thread(), fn, *args)
 
     # rollouts --------------------------------------------------------------------------------------------
     async def rollout(
@@ -80,16 +104,17 @@ class EngineServer:
         meta: dict | None = None,
         sampler: P.SamplerSpec | None = None,
     ) -> list[P.Group] | Full:
-        """The groups of these prompts, n samples each. Rollouts take at most all but two of the control slots
-        waiting; past that the replica is full: it answers Full (the ingress's 429), an expected answer, not an
+        """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
+        waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
         exception (Serve would log each one with a traceback)."""
-        if self.rollout_slots.locked() and self.rollouts_waiting >= CONTROL_SLOTS - 2:
+        if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
             return Full(self.rollouts_waiting)
         self.rollouts_waiting += 1
         try:
             await self.rollout_slots.acquire()
         finally:
             self.rollouts_waiting -= 1
+        self.rollouts_running += 1
         try:
             if self.engine.weight_version < min_version:
                 await self.catch_up(min_version)
@@ -105,6 +130,7 @@ class EngineServer:
                 make_sampler(spec, self.settings.plugins),
             )
         finally:
+            self.rollouts_running -= 1
             self.rollout_slots.release()
 
     async def _generate_rerun(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
@@ -122,12 +148,15 @@ class EngineServer:
         return outs
 
     async def _generate(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
-        """engine.generate on the engine thread; if this call is cancelled, so is the engine work."""
+        """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
+        (its rows leave the batch at the next step)."""
         cancel = threading.Event()
+        work = asyncio.ensure_future(self.engine.agenerate(prompts, params, cancel))
         try:
-            return await asyncio.shield(self._on_engine_thread(self.engine.generate, prompts, params, cancel))
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
             cancel.set()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
             raise
 
     async def _settled(self) -> int:
@@ -256,6 +285,9 @@ class EngineServer:
             paused=e.paused,
             busy=e.busy,
             generated_tokens=e.generated_tokens,
+            rollouts_running=self.rollouts_running,
+            rollouts_waiting=self.rollouts_waiting,
+            **e.stats.snapshot(),
         )
 
     def pause(self) -> P.ReplicaState:
@@ -268,13 +300,14 @@ class EngineServer:
         return self.state()
 
     def abort(self) -> P.ReplicaState:
-        """End the generate call in flight at its next token."""
+        """End the generate calls in flight at their next token."""
         self.engine.abort()
         return self.state()
 
     async def health(self) -> P.Health:
         """The engine samples one token (temperature 1); a replica that cannot (NaN weights, a broken device) is
-        Unavailable, naming itself and the error."""
+        Unavailable, naming itself and the error. The sample joins the running batch (the torch engine takes it
+        ahead of waiting calls), so a busy replica answers within a step or two."""
         me, version = replica_id(), self.engine.weight_version
         if self.engine.paused:
             return P.Health(status="paused", weight_version=version, replica=me)

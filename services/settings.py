@@ -34,9 +34,27 @@ class ServiceSettings(BaseSettings):
     target_ongoing_requests: float = Field(
         2.0, gt=0, description="Autoscaling target of ongoing requests per engine replica."
     )
-    engine_max_ongoing_requests: int = Field(16, ge=1, description="Requests queued per engine replica.")
+    engine_max_ongoing_requests: int = Field(
+        64, ge=1, description="Rollout calls an engine replica runs at once; their samples share the engine's batches."
+    )
     engine_max_queued_requests: int = Field(
-        64, ge=1, description="Requests waiting for an engine replica before new ones get 429."
+        64,
+        ge=1,
+        description="Rollout calls that wait for room on the engine replicas (each replica holds its share) before "
+        "new ones get 429.",
+    )
+    engine_max_batch_size: int = Field(
+        256,
+        ge=1,
+        description="Most samples the torch engine decodes at once: concurrent calls share its batches up to this "
+        "many rows (a larger call runs alone); the rest wait for rows to finish.",
+    )
+    engine_batch_window_s: float = Field(
+        0.005,
+        ge=0,
+        le=1,
+        description="How long an idle torch engine waits, after a call arrives, for more calls to start with it "
+        "(calls that arrive later join the running batch at its next step).",
     )
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")

@@ -1,6 +1,8 @@
 """The engine boundary: every verb the service calls, shaped after SGLang's lifecycle verbs.
 
 generate         token ids in; token ids, raw-model logprobs, per-token weight versions and a finish reason out
+agenerate        the same, awaited: the replica awaits every rollout's calls at once, so an engine that batches
+                 merges concurrent calls (the torch and bench engines batch them; SGLang batches them itself)
 weight_spec      the tensors an update must carry
 stage_weights    check a state dict against the model and hold it, next to the served weights
 stage_weights_from_path   the same from a folder of safetensors files (shared storage)
@@ -14,7 +16,8 @@ abort            end every in-flight generate call at its next token ("abort")
 health           prove the engine can sample one token (temperature 1)
 init_weights_update_group / update_weights_from_distributed
                  the NCCL transport (SGLang); an engine without it raises EngineVerbMissing, a 501 naming the engine
-State read by the service: weight_version, paused, busy, generated_tokens, tokenizer, vocab_size().
+State read by the service: weight_version, paused, busy, generated_tokens, stats (busy time, batch sizes: stats.py),
+tokenizer, vocab_size().
 
 Engines are registered by name in ENGINES (services/engine/__init__.py); a dotted path `pkg.module:Class` whose
 module is in FARM_PLUGINS works too. The service builds one with `Engine.from_settings`.
@@ -23,14 +26,17 @@ module is in FARM_PLUGINS works too. The service builds one with `Engine.from_se
 from __future__ import annotations
 
 import abc
+import asyncio
 import math
 import pathlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from services.engine.stats import EngineStats
 from services.protocol import FinishReason, InFlightPolicy, SamplingParams
 from services.registry import Registry
 
@@ -78,8 +84,24 @@ def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]
     return tensors
 
 
+GENERATE_THREADS = 1024  # most generate calls a concurrent engine's default agenerate runs at once (threads on demand)
+_callers: ThreadPoolExecutor | None = None
+
+
+def generate_threads() -> ThreadPoolExecutor:
+    """The threads that Engine.agenerate's default blocks in, one per call in flight, for an engine whose generate
+    merges concurrent calls: not the event loop's default executor, whose few threads would cap the merging."""
+    global _callers
+    if _callers is None:
+        _callers = ThreadPoolExecutor(GENERATE_THREADS, thread_name_prefix="generate")
+    return _callers
+
+
 class Engine(abc.ABC):
     needs_model: ClassVar[bool] = True  # False: runs without model weights (the bench engine)
+    # True: generate is thread-safe and merges concurrent calls (the bench engine); False: the default agenerate
+    # runs every generate call on the engine's one thread, one at a time, as engines written for one thread expect
+    concurrent_generate: ClassVar[bool] = False
     ranks_per_engine: ClassVar[int] = 1  # NCCL ranks one engine takes in the trainer's group
     weight_version: int = 0
     generated_tokens: int = 0  # since the engine started
@@ -97,6 +119,31 @@ class Engine(abc.ABC):
     ) -> list[EngineOutput]:
         """One output per prompt, in order. Logprobs are of the raw model (temperature 1, no top-p/k).
         Setting `cancel` ends the call at its next token, with finish_reason "abort"."""
+
+    async def agenerate(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+    ) -> list[EngineOutput]:
+        """generate, awaited. This default runs it on the engine's one thread (engine_thread()), one call at a time;
+        with concurrent_generate, on a thread of its own per call (generate_threads()), so that concurrent calls
+        reach generate together and it can merge them. An engine with its own scheduler (torch) or an async API
+        (SGLang) overrides this and holds no thread."""
+        pool = generate_threads() if self.concurrent_generate else self.engine_thread()
+        return await asyncio.get_running_loop().run_in_executor(pool, self.generate, prompts, params, cancel)
+
+    def engine_thread(self) -> ThreadPoolExecutor:
+        """The one thread the replica runs this engine's blocking verbs on (scoring, health; generate too by
+        default), created on first use."""
+        found = self.__dict__.get("_engine_thread")
+        if found is None:
+            found = self.__dict__.setdefault("_engine_thread", ThreadPoolExecutor(1, thread_name_prefix="engine"))
+        return found
+
+    @property
+    def stats(self) -> EngineStats:
+        """Busy time and batch sizes (services/engine/stats.py); created on first use, so a user engine needs no
+        __init__ call for it."""
+        found = self.__dict__.get("_stats")
+        return found if found is not None else self.__dict__.setdefault("_stats", EngineStats())
 
     def vocab_size(self) -> int:
         """Token ids a prompt may use: [0, vocab_size)."""
@@ -175,10 +222,8 @@ class Engine(abc.ABC):
         """Sample one token (temperature 1, as rollouts do) from a one-token prompt and return it; raise if the engine
         cannot: NaN or inf in the distribution (torch.multinomial refuses it; greedy decoding would not notice), or a
         non-finite logprob."""
-        (out,) = self.generate([[self.health_token_id()]], SamplingParams(temperature=1.0, max_new_tokens=1, seed=0))
-        if len(out.token_ids) != 1 or not all(math.isfinite(lp) for lp in out.logprobs):
-            raise RuntimeError(f"sampling one token gave {out.token_ids} with logprobs {out.logprobs}")
-        return out.token_ids[0]
+        (out,) = self.generate([[self.health_token_id()]], HEALTH_PARAMS)
+        return checked_health_token(out)
 
     @abc.abstractmethod
     def health_token_id(self) -> int: ...
@@ -200,6 +245,16 @@ class Engine(abc.ABC):
 
         model = getattr(self, "model", None)
         return canonical_state_dict(model) if isinstance(model, torch.nn.Module) else None
+
+
+HEALTH_PARAMS = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
+
+
+def checked_health_token(out: EngineOutput) -> int:
+    """The token a health check sampled, or RuntimeError if it is not one token with a finite logprob."""
+    if len(out.token_ids) != 1 or not all(math.isfinite(lp) for lp in out.logprobs):
+        raise RuntimeError(f"sampling one token gave {out.token_ids} with logprobs {out.logprobs}")
+    return out.token_ids[0]
 
 
 ENGINES: Registry[type[Engine]] = Registry("engine", base=Engine)

@@ -1,9 +1,11 @@
 """A stand-in for a GPU engine, for benchmarks and tests of the service layer.
 
-Each decode step of a batch sleeps a fixed `token_latency_s` (FARM_BENCH_TOKEN_LATENCY_S), whatever the batch size
-(as on a GPU that is far from saturated), and yields random tokens. No model runs and none is needed: it uses
-the tokenizer of the model folder it is given, or the embedded byte tokenizer. So what a benchmark measures on
-top of `max_new_tokens * token_latency_s` is the cost of the service itself.
+Each decode step sleeps a fixed `token_latency_s` (FARM_BENCH_TOKEN_LATENCY_S), whatever the batch size (as on a GPU
+that is far from saturated), and yields random tokens. Concurrent generate calls share the steps, as they share
+batches on a real engine: one clock thread ticks every token_latency_s while any call runs, and each tick is one
+token for every call that was waiting when it began (a call that arrives mid-tick starts at the next one). No model
+runs and none is needed: it uses the tokenizer of the model folder it is given, or the embedded byte tokenizer. So
+what a benchmark measures on top of `max_new_tokens * token_latency_s` is the cost of the service itself.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
 from services.protocol import InFlightPolicy, SamplingParams
 
 
+class _Run:
+    """One generate call on the clock: its rows, its limit, and the steps done."""
+
+    def __init__(self, rows: int, limit: int, cancel: threading.Event | None, epoch: int, tick: int):
+        self.rows, self.limit, self.cancel, self.epoch, self.joined = rows, limit, cancel, epoch, tick
+        self.steps, self.reason, self.done = 0, "length", threading.Event()
+
+
 @ENGINES.register("bench")
 class BenchEngine(Engine):
     needs_model = False
+    concurrent_generate = True  # generate merges concurrent calls: the replica calls it from a thread per call
 
     def __init__(self, model_path: str | None = None, token_latency_s: float = 0.01):
         if model_path and (pathlib.Path(model_path) / "config.json").exists():
@@ -34,9 +45,12 @@ class BenchEngine(Engine):
 
             self.tokenizer = byte_tokenizer()
         self.token_latency_s = token_latency_s
-        self.weight_version, self.generated_tokens, self._busy = 0, 0, False
-        self._admit, self._lock, self._epoch, self._staged = threading.Event(), threading.Lock(), 0, None
+        self.weight_version, self.generated_tokens = 0, 0
+        self._admit, self._epoch, self._staged = threading.Event(), 0, None
         self._admit.set()
+        self._clock = threading.Condition()  # guards the three below
+        self._runs: list[_Run] = []
+        self._tick, self._ticking = 0, False  # the tick in progress; whether the clock thread runs
         self.vocab = len(self.tokenizer)
 
     @classmethod
@@ -46,23 +60,52 @@ class BenchEngine(Engine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
     ) -> list[EngineOutput]:
-        self._admit.wait()
+        while not self._admit.wait(0.05):
+            if cancel is not None and cancel.is_set():
+                return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
         rng = random.Random(params.seed)
-        with self._lock:
-            self._busy, epoch, steps, reason = True, self._epoch, 0, "length"
-            for steps in range(1, params.max_new_tokens + 1):
-                time.sleep(self.token_latency_s)
-                if self._epoch != epoch or (cancel is not None and cancel.is_set()):
-                    reason = "abort"
-                    break
-            self._busy = False
+        run = _Run(len(prompts), params.max_new_tokens, cancel, self._epoch, 0)
+        if prompts:
+            with self._clock:
+                run.joined = self._tick
+                self._runs.append(run)
+                if not self._ticking:
+                    self._ticking = True
+                    threading.Thread(target=self._ticks, name="bench-clock", daemon=True).start()
+            run.done.wait()
+        steps = run.steps
         self.generated_tokens += steps * len(prompts)
         lp = -math.log(self.vocab)
         v = self.weight_version
         return [
-            EngineOutput([rng.randrange(self.vocab) for _ in range(steps)], [lp] * steps, reason, v, [v] * steps)
+            EngineOutput([rng.randrange(self.vocab) for _ in range(steps)], [lp] * steps, run.reason, v, [v] * steps)
             for _ in prompts
         ]
+
+    def _ticks(self) -> None:
+        """The clock: one decode step per token_latency_s for every run that was waiting when the step began; it
+        stops when no run is left (the next call starts it again)."""
+        self.stats.busy(True)
+        while True:
+            with self._clock:
+                self._tick += 1
+                tick = self._tick
+            time.sleep(self.token_latency_s)
+            with self._clock:
+                stepped = [r for r in self._runs if r.joined < tick]
+                for r in stepped:
+                    r.steps += 1
+                    if self._epoch != r.epoch or (r.cancel is not None and r.cancel.is_set()):
+                        r.reason = "abort"
+                    if r.reason == "abort" or r.steps >= r.limit:
+                        r.done.set()
+                if stepped:
+                    self.stats.step(sum(r.rows for r in stepped), len(stepped))
+                self._runs = [r for r in self._runs if not r.done.is_set()]
+                if not self._runs:
+                    self._ticking = False
+                    self.stats.busy(False)
+                    return
 
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
         return {"bench.weight": ([1], "F32")}
@@ -97,7 +140,7 @@ class BenchEngine(Engine):
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        return bool(self._runs)
 
     def health_token_id(self) -> int:
         return 0

@@ -23,6 +23,9 @@ weights. This adapter does the same, with its own gate, so that it knows each sa
            keeps old-weight KV); per-token versions (meta_info["weight_versions"]) come only in 0.5.19.
 stage_weights_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
 
+Concurrency: the replica awaits agenerate, which awaits async_generate's future without holding a thread, so a
+replica keeps every rollout's calls in flight at once and SGLang's scheduler batches them continuously.
+
 Unmapped: `seed` becomes SGLang's sampling_seed, which is honoured only by an engine launched with
 enable_deterministic_inference (not set here). SGLang's ignore_eos also ignores stop_token_ids, so with
 both set the output is cut after the first stop token here. `threads` is unused.
@@ -34,7 +37,6 @@ import asyncio
 import os
 import threading
 import uuid
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,8 +57,9 @@ TORCH_DTYPE_NAMES = {
 
 class _LoopThread:
     """Stands in for sglang.Engine.loop. Engine's synchronous methods call loop.run_until_complete, which only
-    one thread can enter, and generate comes from many worker threads: so every call runs on one event loop
-    in a background thread instead, where SGLang's tokenizer manager (and its zmq sockets) then lives."""
+    one thread can enter, while generate requests come from the replica's event loop (and health checks from worker
+    threads): so every call runs on one event loop in a background thread instead, where SGLang's tokenizer manager
+    (and its zmq sockets) then lives. The replica's loop awaits its futures (agenerate), holding no thread."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -123,49 +126,83 @@ class SGLangEngine(Engine):
         return next(i for i in (t.bos_token_id, t.pad_token_id, t.eos_token_id, 0) if i is not None)
 
     # generation ------------------------------------------------------------
-    def generate(
+    async def agenerate(
         self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
     ) -> list[EngineOutput]:
+        """Awaited on the replica's event loop, holding no thread: the replica keeps every rollout's calls in flight
+        at once and SGLang's scheduler batches them continuously. The request itself runs on the engine's loop
+        thread (_LoopThread: SGLang's tokenizer manager lives there, and the synchronous verbs need that loop too);
+        this coroutine awaits its future. Cancelling it, or setting `cancel`, aborts the request in SGLang."""
         cancel = cancel or threading.Event()
-        with self._cv:
-            while self._paused or self._committing:
-                if cancel.is_set():
-                    return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
-                self._cv.wait(0.05)
-            self._inflight += 1
-            version = self.weight_version
+        while not self._enter():  # paused, or a commit holds new calls back
+            if cancel.is_set():
+                return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
+            await asyncio.sleep(0.05)
+        version, rids = self.weight_version, [uuid.uuid4().hex for _ in prompts]
+        sampling = self._sampling(params)
         try:
-            rids = [uuid.uuid4().hex for _ in prompts]
-            sampling = {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-                "max_new_tokens": params.max_new_tokens,
-                "stop_token_ids": params.stop_token_ids,
-                "stop": params.stop,
-                "ignore_eos": params.ignore_eos,
-                "sampling_seed": params.seed,
-            }
-            if params.regex is not None:  # SGLang's grammar backend (xgrammar/outlines) constrains the whole output
-                sampling["regex"] = params.regex
             done = self._loop.submit(
                 self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids)
             )
-            while True:
-                try:
-                    results = done.result(timeout=0.05)
-                    break
-                except FutureTimeout:
-                    if cancel.is_set():  # again at each tick: a request still being tokenized ignores its abort
-                        for rid in rids:
-                            self._loop.call(self.llm.tokenizer_manager.abort_request, rid)
-        finally:
-            with self._cv:
-                self._inflight -= 1
-                self._cv.notify_all()
-        outs = [self._output(r, params, version) for r in results]
+        except BaseException:
+            self._leave()
+            raise
+        done.add_done_callback(lambda _: self._leave())  # when SGLang has returned, even if the caller has gone
+        result = asyncio.wrap_future(done)
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
+        try:
+            while not result.done():
+                await asyncio.wait([result], timeout=0.05)  # never cancels `result`
+                if cancel.is_set():  # again at each tick: a request still being tokenized ignores its abort
+                    self._abort_requests(rids)
+        except asyncio.CancelledError:
+            self._abort_requests(rids)
+            raise
+        outs = [self._output(r, params, version) for r in await result]  # done: no wait
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+    ) -> list[EngineOutput]:
+        """agenerate, from a thread (the health check)."""
+        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel))
+
+    def _enter(self) -> bool:
+        """Count a call in flight, unless new calls are held back now."""
+        with self._cv:
+            if self._paused or self._committing:
+                return False
+            self._inflight += 1
+            self.stats.busy(True)
+            return True
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._inflight -= 1
+            self.stats.busy(self._inflight > 0)
+            self._cv.notify_all()
+
+    def _abort_requests(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._loop.call(self.llm.tokenizer_manager.abort_request, rid)
+
+    @staticmethod
+    def _sampling(params: SamplingParams) -> dict:
+        """SGLang's sampling params for ours."""
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": params.stop_token_ids,
+            "stop": params.stop,
+            "ignore_eos": params.ignore_eos,
+            "sampling_seed": params.seed,
+        }
+        if params.regex is not None:  # SGLang's grammar backend (xgrammar/outlines) constrains the whole output
+            sampling["regex"] = params.regex
+        return sampling
 
     @staticmethod
     def _output(result: dict, p: SamplingParams, version: int) -> EngineOutput:

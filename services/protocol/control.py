@@ -23,12 +23,33 @@ class Health(BaseModel):
     )
 
 
+class BatchSizes(BaseModel):
+    """A histogram over the engine's decode steps (services/engine/stats.py)."""
+
+    bounds: list[int] = Field(default_factory=list, description="Upper bounds (le) of the buckets.")
+    counts: list[int] = Field(
+        default_factory=list, description="Steps per bucket, not cumulative: len(bounds) + 1, the last above them."
+    )
+    sum: float = 0.0
+    max: int = Field(0, description="The largest value observed.")
+
+
 class ReplicaState(BaseModel):
     replica: str = Field(..., description="Ray Serve replica id.")
     weight_version: int
     paused: bool
     busy: bool = Field(False, description="A generate call is running.")
     generated_tokens: int = Field(0, description="Tokens this replica has generated since it started.")
+    rollouts_running: int = Field(0, description="Rollout calls running (FARM_ENGINE_MAX_ONGOING_REQUESTS at most).")
+    rollouts_waiting: int = Field(0, description="Rollout calls waiting for one of those slots.")
+    busy_seconds: float = Field(
+        0.0, description="Seconds the engine had at least one sample generating, since it started (idle: the rest)."
+    )
+    decode_steps: int = Field(0, description="Decode steps the engine has run (torch and bench engines).")
+    batch_rows: BatchSizes = Field(default_factory=BatchSizes, description="Samples in the batch, per decode step.")
+    batch_calls: BatchSizes = Field(
+        default_factory=BatchSizes, description="Generate calls sharing the batch, per decode step."
+    )
 
 
 class ControlResponse(BaseModel):

@@ -10,7 +10,7 @@ import httpx
 from services.errors import QUEUES_FULL
 from tests.service.helpers import any_busy, greedy, wait_until
 
-FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 2 waiting) + 2 queued
+FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 1 waiting, its share of 2 queued)
 
 
 def rejections(service: str) -> dict[str, float]:

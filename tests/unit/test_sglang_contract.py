@@ -6,6 +6,7 @@ drift in SGLang's API fails here, without a GPU. Bumping the pin re-checks the c
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -94,6 +95,23 @@ def test_the_checker_finds_the_adapters_uses():
     assert {"temperature", "max_new_tokens", "sampling_seed", "regex"} <= sampling
     assert {key for _, key in adapter.keys_read_in("_output")} >= {"meta_info", "output_token_logprobs"}
     assert [name for _, name in adapter.environment_variables] == ["SGLANG_RETURN_ORIGINAL_LOGPROB"]
+
+
+def test_the_adapter_keeps_many_requests_in_flight_without_a_thread_each():
+    """The replica awaits agenerate for every rollout at once: it must be a coroutine that submits async_generate to
+    the engine's loop and awaits its future, never blocking its event loop on a future or a sleep (SGLang's
+    continuous batching needs the requests in flight together). The synchronous generate runs agenerate."""
+    tree = ast.parse(ADAPTER.read_text())
+    methods = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    agenerate = methods["agenerate"]
+    assert isinstance(agenerate, ast.AsyncFunctionDef)
+    calls = {ast.unparse(n.func) for n in ast.walk(agenerate) if isinstance(n, ast.Call)}
+    assert "self.llm.async_generate" in calls and "self._loop.submit" in calls
+    blocking = {c for c in calls if c.rsplit(".", 1)[-1] in {"result", "run_until_complete"} or c == "time.sleep"}
+    assert not blocking, blocking
+    assert any(isinstance(n, ast.Await) for n in ast.walk(agenerate))
+    generate = {ast.unparse(n) for n in ast.walk(methods["generate"]) if isinstance(n, ast.Call)}
+    assert any("self.agenerate(" in c for c in generate), generate
 
 
 def test_a_drift_in_the_real_adapter_is_reported(wheel):

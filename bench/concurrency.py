@@ -1,0 +1,196 @@
+"""Concurrent requests sharing batches: samples/s of K concurrent one-sample requests / one request of K samples.
+
+One engine replica of the model (default arith-tiny; the service's default settings otherwise: 64 rollouts in
+flight per replica, 64 queued), K in --ks (16 and 64), samples of each length in --max-new-tokens. Each round runs,
+for each case, two arms back to back, their order alternating from round to round:
+  one    POST /v1/rollouts with one prompt (token ids, as RL clients send) and n=K
+  many   K concurrent POST /v1/rollouts, each with that prompt and n=1 (httpx, one connection each)
+with temperature 1 and ignore_eos, so every sample has exactly max_new_tokens tokens and both arms do the same
+work. The figure is, per case, the median over --rounds rounds of many / one (samples/s), with its range; the
+429s the many arm drew are counted (goal: none, the defaults admit 64 + 64 calls on one replica).
+  engine  the same two arms in process, on a TorchEngine of the same model and threads (K agenerate calls at once
+          vs one call of K rows), while the service idles: the engine's batching alone, without the service's
+          per-request cost (HTTP, Serve's proxy, the ingress, two Ray calls).
+  chat    (--chat) K concurrent POST /v1/chat/completions vs one with n=K; OpenAI's API has no ignore_eos, so
+          samples end at EOS and the lengths, and the figure, vary more.
+The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
+the most calls that shared one decode step are reported too.
+
+    .venv/bin/python bench/concurrency.py                            # about 5 min on 2 cores
+    .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
+Goal: >= 0.8 at both K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+import httpx
+from common import CpuMeter, log, resolve, start_service, stop_service, table, wait_quiet, write_json
+
+PROMPT = "Q: 12+30\nA:"
+
+
+def readyz(http: httpx.Client, url: str) -> dict:
+    r = http.get(f"{url}/readyz", timeout=60)
+    r.raise_for_status()
+    (replica,) = r.json()["replicas"]
+    return replica
+
+
+async def post_all(url: str, path: str, bodies: list[dict]) -> list[int]:
+    """Send the bodies at once; their status codes."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        answers = await asyncio.gather(*[http.post(f"{url}{path}", json=b) for b in bodies])
+        return [r.status_code for r in answers]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="arith-tiny", help="arith-tiny, smollm2 or an HF model folder")
+    ap.add_argument("--ks", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--chat", action="store_true", help="also the OpenAI chat arms")
+    ap.add_argument(
+        "--max-foreign", type=float, default=0.25, help="redo a round in which other processes used more of the cores"
+    )
+    args = ap.parse_args()
+
+    from services.engine.torch_engine import TorchEngine
+    from services.protocol import SamplingParams
+
+    path = resolve(args.model)
+    url = start_service(model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1)
+    engine = TorchEngine(str(path), "cpu", "float32", args.threads)
+    ids = engine.tokenizer(PROMPT, add_special_tokens=False).input_ids
+
+    def run(kind: str, tokens: int, k: int, arm: str, http: httpx.Client) -> tuple[float, list[int], float]:
+        """(samples/s, status codes, busy share) of one arm."""
+        if kind == "engine":
+            p = SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+            busy0, t = engine.stats.busy_seconds, time.perf_counter()
+            if arm == "one":
+                engine.generate([ids] * k, p)
+            else:
+
+                async def calls():
+                    return await asyncio.gather(*[engine.agenerate([ids], p) for _ in range(k)])
+
+                asyncio.run(calls())
+            seconds = time.perf_counter() - t
+            return k / seconds, [200] * (1 if arm == "one" else k), (engine.stats.busy_seconds - busy0) / seconds
+        if kind == "rollouts":
+            sampling = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True}
+            body, route = {"prompts": [{"token_ids": ids}], "sampling_params": sampling}, "/v1/rollouts"
+        else:
+            body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 1.0}
+            route = "/v1/chat/completions"
+        bodies = [{**body, "n": k}] if arm == "one" else [{**body, "n": 1}] * k
+        busy0, t = readyz(http, url)["busy_seconds"], time.perf_counter()
+        codes = asyncio.run(post_all(url, route, bodies))
+        seconds = time.perf_counter() - t
+        busy = (readyz(http, url)["busy_seconds"] - busy0) / seconds
+        return k * codes.count(200) / len(codes) / seconds, codes, busy
+
+    kinds = ["rollouts", "engine"] + (["chat"] if args.chat else [])
+    cases = [(kind, tokens, k) for kind in kinds for tokens in args.max_new_tokens for k in args.ks]
+    results: dict[tuple, list[dict]] = {case: [] for case in cases}
+    try:
+        with httpx.Client() as http:
+            log("warm-up")
+            for kind in kinds:
+                for arm in ("one", "many"):
+                    run(kind, min(args.max_new_tokens), max(args.ks), arm, http)
+            rounds, redone = 0, 0
+            while rounds < args.rounds:
+                wait_quiet(threshold=args.max_foreign, max_wait_s=60)
+                order = ("one", "many") if rounds % 2 == 0 else ("many", "one")
+                with CpuMeter() as m:
+                    measured = {(*case, arm): run(*case, arm, http) for case in cases for arm in order}
+                if m.foreign > args.max_foreign and redone < 2 * args.rounds:
+                    redone += 1
+                    log(f"other processes used {m.foreign:.0%} of the cores during the round: measuring it again")
+                    continue
+                rounds += 1
+                for case in cases:
+                    (one, _, busy_one), (many, codes, busy_many) = measured[(*case, "one")], measured[(*case, "many")]
+                    results[case].append(
+                        {
+                            "one_samples_s": one,
+                            "many_samples_s": many,
+                            "ratio": many / one,
+                            "many_429": codes.count(429),
+                            "many_other_errors": sum(c not in (200, 429) for c in codes),
+                            "busy_share_one": busy_one,
+                            "busy_share_many": busy_many,
+                            "other_processes_cpu_share": m.foreign,
+                        }
+                    )
+                log(
+                    f"round {rounds}/{args.rounds}: "
+                    + ", ".join(f"{c[0]} {c[1]} tok K={c[2]} {results[c][-1]['ratio']:.2f}" for c in cases)
+                )
+            replica = readyz(http, url)
+    finally:
+        stop_service()
+
+    rows, summary = [], {}
+    for (kind, tokens, k), rs in results.items():
+        ratios = [r["ratio"] for r in rs]
+        s = summary[f"{kind}_{tokens}tok_k{k}"] = {
+            "median_ratio": statistics.median(ratios),
+            "range": [min(ratios), max(ratios)],
+            "median_one_samples_s": statistics.median(r["one_samples_s"] for r in rs),
+            "median_many_samples_s": statistics.median(r["many_samples_s"] for r in rs),
+            "many_429_total": sum(r["many_429"] for r in rs),
+            "many_other_errors_total": sum(r["many_other_errors"] for r in rs),
+            "median_busy_share_one": statistics.median(r["busy_share_one"] for r in rs),
+            "median_busy_share_many": statistics.median(r["busy_share_many"] for r in rs),
+            "rounds": rs,
+        }
+        rows.append(
+            [
+                kind,
+                tokens,
+                k,
+                s["median_one_samples_s"],
+                s["median_many_samples_s"],
+                s["median_ratio"],
+                f"{min(ratios):.3f}-{max(ratios):.3f}",
+                s["many_429_total"] if kind != "engine" else "-",
+                f"{s['median_busy_share_one']:.2f}/{s['median_busy_share_many']:.2f}",
+            ]
+        )
+    met = {
+        f"{tokens}tok": all(summary[f"rollouts_{tokens}tok_k{k}"]["median_ratio"] >= 0.8 for k in args.ks)
+        for tokens in args.max_new_tokens
+    }
+    print(
+        f"concurrency: {args.model}, 1 replica, {args.threads} threads, {args.rounds} rounds; "
+        f"most calls in one decode step on the replica: {replica['batch_calls']['max']}"
+    )
+    headers = ["arm", "tokens", "K", "one req samples/s", "K reqs samples/s", "ratio", "range", "429s", "busy one/many"]
+    print(table(headers, rows))
+    print("goal >= 0.8 at every K (rollouts): " + ", ".join(f"{t} {'met' if v else 'NOT met'}" for t, v in met.items()))
+    write_json(
+        "concurrency",
+        {
+            "args": vars(args),
+            "model_path": str(path),
+            "max_calls_in_a_step": replica["batch_calls"]["max"],
+            "results": summary,
+            "goal": ">= 0.8 at K = 16 and 64 (rollouts)",
+            "met": met,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

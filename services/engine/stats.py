@@ -1,0 +1,77 @@
+"""What an engine reports about its batches, for the scrape (services/metrics.py reads it through P.ReplicaState):
+
+busy seconds   time with at least one sample generating, since the engine started (1 - its rate: the idle ratio)
+batch sizes    per decode step, the rows (samples) in the batch and the generate calls they belong to
+
+The torch and bench engines count every decode step; the SGLang engine counts busy time only (SGLang's own metrics,
+e.g. sglang:num_running_reqs, report its batches).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # upper bounds (le) of the batch-size histograms
+
+
+class Histogram:
+    """Counts per bucket of BATCH_BUCKETS (not cumulative), the last one above the largest bound; their sum and the
+    largest value."""
+
+    def __init__(self):
+        self.counts = [0] * (len(BATCH_BUCKETS) + 1)
+        self.sum, self.max = 0.0, 0
+
+    def observe(self, value: int) -> None:
+        self.counts[bisect.bisect_left(BATCH_BUCKETS, value)] += 1
+        self.sum += value
+        self.max = max(self.max, value)
+
+    def snapshot(self) -> dict:
+        return {"bounds": list(BATCH_BUCKETS), "counts": list(self.counts), "sum": self.sum, "max": self.max}
+
+
+class EngineStats:
+    """Thread-safe: the engine's thread writes, the replica's event loop reads."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None
+        self._busy_total = 0.0
+        self.rows, self.calls = Histogram(), Histogram()
+
+    def busy(self, active: bool) -> None:
+        """Whether at least one sample is generating now (call it whenever that may have changed)."""
+        with self._lock:
+            now = self.clock()
+            if active and self._busy_since is None:
+                self._busy_since = now
+            elif not active and self._busy_since is not None:
+                self._busy_total += now - self._busy_since
+                self._busy_since = None
+
+    def step(self, rows: int, calls: int) -> None:
+        """One decode step of `rows` samples from `calls` generate calls."""
+        with self._lock:
+            self.rows.observe(rows)
+            self.calls.observe(calls)
+
+    @property
+    def busy_seconds(self) -> float:
+        with self._lock:
+            running = self.clock() - self._busy_since if self._busy_since is not None else 0.0
+            return self._busy_total + running
+
+    def snapshot(self) -> dict:
+        """busy_seconds, decode_steps, batch_rows and batch_calls, as P.ReplicaState has them."""
+        busy = self.busy_seconds
+        with self._lock:
+            return {
+                "busy_seconds": busy,
+                "decode_steps": sum(self.rows.counts),
+                "batch_rows": self.rows.snapshot(),
+                "batch_calls": self.calls.snapshot(),
+            }
