@@ -135,6 +135,9 @@ class TrajectoryQueue(QueueGeneration):
             stale_dropped=int(stats.get("stale_dropped", 0)),
             generating=generating > 0,
             error=stats.get("error") or None,
+            target_groups=spec.target_groups,
+            generation_busy_s=round(float(stats.get("busy_s", 0.0)), 3),
+            generation_idle_s=round(float(stats.get("idle_s", 0.0)), 3),
         )
 
     async def states(self) -> list[P.QueueSourceState]:

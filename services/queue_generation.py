@@ -55,11 +55,15 @@ class QueueGeneration:
             log.warning("queue_generation_recovered", extra={"source": k.owner, "prompts": moved})
 
     async def _generate_for(self, name: str) -> None:
-        """While this replica owns the source: keep target_groups groups ready, a batch at a time."""
+        """While this replica owns the source: keep target_groups groups ready, a batch at a time. Each turn of the
+        loop counts, in the source's stats, as busy (it generated a batch) or idle (nothing it was allowed to
+        generate: no prompt pending, or target_groups ready)."""
         k, batch = Keys(self.prefix, name), 0
         keepalive = asyncio.create_task(self._keep_owning(k))
+        clock = asyncio.get_running_loop().time
         try:
             while not keepalive.done():
+                start = clock()
                 found = await self._source(name)
                 if found is None:
                     return
@@ -70,9 +74,11 @@ class QueueGeneration:
                 taken = await self._take(k, spec, min(need, self.batch_groups)) if need > 0 else []
                 if not taken:
                     await asyncio.sleep(IDLE_S)
+                    await self.r.hincrbyfloat(k.stats, "idle_s", clock() - start)
                     continue
                 batch += 1
                 await self._generate_batch(k, spec, nonce, taken, batch)
+                await self.r.hincrbyfloat(k.stats, "busy_s", clock() - start)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -11,7 +11,8 @@ Keys of a source, under farm:<app>:q:<name>:
   acked       set: acked item_ids (acking again changes nothing)
   dropped     hash: item_id -> prompt JSON, for delivered groups later dropped as stale
   withdrawn   set: pids whose regeneration a late ack withdrew (skipped when they land or are first pulled)
-  stats       hash: redelivered, stale_dropped, error; drawn (dataset prompts taken so far); pids (last pid)
+  stats       hash: redelivered, stale_dropped, error; drawn (dataset prompts taken so far); pids (last pid);
+              busy_s, idle_s (seconds the generation loop spent generating / with nothing it was allowed to do)
   batches     set: the batch_ids of prompt additions (a repeated addition with the same batch_id adds nothing)
   settled     hash: pid -> groups of that prompt acked (1 each; bench/chaos.py audits it)
   owner       the generating replica's claim (services/state.py Owner)

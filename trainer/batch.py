@@ -29,7 +29,22 @@ class Batch:
     importance_weights: torch.Tensor  # (B,) the sampler's importance_weight (1 for samplers that set none)
     rewards: torch.Tensor  # (B,)
     group_ids: torch.Tensor  # (B,) which prompt each sample answers
-    weight_versions: torch.Tensor  # (B,) version that generated each sample
+    weight_versions: torch.Tensor  # (B,) version that generated each sample (its first, oldest token)
+    # (B, R) version of each response token (0 on padding): they differ within a sample when a weight commit with
+    # the in-flight policy "partial" landed while it was generated. None: every token the sample's weight_version
+    token_versions: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.token_versions is None:
+            self.token_versions = self.weight_versions[:, None] * self.response_mask.to(self.weight_versions.device)
+
+    @property
+    def oldest_versions(self) -> torch.Tensor:
+        """(B,) the oldest version among each sample's response tokens (its weight_version when it has none)."""
+        big = torch.iinfo(torch.long).max
+        masked = torch.where(self.response_mask.bool().cpu(), self.token_versions, big)
+        oldest = masked.min(dim=1).values
+        return torch.where(oldest == big, self.weight_versions, torch.minimum(oldest, self.weight_versions))
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -46,7 +61,7 @@ class Batch:
         return self.group_ids.cpu().numpy()
 
 
-ON_DEVICE = {f.name for f in fields(Batch)} - {"group_ids", "weight_versions"}
+ON_DEVICE = {f.name for f in fields(Batch)} - {"group_ids", "weight_versions", "token_versions"}
 FLOATS = {"rollout_logprobs", "sampling_logprobs", "temperatures", "importance_weights", "rewards"}
 
 
@@ -60,6 +75,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
     pos = torch.zeros((B, R), dtype=torch.long)
     resp = torch.full((B, R), pad_id, dtype=torch.long)
     mask = torch.zeros((B, R), dtype=torch.long)
+    versions = torch.zeros((B, R), dtype=torch.long)
     raw, sampled = torch.zeros((B, R)), torch.zeros((B, R))
     for i, (p, s, _) in enumerate(rows):
         n, m = len(p), len(s.token_ids)
@@ -68,6 +84,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         pos[i] = torch.arange(n - 1, n - 1 + R).clamp(max=T - 1)
         resp[i, :m] = torch.tensor(s.token_ids, dtype=torch.long)
         mask[i, :m] = 1
+        versions[i, :m] = torch.tensor(s.token_weight_versions or [s.weight_version] * m, dtype=torch.long)
         raw[i, :m] = torch.tensor(s.logprobs)
         sampled[i, :m] = torch.tensor(s.sampling_logprobs if s.sampling_logprobs is not None else s.logprobs)
     samples = [s for _, s, _ in rows]
@@ -85,6 +102,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         rewards=torch.tensor([s.reward for s in samples]),
         group_ids=torch.tensor([gi for _, _, gi in rows]),
         weight_versions=torch.tensor([s.weight_version for s in samples]),
+        token_versions=versions,
     )
 
 
@@ -112,4 +130,11 @@ def broadcast_batch(b: Batch | None) -> Batch | None:
     return Batch(*distributed.broadcast_tensors(mine, shapes, dtypes))
 
 
-PER_TOKEN = {"response_pos", "response_ids", "response_mask", "rollout_logprobs", "sampling_logprobs"}
+PER_TOKEN = {
+    "response_pos",
+    "response_ids",
+    "response_mask",
+    "rollout_logprobs",
+    "sampling_logprobs",
+    "token_versions",
+}

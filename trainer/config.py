@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.guards import GuardConfig
 from trainer.minibatches import updates_per_epoch
@@ -209,6 +209,31 @@ class TrainerConfig(_Strict):
     )
 
 
+class AsyncTraining(_Strict):
+    """verl's async_training keys (its fully-async trainer), counted in whole weight versions here."""
+
+    staleness_threshold: int = Field(
+        0,
+        ge=0,
+        le=64,
+        validation_alias=AliasChoices("staleness_threshold", "max_head_offpolicyness"),
+        description="0: synchronous (each step's prompts are fed when it starts). s > 0: the trainer keeps s steps "
+        "of prompts fed ahead to its queue source, so the service generates them while it trains, and no sample "
+        "whose oldest token is more than s versions behind the trainer's reaches it (AReaL's "
+        "max_head_offpolicyness, accepted as an alias). Needs trainer.rollout_source=queue",
+    )
+    partial_rollout: bool = Field(
+        True,
+        description="with staleness_threshold > 0: true pushes weights with the in-flight policy 'partial' (samples "
+        "in flight go on with the new weights: one sample may span versions); false pushes with 'abort' (they are "
+        "cut and run again on the new weights)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.staleness_threshold > 0
+
+
 class Config(_Strict):
     data: Data = Field(default_factory=Data)
     actor_rollout_ref: ActorRolloutRef = Field(default_factory=ActorRolloutRef)
@@ -216,6 +241,7 @@ class Config(_Strict):
     algorithm: Algorithm = Field(default_factory=Algorithm)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guards: GuardConfig = Field(default_factory=GuardConfig)
+    async_training: AsyncTraining = Field(default_factory=AsyncTraining)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -231,6 +257,7 @@ class Config(_Strict):
                 "trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
                 "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
             )
+        self._async_consistent()
         g, groups = self.guards, self.data.train_batch_size
         mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
         if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):
@@ -252,6 +279,26 @@ class Config(_Strict):
         if self.critic.enable is False and estimator in NEEDS_CRITIC:
             raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
         return self
+
+    def _async_consistent(self) -> None:
+        s = self.async_training.staleness_threshold
+        if not s:
+            return
+        if self.trainer.rollout_source != "queue":
+            raise ValueError(
+                f"async_training.staleness_threshold: {s} needs the service's queue to generate ahead; "
+                "set trainer.rollout_source=queue (or the threshold to 0)"
+            )
+        if self.actor_rollout_ref.actor.old_logprobs == "rollout":
+            raise ValueError(
+                f"async_training.staleness_threshold: {s} trains on samples up to {s} versions old; set "
+                "actor_rollout_ref.actor.old_logprobs=recompute, so the rollout correction weights them"
+            )
+        if self.trainer.queue_max_staleness not in (0, s):
+            raise ValueError(
+                f"trainer.queue_max_staleness: async_training.staleness_threshold={s} sets the queue's bound in "
+                "async mode; leave queue_max_staleness at 0 (or set it to the same value)"
+            )
 
     @property
     def critic_enabled(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from services import protocol as P
-from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, step_metrics
+from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, staleness, step_metrics
 from trainer.actor import update_actor
 from trainer.advantages import compute_advantages
 from trainer.batch import Batch, broadcast_batch
@@ -44,6 +44,7 @@ def train(run: TrainingRun) -> dict:
     if t.eval_size and run.step == 0 and run.rank == 0:
         summary["before"] = held_out_accuracy(run)
     bar = progress_bar(run)
+    began = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
         batch = broadcast_batch(rollouts.pull(run) if run.rank == 0 else None)
@@ -52,12 +53,16 @@ def train(run: TrainingRun) -> dict:
             continue
         batch = batch.to(run.device)
         metrics = train_step(run, batch)
+        pushed = time.perf_counter()
         run.push()
+        metrics["push_seconds"] = time.perf_counter() - pushed
         run.step = step
         variance = variance_statistics(run, batch, metrics)
         actions, flags = check_guards(run, metrics["kl_ref"], variance)
         if run.rank == 0:
-            metrics |= step_metrics.batch_metrics(batch, time.perf_counter() - start) | counters(run, flags, actions)
+            seconds = time.perf_counter() - start
+            metrics |= step_metrics.batch_metrics(batch, seconds) | counters(run, flags, actions)
+            metrics |= step_metrics.pull_metrics(run.pull_stats, seconds) | {"elapsed_s": time.perf_counter() - began}
             report(run, metrics, variance["reward_var"])
         for action in actions:
             guard_actions.carry_out(run, action)
@@ -79,8 +84,9 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     the step's metrics."""
     a = run.cfg.actor_rollout_ref.actor
     old_lp, ref_lp, kl_exact, values = no_grad_passes(run, b)
-    metrics = kl_readings(b, old_lp, ref_lp, kl_exact)
+    metrics = kl_readings(b, old_lp, ref_lp, kl_exact) | staleness.staleness_metrics(b, run.version)
     weights, mask, corr = rollout_correction.correction(old_lp, b, run.cfg.algorithm.rollout_correction)
+    corr |= staleness.offpolicy_correction(b, run.version, old_lp, weights, mask, run.cfg.algorithm.rollout_correction)
     if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
         old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
         weights = b.importance_weights[:, None] * b.response_mask

@@ -4,6 +4,10 @@ The step's prompts (the task's training problems, through the model's chat templ
 (`trainer.rollout_source=request`: POST /v1/rollouts with the step's sampling seed and the configured sampler)
 or fed to the trainer's queue source and leased from it (`queue`); leased groups are acked once the step's
 weights are pushed, so a group leased by a trainer that died comes back when its lease runs out.
+
+With `async_training.staleness_threshold` s > 0 the trainer keeps s steps of prompts fed ahead of the one it pulls,
+so the service generates them while it trains (trainer/queue_ahead.py); no group whose oldest token is more than
+s versions behind the trainer is trained on.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from services import protocol as P
 from services.tasks import Problem
+from trainer import queue_ahead
 from trainer.batch import Batch, make_batch
 
 if TYPE_CHECKING:
     from trainer.run import TrainingRun
 
 log = logging.getLogger("farm.trainer")
-QUEUE_WAIT_S = 600  # for a step's groups from the queue
 
 
 def render_prompt(tok, p: Problem) -> str:
@@ -34,11 +38,12 @@ def render_prompt(tok, p: Problem) -> str:
 
 
 def pull(run: TrainingRun) -> Batch | None:
-    """This step's rollouts; None when every group came back empty (filtered out by the sampler)."""
-    d = run.cfg.data
-    problems = run.task.train_batch(run.rng, math.ceil(d.train_batch_size * d.oversample))
-    prompts = [P.Prompt(text=render_prompt(run.tok, p), ground_truth=p.answer) for p in problems]
-    groups = lease_groups(run, prompts) if run.cfg.trainer.rollout_source == "queue" else request_groups(run, prompts)
+    """This step's rollouts; None when every group came back empty (filtered out by the sampler). The seconds it
+    waited and what the queue dropped go to run.pull_stats."""
+    start, run.pull_stats = time.perf_counter(), {}
+    run.pulls += 1
+    groups = lease_groups(run) if run.cfg.trainer.rollout_source == "queue" else request_groups(run, draw_prompts(run))
+    run.pull_stats["rollout_wait_s"] = time.perf_counter() - start
     groups = [g for g in groups if g.samples]
     if not groups:
         return None
@@ -50,6 +55,13 @@ def pull(run: TrainingRun) -> Batch | None:
             "set actor_rollout_ref.actor.old_logprobs=recompute to train on them with the rollout correction"
         )
     return batch
+
+
+def draw_prompts(run: TrainingRun) -> list[P.Prompt]:
+    """One step's prompts, drawn from the run's RNG."""
+    d = run.cfg.data
+    problems = run.task.train_batch(run.rng, math.ceil(d.train_batch_size * d.oversample))
+    return [P.Prompt(text=render_prompt(run.tok, p), ground_truth=p.answer) for p in problems]
 
 
 def sampling(run: TrainingRun) -> tuple[P.SamplingParams, P.SamplerSpec]:
@@ -83,36 +95,38 @@ def request_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
     return out.groups
 
 
-def lease_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
-    """Feed the prompts to the trainer's queue source and lease train_batch_size groups from it; `ack` settles
-    them after the step. A group leased by a trainer that died comes back once its lease runs out."""
-    t, want = run.cfg.trainer, run.cfg.data.train_batch_size
-    name = t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
-    if not any(s.name == name for s in run.client.queue_sources()):
-        add_queue_source(run, name)
-    run.batches += 1
-    run.client.queue_add_prompts(name, prompts, batch_id=f"{run.run_id}:{run.batches}")  # once, even if resumed
-    items: list[P.QueueItem] = []
-    deadline = time.monotonic() + QUEUE_WAIT_S
-    while len(items) < want:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"queue source {name!r} delivered {len(items)} of {want} groups in {QUEUE_WAIT_S} s")
-        req = P.PullRequest(
-            source=name,
-            max_groups=want - len(items),
-            max_staleness=t.queue_max_staleness,
-            lease_s=t.queue_lease_s,
-            wait_s=30,
-        )
-        items += run.client.queue_pull(req).items
-    run.leased = [i.item_id for i in items]
-    run.redelivered += sum(i.deliveries > 1 for i in items)
-    run.generated_tokens += sum(i.group.generated_tokens or 0 for i in items)
-    return [i.group for i in items]
+def lease_groups(run: TrainingRun) -> list[P.Group]:
+    """Feed the trainer's queue source (this step's prompts, and with async training the next s steps' too) and
+    lease train_batch_size groups from it; `ack` settles them after the step. A group leased by a trainer that died
+    comes back once its lease runs out."""
+    t, a = run.cfg.trainer, run.cfg.async_training
+    name = source_name(run)
+    state = next((s for s in run.client.queue_sources() if s.name == name), None)
+    if state is None:
+        state = add_queue_source(run, name)
+    run.pull_stats |= queue_ahead.rollout_idle(run.queue_clock, state)
+    run.queue_clock = (state.generation_busy_s, state.generation_idle_s)
+    upto = min(run.pulls + a.staleness_threshold, t.total_training_steps) if a.enabled else run.pulls
+    while run.batches < upto:  # each batch once, even if resumed: its id is the run's and its number
+        run.batches += 1
+        run.client.queue_add_prompts(name, draw_prompts(run), batch_id=f"{run.run_id}:{run.batches}")
+    bound = a.staleness_threshold if a.enabled else t.queue_max_staleness
+    got = queue_ahead.lease(run.client, name, run.cfg.data.train_batch_size, run.version, bound, t.queue_lease_s)
+    run.pull_stats |= {"stale_dropped_groups": got.stale_dropped, "refused_groups": got.refused}
+    run.leased = [i.item_id for i in got.items]
+    run.redelivered += sum(i.deliveries > 1 for i in got.items)
+    run.generated_tokens += sum(i.group.generated_tokens or 0 for i in got.items)
+    return [i.group for i in got.items]
 
 
-def add_queue_source(run: TrainingRun, name: str) -> None:
-    """The trainer's queue source: the service generates its groups ahead, with the run's sampling params."""
+def source_name(run: TrainingRun) -> str:
+    t = run.cfg.trainer
+    return t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
+
+
+def add_queue_source(run: TrainingRun, name: str) -> P.QueueSourceState:
+    """The trainer's queue source: the service generates its groups ahead, with the run's sampling params, up to
+    the groups of the steps fed ahead and the current one."""
     t = run.cfg.trainer
     params, sampler = sampling(run)
     source = P.QueueSource(
@@ -121,10 +135,11 @@ def add_queue_source(run: TrainingRun, name: str) -> None:
         sampling_params=params.model_copy(update={"seed": None}),
         sampler=sampler,
         reward=t.reward or run.task.reward,
-        target_groups=run.cfg.data.train_batch_size,
+        target_groups=queue_ahead.target_groups(run.cfg),
     )
-    run.client.queue_add_source(source)
+    state = run.client.queue_add_source(source)
     log.info("queue_source_added", extra={"source": name})
+    return state
 
 
 def ack(run: TrainingRun) -> None:

@@ -53,6 +53,9 @@ class TrainingRun:
         self.run_id = uuid.uuid4().hex[:12]  # with `batches`, names this run's prompt batches in the queue
         self.batches = 0  # prompt batches fed to the queue; a resume goes back to the checkpoint's, a rollback not
         self.redelivered = 0  # queue groups that came back from an earlier (killed) trainer's lease
+        self.pulls = 0  # steps' rollouts pulled; with async training the queue is fed this + staleness_threshold
+        self.pull_stats: dict = {}  # the last pull's wait and drops (trainer/rollouts.py)
+        self.queue_clock: tuple[float, float] | None = None  # the queue source's generation busy/idle s, last pull
         self.out = Path(t.default_local_dir) if t.default_local_dir else None
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,7 @@ class TrainingRun:
         if resumed:
             state = self.restore(resumed)
             self.run_id, self.batches = state.get("run_id", self.run_id), state.get("batches", 0)
+            self.pulls = state.get("pulls", self.step)
             if state.get("leased") and self.rank == 0:  # trained into this checkpoint; killed before their ack
                 self.client.queue_ack(state["leased"])
             log.info("resumed", extra={"checkpoint": str(resumed), "step": self.step, "rank": self.rank})
@@ -90,16 +94,20 @@ class TrainingRun:
             self.save()  # step 0: what a rollback before the first periodic checkpoint returns to
 
     def push(self) -> None:
-        """Send the policy as the service's next version (rank 0; the other ranks hold the same weights)."""
+        """Send the policy as the service's next version (rank 0; the other ranks hold the same weights). With
+        async training, samples in flight go on with the new weights ("partial"), or are cut and run again on them
+        ("abort"); else the push waits for them to end on the old weights ("finish")."""
         if self.rank == 0:
-            self.version = push_weights(self.client, self.policy)
+            a = self.cfg.async_training
+            policy = ("partial" if a.partial_rollout else "abort") if a.enabled else "finish"
+            self.version = push_weights(PushPolicy(self.client, policy), self.policy)
 
     def save(self) -> None:
         """Checkpoint this step: rank 0 writes it, and every rank waits until it is written."""
         if self.rank == 0:
             state = {"kl_coef": self.kl_ctrl.value, "mini_batch_size": self.mini_batch_size}
             state |= {"generated_tokens": self.generated_tokens, "config": self.cfg.model_dump()}
-            state |= {"run_id": self.run_id, "batches": self.batches, "leased": self.leased}
+            state |= {"run_id": self.run_id, "batches": self.batches, "pulls": self.pulls, "leased": self.leased}
             checkpoint.save(self.out, self.step, self.policy, self.opt, state, critic=self.critic, trainer_rng=self.rng)
         distributed.barrier()
 
@@ -110,6 +118,21 @@ class TrainingRun:
         self.step, self.kl_ctrl.value = state["step"], state["kl_coef"]
         self.mini_batch_size, self.generated_tokens = state["mini_batch_size"], state["generated_tokens"]
         return state
+
+
+class PushPolicy:
+    """The client, its weight pushes made with the in-flight policy `policy` (trainer/weight_sync.py's push_weights
+    takes a client and pushes with the client's default)."""
+
+    def __init__(self, client: FarmClient, policy: str):
+        self.client, self.policy = client, policy
+
+    def push_weights(self, data: bytes, version: int, *args, **kw):
+        kw.pop("policy", None)
+        return self.client.push_weights(data, version, policy=self.policy)
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
 
 
 def _adamw(model: torch.nn.Module, optim: Optim) -> torch.optim.AdamW:

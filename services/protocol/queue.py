@@ -68,6 +68,15 @@ class QueueSourceState(BaseModel):
     )
     generating: bool
     error: str | None = Field(None, description="The last generation failure, if the newest attempt failed.")
+    target_groups: int | None = Field(None, description="Groups the service keeps generated ahead (the source's).")
+    generation_busy_s: float = Field(
+        0.0, description="Seconds the source's generation loop has spent generating, since the source was added."
+    )
+    generation_idle_s: float = Field(
+        0.0,
+        description="Seconds it had nothing it was allowed to generate: no prompt pending, or target_groups ready. "
+        "Over an interval, idle / (idle + busy) of the two counters' changes is the rollout idle ratio.",
+    )
 
 
 class PullRequest(RequestModel):
