@@ -16,7 +16,7 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
 The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
 the most calls that shared one decode step are reported too.
 
-    .venv/bin/python bench/concurrency.py                            # about 5 min on 2 cores
+    .venv/bin/python bench/concurrency.py                            # about 10 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
 Goal: >= 0.8 at both K.
 """
@@ -33,6 +33,7 @@ import httpx
 from common import CpuMeter, log, resolve, start_service, stop_service, table, wait_quiet, write_json
 
 PROMPT = "Q: 12+30\nA:"
+PER_ROUND = ("ratio", "many_429", "other_processes_cpu_share")  # kept per round in the JSON
 
 
 def readyz(http: httpx.Client, url: str) -> dict:
@@ -153,7 +154,7 @@ def main() -> None:
             "many_other_errors_total": sum(r["many_other_errors"] for r in rs),
             "median_busy_share_one": statistics.median(r["busy_share_one"] for r in rs),
             "median_busy_share_many": statistics.median(r["busy_share_many"] for r in rs),
-            "rounds": rs,
+            "per_round": {key: [round(r[key], 3) for r in rs] for key in PER_ROUND},  # in round order
         }
         rows.append(
             [
