@@ -1,15 +1,12 @@
 """Overload: status mix, latency and memory when clients offer 1x, 3x and 10x what the service admits.
 
-The service runs the 'bench' engine (no model: each decode step sleeps --token-latency-s; one generate call at a
-time per replica), --replicas engine replicas, FARM_ENGINE_MAX_ONGOING_REQUESTS=--ongoing and
+The service runs the 'bench' engine (no model: each decode step sleeps --token-latency-s, shared by every call
+in the step), --replicas engine replicas, FARM_ENGINE_MAX_ONGOING_REQUESTS=--ongoing and
 FARM_ENGINE_MAX_QUEUED_REQUESTS=--queued. What it admits at once (running or waiting, not answered 429):
-  per replica   --ongoing rollouts in their slots + CONTROL_SLOTS - 2 waiting for one (more: the replica answers Full)
-  the ingress   --queued calls in its queue for the replicas (Serve's max_queued_requests, one queue per ingress
-                handle, not per replica; more: BackPressureError), and up to FARM_INGRESS_MAX_ONGOING_REQUESTS
-                requests in the ingress; past those the proxy holds them (no queue limit): they wait, not fail
-  capacity = replicas * (ongoing + CONTROL_SLOTS - 2)
-The ingress's queue adds nothing in steady state: a replica answers Full at once, so its Serve slots (ongoing +
-CONTROL_SLOTS) are all taken only for an instant, and only then do calls wait in that queue.
+  per replica   --ongoing rollouts running + its share of --queued waiting for a slot (more: the replica answers Full)
+  the ingress   Serve's queue for the replicas, a backstop larger than what the replicas admit, and up to
+                FARM_INGRESS_MAX_ONGOING_REQUESTS requests in the ingress; past those the proxy holds them
+  capacity = replicas * ongoing + queued (each replica holds its share of the queue)
 For each multiple k of --levels, k * capacity concurrent clients post one-prompt rollouts in a closed loop for
 --duration-s (after --warmup-s); a client answered 429 comes back after 50 ms, not after Retry-After: harder than a
 well-behaved client. Meanwhile psutil samples the resident memory of the ingress replica, each engine replica and
@@ -140,9 +137,7 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=15.0)
     args = ap.parse_args()
 
-    from services.replica import CONTROL_SLOTS
-
-    capacity = args.replicas * (args.ongoing + CONTROL_SLOTS - 2)
+    capacity = args.replicas * args.ongoing + args.queued
     body = {
         "prompts": [{"token_ids": [40, 41, 42]}],
         "n": args.n,
@@ -215,7 +210,7 @@ def main() -> None:
         {
             "args": vars(args),
             "capacity": capacity,
-            "capacity_formula": "replicas * (ongoing + CONTROL_SLOTS - 2)",
+            "capacity_formula": "replicas * ongoing + queued",
             "levels": levels,
             "idle_rss_mib_before": idle_before,
             "idle_rss_mib_after": idle_after,

@@ -114,8 +114,8 @@ class RolloutCancelled(Conflict):
 
 
 class ReplicaFull(Overloaded):
-    """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and has CONTROL_SLOTS - 2 waiting (it answers
-    services.overload.Full; the ingress raises this)."""
+    """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and holds its share of
+    FARM_ENGINE_MAX_QUEUED_REQUESTS waiting (it answers services.overload.Full; the ingress raises this)."""
 
     def __init__(self, message: str = QUEUES_FULL):
         super().__init__(message)

@@ -67,7 +67,7 @@ FILTER_WASTED_TOKENS = Counter(
 OVERLOAD = Counter(
     "farm_overload_rejections_total",
     "Engine calls refused for lack of room (answered 429): replica_full (a replica's slots and waiting room), "
-    "engine_queue (the ingress's queue for the replicas, FARM_ENGINE_MAX_QUEUED_REQUESTS)",
+    "engine_queue (Serve's backstop queue for the replicas at the ingress)",
     ["kind"],
 )
 
