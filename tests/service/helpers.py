@@ -123,3 +123,28 @@ def request(n=4, **params) -> dict:
         "sampling_params": {"max_new_tokens": 8, "seed": 1, **params},
         "reward": "gsm8k",
     }
+
+
+def replace_an_engine_replica(client, timeout_s: float = 180) -> dict:
+    """Kill one of the session's two engine replicas (no restart of the actor: Serve starts a replacement) and wait
+    until two replicas answer again, one of them new; returns their versions by replica id."""
+    import ray
+
+    from services.client import FarmError
+
+    old = client.weights_version().replicas
+    names = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::farm#engine")
+    ]
+    assert len(names) == 2
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            now = client.weights_version().replicas
+        except FarmError:
+            now = {}
+        if len(now) == 2 and set(now) != set(old):
+            return now
+        assert time.monotonic() < deadline, f"no replacement replica: {now}"
+        time.sleep(0.5)

@@ -4,7 +4,6 @@ import time
 
 from safetensors.torch import load_file, save
 
-from services.client import FarmError
 from tests.conftest import MIN_VERSION_WAIT_S, TOKEN
 from tests.service.helpers import (
     LONG_TOKENS,
@@ -14,6 +13,7 @@ from tests.service.helpers import (
     long_rollout,
     perturbed,
     push,
+    replace_an_engine_replica,
     replica_metric,
     replicas,
     rollout,
@@ -131,26 +131,8 @@ def test_each_replica_reports_its_version_over_http_and_in_metrics(service, tiny
 
 def test_restarted_replica_catches_up_before_serving(client, fresh_weights, tiny_model):
     """Kill an engine replica; Serve starts a new one, which loads the committed version before taking traffic."""
-    import time
-
-    import ray
 
     state = load_file(tiny_model / "model.safetensors")
     client.push_weights(save({k: v * 1.01 for k, v in state.items()}), fresh_weights + 1)
-    old = client.weights_version().replicas
-    names = [
-        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::farm#engine")
-    ]
-    assert len(names) == 2
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            now = client.weights_version().replicas
-        except FarmError:
-            now = {}
-        if len(now) == 2 and set(now) != set(old):
-            break
-        assert time.monotonic() < deadline, f"no replacement replica: {now}"
-        time.sleep(0.5)
+    now = replace_an_engine_replica(client, timeout_s=120)
     assert set(now.values()) == {fresh_weights + 1}  # the new replica serves the committed version, not version 0

@@ -17,7 +17,7 @@ from services.weight_client import WeightPusher
 from services.weight_delta import encode
 from services.weight_manifest import Manifest, manifest_of
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
-from tests.service.helpers import AUTH, greedy, rollout, tokens, versions
+from tests.service.helpers import AUTH, greedy, replace_an_engine_replica, rollout, tokens, versions
 
 PROMPTS = [[40, 41, 42], [43, 44, 45], [7, 8, 9, 10]]
 
@@ -191,9 +191,6 @@ def test_an_engine_that_cannot_export_its_weights_refuses_a_delta(bench_service)
 def test_a_restarted_replica_replays_the_deltas_since_the_last_full_push(client, fresh_weights, base_state):
     """The store keeps the last full push and the deltas since; a replica Serve starts anew applies them in order and
     serves the newest version bit-exact."""
-    import time
-
-    import ray
 
     pusher = WeightPusher(client, "delta")
     state, version = stepped(base_state, seed=5, lr=0.05), fresh_weights + 1
@@ -201,19 +198,5 @@ def test_a_restarted_replica_replays_the_deltas_since_the_last_full_push(client,
     for seed in (6, 7):
         state, version = stepped(state, seed), version + 1
         assert pusher.push(state, version).base == version - 1
-    old = client.weights_version().replicas
-    names = [
-        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::farm#engine")
-    ]
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            now = client.weights_version().replicas
-        except FarmError:
-            now = {}
-        if len(now) == 2 and set(now) != set(old):
-            break
-        assert time.monotonic() < deadline, f"no replacement replica: {now}"
-        time.sleep(0.5)
+    replace_an_engine_replica(client)
     assert_every_replica_serves(client, state, version)
