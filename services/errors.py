@@ -11,8 +11,15 @@ from __future__ import annotations
 def pydantic_fields(errors: list[dict], *prefix: str) -> list[dict]:
     """pydantic's errors as 422 detail: the dotted field (under `prefix`) and the message."""
     return [
-        {"field": ".".join([*prefix, *(str(x) for x in e["loc"] if x != "body")]), "message": e["msg"]} for e in errors
+        {"field": ".".join([*prefix, *(str(x) for x in e["loc"] if x != "body")]), "message": _message(e)}
+        for e in errors
     ]
+
+
+def _message(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "not a field of this request (misspelt, or not supported): remove it; GET /openapi.json lists the fields"
+    return error["msg"]
 
 
 class ServiceError(Exception):

@@ -43,7 +43,10 @@ def _wire_problem(x) -> str | None:
 class RequestModel(BaseModel):
     """A request body. No string of it (a field, or an item of a list field) may hold a NUL character or a lone
     surrogate: they would reach file paths, tokenizers and C code. No float may be NaN, infinite or subnormal in
-    float32. Each is a 422 naming the field."""
+    float32. Each is a 422 naming the field. A field the model does not define is refused the same way (a 422
+    naming it), never ignored: a misspelt `sampling_params` would otherwise sample with the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*")
     @classmethod

@@ -64,6 +64,24 @@ def test_invalid_requests_get_422_naming_the_field(service, patch, field):
     assert all(d["message"] for d in detail)
 
 
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"sampling": {"max_new_tokens": 2}}, "sampling"),  # sampling_params misspelt: not sampled with defaults
+        ({"sampling_params": {"max_tokens": 2}}, "sampling_params.max_tokens"),  # OpenAI's name, not ours
+        ({"prompts": [{"text": "a", "answer": "1"}]}, "prompts.0.answer"),
+    ],
+)
+def test_unknown_fields_get_422_naming_them(service, patch, field):
+    body = request()
+    for k, v in patch.items():
+        body[k] = {**body.get(k, {}), **v} if isinstance(v, dict) else v
+    r = httpx.post(f"{service}/v1/rollouts", json=body)
+    assert r.status_code == 422
+    (d,) = [d for d in r.json()["detail"] if d["field"] == field]
+    assert "remove it" in d["message"]
+
+
 def test_unknown_reward_lists_valid_names(service):
     r = httpx.post(f"{service}/v1/rollouts", json={**request(), "reward": "nope"})
     assert r.status_code == 422
