@@ -198,6 +198,12 @@ class TrainerConfig(_Strict):
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port"
     )
+    weight_sync: Literal["full", "bucketed", "delta"] = Field(
+        "full",
+        description="how each step's weights go to the service: full (every tensor; the fastest on one machine), "
+        "bucketed (only the tensors that changed) or delta (changed tensors as compressed XOR: the fewest bytes, "
+        "for a slow link); both fall back to full when a replica is not on the version they diff against",
+    )
     device: str = Field(
         "auto",
         pattern=r"^(auto|cpu|cuda(:\d+)?)$",

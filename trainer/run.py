@@ -18,6 +18,7 @@ from verl.trainer.ppo import core_algos
 from services.client import FarmClient
 from services.models import resolve_model
 from services.tasks import TASKS
+from services.weight_client import WeightPusher
 from trainer import checkpoint, distributed, step_metrics
 from trainer.config import Config, Optim
 from trainer.guards import Guard
@@ -48,6 +49,9 @@ class TrainingRun:
             step_metrics.serve(t.metrics_port)
         self.task = TASKS.get(t.task)()
         self.client = FarmClient(t.service_url, token)
+        self.pusher = WeightPusher(
+            self.client, t.weight_sync
+        )  # its last push is the base of the next (bucketed, delta)
         self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
         self.leased: list[str] = []  # queue items of the current step, acked once its checkpoint is written
         self.run_id = uuid.uuid4().hex[:12]  # with `batches`, names this run's prompt batches in the queue
@@ -100,7 +104,7 @@ class TrainingRun:
         if self.rank == 0:
             a = self.cfg.async_training
             policy = ("partial" if a.partial_rollout else "abort") if a.enabled else "finish"
-            self.version = push_weights(PushPolicy(self.client, policy), self.policy)
+            self.version = push_weights(self.pusher, self.policy, policy)
 
     def save(self) -> None:
         """Checkpoint this step: rank 0 writes it, and every rank waits until it is written."""
@@ -118,21 +122,6 @@ class TrainingRun:
         self.step, self.kl_ctrl.value = state["step"], state["kl_coef"]
         self.mini_batch_size, self.generated_tokens = state["mini_batch_size"], state["generated_tokens"]
         return state
-
-
-class PushPolicy:
-    """The client, its weight pushes made with the in-flight policy `policy` (trainer/weight_sync.py's push_weights
-    takes a client and pushes with the client's default)."""
-
-    def __init__(self, client: FarmClient, policy: str):
-        self.client, self.policy = client, policy
-
-    def push_weights(self, data: bytes, version: int, *args, **kw):
-        kw.pop("policy", None)
-        return self.client.push_weights(data, version, policy=self.policy)
-
-    def __getattr__(self, name: str):
-        return getattr(self.client, name)
 
 
 def _adamw(model: torch.nn.Module, optim: Optim) -> torch.optim.AdamW:

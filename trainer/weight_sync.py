@@ -1,7 +1,7 @@
 """The policy's weights to the service, pushed as the next version and checked to be served.
 
 The push streams the canonical state dict straight from the parameters' memory (services/weight_client.py): no
-safetensors copy is made, and every replica verifies each tensor's checksum. The mode is FARM_WEIGHT_SYNC:
+safetensors copy is made, and every replica verifies each tensor's checksum. The mode is trainer.weight_sync:
   full      (default) every tensor, every step: the fastest on one machine (docs: bench/weight_sync.py)
   bucketed  only the tensors that changed since the last push
   delta     changed tensors as compressed XOR against the last push: the fewest bytes, for a slow link
@@ -13,48 +13,35 @@ from __future__ import annotations
 import json
 import os
 import time
-import weakref
 
 import torch
 
+from services import protocol as P
 from services.client import FarmClient, FarmError
 from services.engine.state_dict import canonical_state_dict
-from services.weight_client import MODES, WeightPusher, base_refused
+from services.weight_client import WeightPusher, base_refused
 
-MODE_ENV = "FARM_WEIGHT_SYNC"
 STATS_ENV = "FARM_WEIGHT_SYNC_STATS"  # a file: one JSON line per push (seconds, bytes, mode), for bench/weight_sync.py
-DEFAULT_MODE = "full"
-_pushers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its pusher (the last push's state)
 
 
-def mode() -> str:
-    chosen = os.environ.get(MODE_ENV, DEFAULT_MODE)
-    if chosen not in MODES:
-        raise ValueError(f"{MODE_ENV}={chosen!r}: use one of {', '.join(MODES)}")
-    return chosen
-
-
-def pusher(client: FarmClient) -> WeightPusher:
-    if client not in _pushers:
-        _pushers[client] = WeightPusher(client, mode())
-    return _pushers[client]
-
-
-def push_weights(client: FarmClient, policy: torch.nn.Module) -> int:
-    """Send the policy as the service's next version; returns the version the service now serves (that one). The push
-    answers once every replica serves it. The next version is one above the last this trainer pushed (asked of the
-    service the first time, and again if another pusher got there first: a 409 that is not about a base)."""
-    state, p, start = canonical_state_dict(policy), pusher(client), time.perf_counter()
-    version = (p.version if p.version is not None else newest(client)) + 1
+def push_weights(pusher: WeightPusher, model: torch.nn.Module, in_flight: P.InFlightPolicy = "finish") -> int:
+    """Send the model as the service's next version, with the in-flight policy `in_flight`; returns the version the
+    service now serves (that one). The push answers once every replica serves it. The next version is one above the
+    last this pusher pushed (asked of the service the first time, and again if another pusher got there first: a 409
+    that is not about a base). Keep one pusher per run: bucketed and delta pushes diff against its last push."""
+    state, client, start = canonical_state_dict(model), pusher.client, time.perf_counter()
+    version = (pusher.version if pusher.version is not None else newest(client)) + 1
     try:
-        pushed = p.push(state, version)
+        pushed = pusher.push(state, version, in_flight)
     except FarmError as e:
         if e.status != 409 or base_refused(e):
             raise
-        pushed = p.push(state, newest(client) + 1)  # above every replica's, as the service requires
+        pushed = pusher.push(state, newest(client) + 1, in_flight)  # above every replica's, as the service requires
     if path := os.environ.get(STATS_ENV):
         with open(path, "a") as f:
-            f.write(json.dumps({"version": pushed.version, "seconds": time.perf_counter() - start, **p.last}) + "\n")
+            f.write(
+                json.dumps({"version": pushed.version, "seconds": time.perf_counter() - start, **pusher.last}) + "\n"
+            )
     return pushed.version
 
 

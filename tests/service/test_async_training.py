@@ -3,9 +3,10 @@ feeds s steps ahead and leases with the bound) between weight pushes, and the ba
 
   - the staleness bound: no sample whose oldest token is more than s versions behind the trainer arrives, even when
     versions jump past the groups generated ahead; with a larger s the same old groups do arrive (the test can fail);
-  - a weight commit landing while the queue generates: with "partial" each sample's tokens switch version mid-way
-    and the batch records each token's version and the staleness of the oldest; with "abort" the samples run again
-    on the new weights, one version each;
+  - a weight commit landing while the queue generates, pushed the trainer's way (trainer/weight_sync.py's
+    push_weights with the async in-flight policy, bucketed): with "partial" each sample's tokens switch version
+    mid-way and the batch records each token's version and the staleness of the oldest; with "abort" the samples
+    run again on the new weights, one version each;
   - the generation loop's busy and idle seconds, in the source's state and in /metrics.
 """
 
@@ -16,15 +17,18 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save
+from transformers import AutoModelForCausalLM
 
 from services import protocol as P
 from services.client import FarmClient
 from services.tasks import TASKS
+from services.weight_client import WeightPusher
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, LONG_TOKENS, in_thread, perturbed, replicas, wait_until
 from trainer import rollouts, staleness
 from trainer.batch import make_batch
 from trainer.config import load
+from trainer.weight_sync import push_weights
 
 BENCH_WEIGHTS = save({"bench.weight": torch.zeros(1)})
 
@@ -124,11 +128,11 @@ def test_the_generation_loop_reports_its_busy_and_idle_time(bench_service):
 def test_a_commit_while_the_queue_generates_reaches_the_batch_with_each_tokens_version(
     service, client, tiny_model, policy
 ):
-    """Long generations (ignore_eos) for the trainer's source; once a replica decodes the first step's prompt, a
-    push with `policy` (what the async trainer pushes with). The first step's batch: with "partial" every token
-    before the commit is on the old version and every one after on the new, the sample's staleness 1 (its oldest
-    token); with "abort" the samples were run again on the new weights: one version, staleness 0. The next step,
-    after one more push, gets nothing past s=1."""
+    """Long generations (ignore_eos) for the trainer's source; once a replica decodes the first step's prompt, the
+    trainer's push with `policy` (what the async trainer pushes with). The first step's batch: with "partial" every
+    token before the commit is on the old version and every one after on the new, the sample's staleness 1 (its
+    oldest token); with "abort" the samples were run again on the new weights: one version, staleness 0. The next
+    step, after one more push (bucketed: against the first, which the pusher remembers), gets nothing past s=1."""
     source = f"async-commit-{policy}"
     wait_until(lambda: not any(r["busy"] for r in replicas(service)), "replicas idle before the test")
     params = {"temperature": 1.0, "max_new_tokens": LONG_TOKENS, "ignore_eos": True}
@@ -139,8 +143,10 @@ def test_a_commit_while_the_queue_generates_reaches_the_batch_with_each_tokens_v
     try:
         t, out = in_thread(lambda: pull_step(run))
         wait_until(lambda: any(r["busy"] for r in replicas(service)), "a replica decoding the fed prompts")
-        weights = save(perturbed(tiny_model, seed=5, scale=0.1))
-        assert client.push_weights(weights, old + 1, policy=policy).version == old + 1
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        model.load_state_dict(perturbed(tiny_model, seed=5, scale=0.1))
+        pusher = WeightPusher(client, "bucketed")
+        assert push_weights(pusher, model, policy) == old + 1 and pusher.last["mode"] == "full"  # nothing to diff
         run.version = old + 1  # the trainer's version once its push returned
         t.join(300)
         assert out and not isinstance(out[0], Exception), out
@@ -155,7 +161,10 @@ def test_a_commit_while_the_queue_generates_reaches_the_batch_with_each_tokens_v
             assert lags == [0, 0] and all(set(r) == {old + 1} for r in rows), lags
             assert all(s.token_weight_versions is None for g in out[0] for s in g.samples)
         run.version = old + 2
-        assert client.push_weights(weights, old + 2, policy=policy).version == old + 2
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.01)
+        assert push_weights(pusher, model, policy) == old + 2
+        assert pusher.last["mode"] == "bucketed" and pusher.last["sent_tensors"] == 1
         second = make_batch(pull_step(run), pad_id=0)
         assert staleness.sample_staleness(second, run.version).max() <= 1
     finally:

@@ -12,7 +12,6 @@ from services import protocol as P
 from trainer import queue_ahead, rollout_correction, rollouts, staleness, step_metrics
 from trainer.batch import make_batch
 from trainer.config import ConfigError, RolloutCorrection, load
-from trainer.run import PushPolicy
 
 QUEUE = ["trainer.rollout_source=queue"]
 
@@ -181,14 +180,6 @@ def test_the_off_policy_figures_say_what_the_correction_did_to_the_stale_samples
     assert m["offpolicy_is_weight_mean"] == pytest.approx(expected, rel=1e-5)
     on_policy = staleness.offpolicy_correction(b, 3, old, weights, mask, cfg)  # nothing is late at version 3
     assert on_policy["offpolicy_is_weight_mean"] is None
-
-
-def test_pushes_carry_the_async_in_flight_policy():
-    calls = []
-    client = types.SimpleNamespace(push_weights=lambda data, version, policy="finish": calls.append(policy) or 7)
-    wrapped = PushPolicy(client, "partial")
-    assert wrapped.push_weights(b"x", 3) == 7 and wrapped.push_weights(b"x", 4, policy="finish") == 7
-    assert calls == ["partial", "partial"] and wrapped.push_weights is not client.push_weights
 
 
 def test_async_gauges_are_set_by_the_steps_that_have_them_and_the_histogram_counts_samples():
