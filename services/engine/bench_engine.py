@@ -6,6 +6,11 @@ batches on a real engine: one clock thread ticks every token_latency_s while any
 token for every call that was waiting when it began (a call that arrives mid-tick starts at the next one). No model
 runs and none is needed: it uses the tokenizer of the model folder it is given, or the embedded byte tokenizer. So
 what a benchmark measures on top of `max_new_tokens * token_latency_s` is the cost of the service itself.
+
+Weight commits follow the in-flight policy as the torch engine's do, for the versions each token records: with
+"partial" the calls in flight go on on the new version (a sample spans both), with "abort" they end at the next tick
+("abort": the replica runs them again), and with "finish" (or a catch-up) they finish on the version they started
+on, while new calls start on the new one (no weights, so nothing waits for them).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from services.protocol import InFlightPolicy, SamplingParams
 class _Run:
     """One generate call on the clock: its rows, its limit, and the steps done."""
 
-    def __init__(self, rows: int, limit: int, cancel: threading.Event | None, epoch: int, tick: int):
+    def __init__(self, rows: int, limit: int, cancel: threading.Event | None, epoch: int, tick: int, version: int):
         self.rows, self.limit, self.cancel, self.epoch, self.joined = rows, limit, cancel, epoch, tick
         self.steps, self.reason, self.done = 0, "length", threading.Event()
+        self.version, self.versions = version, []  # the version it generates on; each token's
 
 
 @ENGINES.register("bench")
@@ -64,10 +70,10 @@ class BenchEngine(Engine):
             if cancel is not None and cancel.is_set():
                 return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
         rng = random.Random(params.seed)
-        run = _Run(len(prompts), params.max_new_tokens, cancel, self._epoch, 0)
+        run = _Run(len(prompts), params.max_new_tokens, cancel, self._epoch, 0, self.weight_version)
         if prompts:
             with self._clock:
-                run.joined = self._tick
+                run.joined, run.version = self._tick, self.weight_version
                 self._runs.append(run)
                 if not self._ticking:
                     self._ticking = True
@@ -76,9 +82,9 @@ class BenchEngine(Engine):
         steps = run.steps
         self.generated_tokens += steps * len(prompts)
         lp = -math.log(self.vocab)
-        v = self.weight_version
+        v = run.versions[0] if steps else run.version
         return [
-            EngineOutput([rng.randrange(self.vocab) for _ in range(steps)], [lp] * steps, run.reason, v, [v] * steps)
+            EngineOutput([rng.randrange(self.vocab) for _ in range(steps)], [lp] * steps, run.reason, v, run.versions)
             for _ in prompts
         ]
 
@@ -95,6 +101,7 @@ class BenchEngine(Engine):
                 stepped = [r for r in self._runs if r.joined < tick]
                 for r in stepped:
                     r.steps += 1
+                    r.versions.append(r.version)
                     if self._epoch != r.epoch or (r.cancel is not None and r.cancel.is_set()):
                         r.reason = "abort"
                     if r.reason == "abort" or r.steps >= r.limit:
@@ -120,7 +127,13 @@ class BenchEngine(Engine):
             return
         if self._staged != version:
             raise WeightsRejected(f"version {version} is not staged on this replica")
-        self.weight_version, self._staged = version, None
+        with self._clock:
+            self.weight_version, self._staged = version, None
+            if policy == "partial":
+                for r in self._runs:
+                    r.version = version
+            elif policy == "abort":
+                self._epoch += 1
 
     def discard_weights(self, version: int) -> None:
         self._staged = None
