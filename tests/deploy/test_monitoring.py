@@ -34,6 +34,13 @@ SHOWN = {
     "KL coefficient": "farm_trainer_kl_coef",
     "guard actions": "farm_trainer_guard_actions_total",
     "step seconds": "farm_trainer_step_seconds",
+    "rollout idle ratio (engine busy)": "farm_replica_busy_seconds",
+    "engine batch size": "farm_engine_batch_size_bucket",
+    "rollouts waiting per replica": "farm_replica_rollouts_waiting",
+    "trainer idle ratio": "farm_trainer_trainer_idle_ratio",
+    "rollout idle ratio (queue source)": "farm_trainer_rollout_idle_ratio",
+    "trainer sample staleness": "farm_trainer_sample_staleness_versions_bucket",
+    "off-policy corrected samples": "farm_trainer_offpolicy_fraction",
 }
 ALERTED = {
     "FarmReplicaWeightVersionsDiffer": {"farm_replica_weight_version"},
@@ -49,7 +56,13 @@ def test_the_dashboard_is_plain_grafana_with_a_datasource_variable_and_rows():
     assert d["uid"] == "rollout-farm" and d["schemaVersion"] >= 39 and d["title"]
     (var,) = [v for v in d["templating"]["list"] if v["name"] == "datasource"]
     assert var["type"] == "datasource" and var["query"] == "prometheus"
-    assert [p["title"] for p in d["panels"] if p["type"] == "row"] == ["Service", "Queue", "Weights", "Trainer"]
+    assert [p["title"] for p in d["panels"] if p["type"] == "row"] == [
+        "Service",
+        "Queue",
+        "Weights",
+        "Trainer",
+        "Batching and overlap",
+    ]
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     cells = set()
