@@ -13,10 +13,11 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
           per-request cost (HTTP, Serve's proxy, the ingress, two Ray calls).
   chat    (--chat) K concurrent POST /v1/chat/completions vs one with n=K; OpenAI's API has no ignore_eos, so
           samples end at EOS and the lengths, and the figure, vary more.
-The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
+Each of --http-proxy (serve, haproxy) is a pass of its own: the service started with that FARM_HTTP_PROXY, all
+its rounds, stopped (the engine arm runs in the first pass only). The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
 the most calls that shared one decode step are reported too.
 
-    .venv/bin/python bench/concurrency.py                            # about 10 min on 2 cores (more when busy)
+    .venv/bin/python bench/concurrency.py                            # about 15 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
 Goal: >= 0.8 at both K.
 """
@@ -60,6 +61,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chat", action="store_true", help="also the OpenAI chat arms")
     ap.add_argument(
+        "--http-proxy",
+        nargs="+",
+        default=["serve", "haproxy"],
+        choices=["serve", "haproxy"],
+        help="FARM_HTTP_PROXY of the service, one pass each (the service is started again for each)",
+    )
+    ap.add_argument(
         "--max-foreign", type=float, default=0.25, help="redo a round in which other processes used more of the cores"
     )
     args = ap.parse_args()
@@ -68,8 +76,8 @@ def main() -> None:
     from services.protocol import SamplingParams
 
     path = resolve(args.model)
-    url = start_service(model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1)
     engine = TorchEngine(str(path), "cpu", "float32", args.threads)
+    url = ""  # the service of the pass under way
     ids = engine.tokenizer(PROMPT, add_special_tokens=False).input_ids
 
     def run(kind: str, tokens: int, k: int, arm: str, http: httpx.Client) -> tuple[float, list[int], float]:
@@ -100,13 +108,11 @@ def main() -> None:
         busy = (readyz(http, url)["busy_seconds"] - busy0) / seconds
         return k * codes.count(200) / len(codes) / seconds, codes, busy
 
-    kinds = ["rollouts", "engine"] + (["chat"] if args.chat else [])
-    cases = [(kind, tokens, k) for kind in kinds for tokens in args.max_new_tokens for k in args.ks]
-    results: dict[tuple, list[dict]] = {case: [] for case in cases}
-    try:
+    def measure(cases: list[tuple], keys: dict[tuple, tuple]) -> dict:
+        """The rounds of one pass, into results[keys[case]]; the replica's state after them."""
         with httpx.Client() as http:
             log("warm-up")
-            for kind in kinds:
+            for kind in {case[0] for case in cases}:
                 for arm in ("one", "many"):
                     run(kind, min(args.max_new_tokens), max(args.ks), arm, http)
             rounds, redone = 0, 0
@@ -122,7 +128,7 @@ def main() -> None:
                 rounds += 1
                 for case in cases:
                     (one, _, busy_one), (many, codes, busy_many) = measured[(*case, "one")], measured[(*case, "many")]
-                    results[case].append(
+                    results[keys[case]].append(
                         {
                             "one_samples_s": one,
                             "many_samples_s": many,
@@ -136,11 +142,26 @@ def main() -> None:
                     )
                 log(
                     f"round {rounds}/{args.rounds}: "
-                    + ", ".join(f"{c[0]} {c[1]} tok K={c[2]} {results[c][-1]['ratio']:.2f}" for c in cases)
+                    + ", ".join(f"{c[0]} {c[1]} tok K={c[2]} {results[keys[c]][-1]['ratio']:.2f}" for c in cases)
                 )
-            replica = readyz(http, url)
-    finally:
-        stop_service()
+            return readyz(http, url)
+
+    served = ["rollouts"] + (["chat"] if args.chat else [])
+    results: dict[tuple, list[dict]] = {}
+    replica: dict[str, dict] = {}
+    for i, proxy in enumerate(args.http_proxy):
+        kinds = served + (["engine"] if i == 0 else [])  # the in-process arm once: no proxy in its way
+        cases = [(kind, tokens, k) for kind in kinds for tokens in args.max_new_tokens for k in args.ks]
+        keys = {case: (case[0] if case[0] == "engine" else f"{proxy}:{case[0]}", *case[1:]) for case in cases}
+        results |= {keys[case]: [] for case in cases}
+        log(f"pass {i + 1}/{len(args.http_proxy)}: FARM_HTTP_PROXY={proxy}")
+        url = start_service(
+            model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1, http_proxy=proxy
+        )
+        try:
+            replica[proxy] = measure(cases, keys)
+        finally:
+            stop_service()
 
     rows, summary = [], {}
     for (kind, tokens, k), rs in results.items():
@@ -170,12 +191,16 @@ def main() -> None:
             ]
         )
     met = {
-        f"{tokens}tok": all(summary[f"rollouts_{tokens}tok_k{k}"]["median_ratio"] >= 0.8 for k in args.ks)
+        f"{proxy} {tokens}tok": all(
+            summary[f"{proxy}:rollouts_{tokens}tok_k{k}"]["median_ratio"] >= 0.8 for k in args.ks
+        )
+        for proxy in args.http_proxy
         for tokens in args.max_new_tokens
     }
+    most = {proxy: r["batch_calls"]["max"] for proxy, r in replica.items()}
     print(
         f"concurrency: {args.model}, 1 replica, {args.threads} threads, {args.rounds} rounds; "
-        f"most calls in one decode step on the replica: {replica['batch_calls']['max']}"
+        f"most calls in one decode step on the replica: {most}"
     )
     headers = ["arm", "tokens", "K", "one req samples/s", "K reqs samples/s", "ratio", "range", "429s", "busy one/many"]
     print(table(headers, rows))
@@ -185,7 +210,7 @@ def main() -> None:
         {
             "args": vars(args),
             "model_path": str(path),
-            "max_calls_in_a_step": replica["batch_calls"]["max"],
+            "max_calls_in_a_step": most,
             "results": summary,
             "goal": ">= 0.8 at K = 16 and 64 (rollouts)",
             "met": met,

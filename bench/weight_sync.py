@@ -17,7 +17,8 @@ over raw's: the median ratio and range. Goal: full <= 1.5x raw for a model of >=
 --train-steps N then runs `farm train` for N steps per mode (--train-modes) against the same service, with the
 demo's settings (trainer/demo.py), and reads each step's time (metrics.jsonl, step_seconds: rollouts, training and
 the push) and each push's seconds and bytes (FARM_WEIGHT_SYNC_STATS): the sync's share of the step and the bytes
-sent per step at the demo's learning rate. Results: docs/data/weight_sync.json, one entry per --model.
+sent per step at the demo's learning rate. --http-proxy haproxy runs all of it behind Ray Serve's HAProxy ingress
+(FARM_HTTP_PROXY). Results: docs/data/weight_sync.json, one entry per --model (and proxy).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=0, help="farm train steps per mode for the step-time share")
     ap.add_argument("--train-modes", default="full,bucketed,delta")
     ap.add_argument("--train-args", default="", help="more farm train overrides, space-separated")
+    ap.add_argument(
+        "--http-proxy",
+        default="serve",
+        choices=["serve", "haproxy"],
+        help="the service's FARM_HTTP_PROXY; results under the model's name, with '@haproxy' for haproxy",
+    )
     args = ap.parse_args()
 
     import torch
@@ -70,7 +77,7 @@ def main() -> None:
     state, into = canonical_state_dict(model), canonical_state_dict(target)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     folders = tempfile.mkdtemp(prefix="weight-sync-")
-    url = start_service(model=str(path), replicas=args.replicas, engine_threads=threads)
+    url = start_service(model=str(path), replicas=args.replicas, engine_threads=threads, http_proxy=args.http_proxy)
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {a: [] for a in arms}
     sent: dict[str, list[int]] = {a: [] for a in arms}
@@ -149,7 +156,10 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
         for a in arms
     ]
     mib = nbytes / 2**20
-    print(f"weight sync: {args.model} ({n_tensors} tensors, {mib:.1f} MiB float32), {args.replicas} replicas")
+    print(
+        f"weight sync: {args.model} ({n_tensors} tensors, {mib:.1f} MiB float32), {args.replicas} replicas, "
+        f"FARM_HTTP_PROXY={args.http_proxy}"
+    )
     print(table(["arm", "median s", "min s", "max s", "/raw median", "/raw min", "/raw max", "MiB sent"], rows))
     for mode, t in train.items():
         print(
@@ -170,7 +180,8 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
         "train": train,
     }
     merged = json.loads((DATA / "weight_sync.json").read_text()) if (DATA / "weight_sync.json").exists() else {}
-    write_json("weight_sync", {"models": {**merged.get("models", {}), args.model: result}})
+    key = args.model if args.http_proxy == "serve" else f"{args.model}@{args.http_proxy}"
+    write_json("weight_sync", {"models": {**merged.get("models", {}), key: result}})
 
 
 def ratio_cells(xs: list[float] | None) -> list:
@@ -178,16 +189,17 @@ def ratio_cells(xs: list[float] | None) -> list:
 
 
 def train_steps(url: str, path, mode: str, args) -> dict:
-    """args.train_steps steps of `farm train` with FARM_WEIGHT_SYNC=mode; each step's time and its push."""
+    """args.train_steps steps of `farm train` with trainer.weight_sync=mode; each step's time and its push."""
     from trainer.demo import DEMO_SETTINGS
 
     out = tempfile.mkdtemp(prefix=f"weight-sync-train-{mode}-")
     stats = os.path.join(out, "pushes.jsonl")
-    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC": mode, "FARM_WEIGHT_SYNC_STATS": stats}
+    env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC_STATS": stats}
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", url, "--model", str(path)]
     cmd += ["--steps", str(args.train_steps), "--eval-size", "0", "--out", out, "trainer.resume_mode=disable"]
+    cmd += [f"trainer.weight_sync={mode}"]
     cmd += [*DEMO_SETTINGS, *args.train_args.split()]
-    log(f"farm train, {args.train_steps} steps, FARM_WEIGHT_SYNC={mode}")
+    log(f"farm train, {args.train_steps} steps, trainer.weight_sync={mode}")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train_step"' in x]
     pushes = [json.loads(x) for x in open(stats)][-len(steps) :]  # the first line is the start's push

@@ -15,6 +15,7 @@ from ray import serve
 from services.app import build_app
 from services.engine import ENGINES
 from services.models import CACHE, resolve_model
+from services.net import free_port
 from services.redis_server import EmbeddedRedis
 from services.settings import ServiceSettings, SettingsError
 
@@ -45,12 +46,26 @@ def with_state(settings: ServiceSettings) -> ServiceSettings:
     return settings.model_copy(update={"redis_url": url, "state_dir": str(folder)})
 
 
+def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
+    """Serve's environment for FARM_HTTP_PROXY, read by its controller, proxies and replicas when they start (they
+    inherit this process's environment). HAProxy's own stats page and metrics frontend would take ports 8404 and
+    9101 on every interface: free ports instead, unless set, so that two services (or a trainer's metrics) share a
+    machine."""
+    if settings.http_proxy != "haproxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        env[name] = os.environ.get(name) or str(free_port("0.0.0.0"))
+    return env
+
+
 def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: str = "/") -> ServiceSettings:
     """Start Ray (if needed), the state's Redis (if embedded) and the Serve app; returns the settings with the
     model path and the Redis URL resolved. A second app (another FARM_APP_NAME) can run beside the first under its
     own route prefix."""
     settings = with_state(with_model_folder(settings))
     if not ray.is_initialized():
+        os.environ.update(http_proxy_env(settings))
         cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
         ray.init(
             address="local",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -20,6 +22,14 @@ class ServiceSettings(BaseSettings):
     api_token: SecretStr = Field(..., min_length=8, description="Bearer token for mutating endpoints (FARM_API_TOKEN).")
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
+    http_proxy: Literal["serve", "haproxy"] = Field(
+        "serve",
+        description="What carries HTTP to the ingress replicas: 'serve' (Ray Serve's Python proxy actor, which passes "
+        "each request and its body to the ingress over Ray) or 'haproxy' (Ray Serve's HAProxy ingress: HAProxy on "
+        "FARM_PORT forwards each request to an ingress replica's own HTTP server, whose port binds every interface: "
+        "about a third of the CPU per request and one copy less per upload, but while no ingress replica is up it "
+        "answers 500, not 503, and requests in flight to a replica that dies are cut). Read when Ray starts.",
+    )
     app_name: str = Field("farm", description="Ray Serve application name.")
     engine: str = Field(
         "torch",

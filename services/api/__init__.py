@@ -15,7 +15,7 @@ from pydantic.json_schema import models_json_schema
 from services import protocol as P
 from services.api import control, errors, openai, queue, rollouts, samplers, sglang, weights
 from services.api.deps import require_token
-from services.api.middleware import BodyLimit, record_request
+from services.api.middleware import BodyLimit, RequestMetrics
 
 # What the routes that build their own responses answer with 200 (FastAPI would say JSON); {}: an empty body.
 OWN_ANSWERS = {
@@ -46,7 +46,7 @@ def create_api() -> FastAPI:
     )
     errors.install(api)
     api.add_middleware(BodyLimit)
-    api.middleware("http")(record_request)
+    api.add_middleware(RequestMetrics)
     unauthorized = {401: {"model": P.ErrorResponse}}
     for router in OPEN:
         api.include_router(router)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from fastapi import Request
 from ray import serve
 from ray.serve.exceptions import RayServeException
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from services import metrics
@@ -55,14 +55,28 @@ def replica_context():
         return None
 
 
-async def record_request(request: Request, call_next):
-    """farm_request_seconds and farm_requests_total, by route template and status; the answering ingress replica
-    in the X-Farm-Ingress header."""
-    start = time.perf_counter()
-    answer = await call_next(request)
-    if context := replica_context():
-        answer.headers["x-farm-ingress"] = context.replica_id.unique_id
-    path = request.scope.get("route").path if request.scope.get("route") else "other"
-    metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
-    metrics.REQUESTS.labels(path, str(answer.status_code)).inc()
-    return answer
+class RequestMetrics:
+    """farm_request_seconds (until the response starts) and farm_requests_total, by route template and status; the
+    answering ingress replica in the X-Farm-Ingress header. Plain ASGI, like BodyLimit: Starlette's
+    BaseHTTPMiddleware would run every chunk of a request body through a task of its own (a weight push has
+    thousands)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+
+        async def measured(message):
+            if message["type"] == "http.response.start":
+                if context := replica_context():
+                    MutableHeaders(scope=message)["x-farm-ingress"] = context.replica_id.unique_id
+                route = scope.get("route")  # the router sets it on this same scope
+                path = route.path if route else "other"
+                metrics.LATENCY.labels(path).observe(time.perf_counter() - start)
+                metrics.REQUESTS.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, measured)

@@ -1,8 +1,37 @@
 """The commands the end-to-end tests run as real processes."""
 
+import os
+import signal
+import subprocess
 import sys
+
+from services.net import free_port
+from tests.conftest import TOKEN
 
 
 def farm_train(service: str, model, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> list[str]:
     """`farm train` (python -m trainer.cli train) against `service` with the model folder `model`, then `args`."""
     return [*launcher, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(model), *args]
+
+
+def serve_env(model, tmp_path, **farm) -> dict[str, str]:
+    """The environment of a `farm serve` of its own: a free port, the token, the model, one torch thread, a state
+    folder under tmp_path, no FARM_REDIS_URL (its own embedded Redis), then the FARM_ settings given (names without
+    the prefix, e.g. replicas="2")."""
+    env = {k: v for k, v in os.environ.items() if k != "FARM_REDIS_URL"}
+    env |= {"FARM_API_TOKEN": TOKEN, "FARM_PORT": str(free_port()), "FARM_MODEL": str(model)}
+    env |= {"FARM_ENGINE_THREADS": "1", "FARM_STATE_DIR": str(tmp_path / "state")}
+    return env | {f"FARM_{k.upper()}": v for k, v in farm.items()}
+
+
+def farm_serve(env: dict) -> subprocess.Popen:
+    """`farm serve` (python -m trainer.cli serve) with this environment; its output in proc.stdout."""
+    cmd = [sys.executable, "-m", "trainer.cli", "serve"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """SIGTERM to a `farm serve`, then its output once it exited (proc.returncode: 0 for a clean stop)."""
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    return out

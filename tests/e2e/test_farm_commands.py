@@ -2,15 +2,18 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
+import psutil
+from transformers import AutoModelForCausalLM
+
 from services import protocol as P
 from services.client import FarmClient
-from services.net import free_port
+from services.weight_client import WeightPusher
 from tests.conftest import TOKEN
-from tests.e2e.commands import farm_train
+from tests.e2e.commands import farm_serve, farm_train, serve_env, stop
+from trainer.weight_sync import push_weights
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")],
@@ -44,22 +47,9 @@ def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_w
 
 
 def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "FARM_API_TOKEN": TOKEN,
-        "FARM_PORT": str(port),
-        "FARM_MODEL": str(tiny_model),
-        "FARM_ENGINE_THREADS": "1",
-        "FARM_STATE_DIR": str(tmp_path / "state"),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.cli", "serve"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    env = serve_env(tiny_model, tmp_path)
+    port = env["FARM_PORT"]
+    proc = farm_serve(env)
     try:
         url = f"http://127.0.0.1:{port}"
         with FarmClient(url, TOKEN) as c:
@@ -75,10 +65,40 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
             assert train.returncode == 0, train.stderr[-3000:]
             assert c.weights_version().version == 2  # a fresh service: two steps, two versions
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
+        out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
     assert "service_stopping" in out
+
+
+def test_farm_serve_behind_haproxy_serves_rollouts_and_uploads(tiny_model, tmp_path):
+    """FARM_HTTP_PROXY=haproxy: Ray Serve's HAProxy ingress answers on FARM_PORT (an haproxy process of this
+    service's, gone after it stops), rollouts and a streamed weight upload pass through it, and HAProxy's own stats
+    and metrics ports are free ones, so it starts beside another service's."""
+    env = serve_env(tiny_model, tmp_path, http_proxy="haproxy")
+    port = env["FARM_PORT"]
+    proc = farm_serve(env)
+    try:
+        with FarmClient(f"http://127.0.0.1:{port}", TOKEN) as c:
+            c.wait_ready(timeout_s=180)
+            haproxy = [p for p in psutil.Process(proc.pid).children(recursive=True) if "haproxy" in p.name()]
+            assert haproxy and f":{port}" in (haproxy[0].cwd() + open_config(haproxy[0]))
+            assert len(c.rollouts(GREEDY).groups[0].samples) == 1
+            model = AutoModelForCausalLM.from_pretrained(tiny_model)
+            assert (
+                push_weights(WeightPusher(c, "full"), model)
+                == 1
+                == c.rollouts(GREEDY).groups[0].samples[0].weight_version
+            )
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in haproxy)
+
+
+def open_config(process) -> str:
+    """The text of the config file an haproxy process was started with (-f FILE)."""
+    args = process.cmdline()
+    return open(args[args.index("-f") + 1]).read() if "-f" in args else ""
 
 
 def serve_fails(tmp_path, **env) -> str:

@@ -2,59 +2,28 @@
 the committed version pushed by path survive in the embedded redis-server's append-only file, and the replicas
 serve that version."""
 
-import os
-import signal
-import subprocess
-import sys
-
 from safetensors.torch import load_file, save_file
 
 from services import protocol as P
 from services.client import FarmClient
-from services.net import free_port
 from tests.conftest import TOKEN
+from tests.e2e.commands import farm_serve, serve_env, stop
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:")], n=1, sampling_params=P.SamplingParams(temperature=0, max_new_tokens=8)
 )
 
 
-def serve(env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer.cli", "serve"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
 def test_the_queue_and_the_committed_version_survive_a_restart_of_the_whole_service(tiny_model, tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "FARM_API_TOKEN": TOKEN,
-        "FARM_PORT": str(port),
-        "FARM_MODEL": str(tiny_model),
-        "FARM_REPLICAS": "2",
-        "FARM_ENGINE_THREADS": "1",
-        "FARM_STATE_DIR": str(tmp_path / "state"),
-    }
-    env.pop("FARM_REDIS_URL", None)
+    env = serve_env(tiny_model, tmp_path, replicas="2")
+    port = env["FARM_PORT"]
     pushed = tmp_path / "weights-v3"
     pushed.mkdir()
     save_file({k: v * 1.05 for k, v in load_file(tiny_model / "model.safetensors").items()}, pushed / "m.safetensors")
     prompts = [P.Prompt(text=f"Q: {a}+1\nA:", ground_truth=str(a + 1)) for a in range(6)]
     url = f"http://127.0.0.1:{port}"
 
-    proc = serve(env)
+    proc = farm_serve(env)
     try:
         with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
@@ -70,9 +39,10 @@ def test_the_queue_and_the_committed_version_survive_a_restart_of_the_whole_serv
             assert len(leased) == 1
             before = c.queue_sources()[0]
     finally:
-        stop(proc)
+        out = stop(proc)
+        assert proc.returncode == 0, out[-3000:]
 
-    proc = serve(env)
+    proc = farm_serve(env)
     try:
         with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
@@ -95,4 +65,5 @@ def test_the_queue_and_the_committed_version_survive_a_restart_of_the_whole_serv
             final = c.queue_sources()[0]
             assert final.acked == 6 and final.leased == final.ready == final.pending_prompts == 0
     finally:
-        stop(proc)
+        out = stop(proc)
+        assert proc.returncode == 0, out[-3000:]

@@ -79,3 +79,22 @@ def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
     assert deployments["engine"]["ray_actor_options"]["num_gpus"] == gpus
     assert deployments["engine"]["ray_actor_options"]["num_cpus"] == 1.0
     assert deployments["ingress"]["ray_actor_options"].get("num_gpus", 0) == 0  # the ingress never holds one
+
+
+def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
+    from services.server import http_proxy_env
+    from services.settings import ServiceSettings
+
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert http_proxy_env(ServiceSettings(api_token=TOKEN)) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}  # the default
+    env = http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="haproxy"))
+    stats, metrics = int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and stats != metrics and {stats, metrics}.isdisjoint({8404, 9101})
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # set by the operator: kept
+    assert (
+        http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="haproxy"))["RAY_SERVE_HAPROXY_STATS_PORT"]
+        == "18404"
+    )
+    with pytest.raises(ValueError, match="http_proxy"):
+        ServiceSettings(api_token=TOKEN, http_proxy="nginx")

@@ -165,6 +165,10 @@ replicas on the workers import the modules that read FARM_CACHE.
 {{- end }}
 - name: FARM_INGRESS_REPLICAS
   value: {{ .Values.ingressReplicas | int | quote }}
+- name: FARM_HTTP_PROXY
+  value: {{ .Values.serve.httpProxy | quote }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq .Values.serve.httpProxy "haproxy") | quote }}
 - name: FARM_REDIS_URL
   value: {{ include "rollout-farm.redisUrl" . | quote }}
 - name: FARM_WEIGHTS_DIR
