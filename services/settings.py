@@ -27,7 +27,7 @@ class ServiceSettings(BaseSettings):
         description="What carries HTTP to the ingress replicas: 'serve' (Ray Serve's Python proxy actor, which passes "
         "each request and its body to the ingress over Ray) or 'haproxy' (Ray Serve's HAProxy ingress: HAProxy on "
         "FARM_PORT forwards each request to an ingress replica's own HTTP server, whose port binds every interface: "
-        "about a third of the CPU per request and one copy less per upload, but while no ingress replica is up it "
+        "about a third of the CPU per request at the front, but while no ingress replica is up it "
         "answers 500, not 503, and requests in flight to a replica that dies are cut). Read when Ray starts.",
     )
     app_name: str = Field("farm", description="Ray Serve application name.")

@@ -49,9 +49,8 @@ class TrainingRun:
             step_metrics.serve(t.metrics_port)
         self.task = TASKS.get(t.task)()
         self.client = FarmClient(t.service_url, token)
-        self.pusher = WeightPusher(
-            self.client, t.weight_sync
-        )  # its last push is the base of the next (bucketed, delta)
+        # one pusher for the run: its last push is the base of the next (bucketed, delta)
+        self.pusher = WeightPusher(self.client, t.weight_sync)
         self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
         self.leased: list[str] = []  # queue items of the current step, acked once its checkpoint is written
         self.run_id = uuid.uuid4().hex[:12]  # with `batches`, names this run's prompt batches in the queue

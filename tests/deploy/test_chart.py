@@ -50,6 +50,7 @@ VALUE_SETS = {
     "trainer": {"trainer": {"enabled": True, "gpus": 1, "steps": 7, "overrides": {"actor_rollout_ref.rollout.n": 16}}},
     "monitoring": {"monitoring": MONITORING, "trainer": {"enabled": True}},
     "redis-gcs-ft": {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}},
+    "haproxy": {"serve": {"httpProxy": "haproxy"}},
 }
 VALUES = {name: merged(BASE, v) for name, v in VALUE_SETS.items()}
 RENDERED = {name: render(v) for name, v in VALUES.items()}
@@ -121,6 +122,10 @@ def test_default_layout():
     head, worker = containers("default").values()
     assert env(head) == env(worker), "head and workers get the same settings"
     assert env(head)["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
+    # the HTTP front: Serve's proxy unless serve.httpProxy=haproxy, set on every Ray node (Serve reads it at start)
+    assert (env(head)["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("serve", "0")
+    for c in containers("haproxy").values():
+        assert (env(c)["FARM_HTTP_PROXY"], env(c)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("haproxy", "1")
     assert all({"name": "serve", "containerPort": 8000} in c["ports"] for c in (head, worker))
     # Probes: Ray's node health for liveness (and the head's readiness: KubeRay deploys Serve once the head is Ready);
     # the node's Serve proxy for a worker's readiness.
