@@ -14,8 +14,9 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
   chat    (--chat) K concurrent POST /v1/chat/completions vs one with n=K; OpenAI's API has no ignore_eos, so
           samples end at EOS and the lengths, and the figure, vary more.
 Each of --http-proxy (serve, haproxy) is a pass of its own: the service started with that FARM_HTTP_PROXY, all
-its rounds, stopped (the engine arm runs in the first pass only). The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
-the most calls that shared one decode step are reported too.
+its rounds, stopped (the engine arm runs in the first pass only). The replica's busy share during each arm
+(farm_replica_busy_seconds: time with at least one sample generating) and the most calls that shared one decode
+step are reported too.
 
     .venv/bin/python bench/concurrency.py                            # about 15 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
