@@ -56,7 +56,7 @@ class OverlapBenchEngine(BenchEngine):
     needs_model = True
 
     def __init__(self, model_path: str, token_latency_s: float, latency_file: Path | None):
-        from services.weight_checks import read_header_file
+        from services.weights.checks import read_header_file
 
         super().__init__(model_path, token_latency_s)
         self.spec = read_header_file(Path(model_path) / "model.safetensors")

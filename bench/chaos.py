@@ -175,8 +175,8 @@ def audit(redis_url: str, source: str) -> dict:
     """Each pid fed to the source: acked once, or still in the queue (see the module docstring)."""
     import redis
 
-    from services.queue_store import GROUP, Keys
-    from services.state import prefix
+    from services.queue.store import GROUP, Keys
+    from services.state.redis_client import prefix
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     k = Keys(prefix("farm"), source)

@@ -65,8 +65,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from services.client import FarmClient
-    from services.engine.state_dict import canonical_state_dict
-    from services.weight_client import WeightPusher
+    from services.weights.pusher import WeightPusher
+    from services.weights.state_dict import canonical_state_dict
 
     arms = args.arms.split(",")
     path = resolve(args.model)

@@ -1,11 +1,11 @@
 """The rollout service as a Ray Serve application: a FastAPI ingress in front of engine replicas.
 
-HTTP ─► Ingress (services/ingress.py; routes in services/api/) ─► EngineServer × replicas (services/replica.py)
+HTTP ─► Ingress (services/ingress.py; routes in services/api/) ─► EngineServer × replicas (services/replica/)
               └─ weight push: header check, then stage and commit on every replica ─┘
                                                  WeightStore (deployment actor): the committed version,
                                                  loaded by a replica before it serves
 Shared control-plane state (queue, request_id records, committed version, policy stats): Redis at FARM_REDIS_URL
-(services/state.py; `farm serve` starts an embedded one when it is unset, services/server.py).
+(services/state/redis_client.py; `farm serve` starts an embedded one when it is unset, services/server.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,23 @@ from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
 from services.api import create_api
+from services.engine import ENGINES, Engine
 from services.ingress import Ingress
-from services.replica import EngineServer, request_slots, routing_queue
+from services.plugins import load_plugins
+from services.replica.engine_server import EngineServer, request_slots, routing_queue
 from services.settings import ServiceSettings, SettingsError
-from services.state import prefix
-from services.weight_store import WeightStore
+from services.state.redis_client import prefix
+from services.weights.store import WeightStore
+
+
+def engine_class(settings: ServiceSettings) -> type[Engine]:
+    """The engine FARM_ENGINE names (a FARM_PLUGINS module may register one), or SettingsError naming the variable
+    and the valid names. Checked here, where the app is built, not while the settings are parsed."""
+    load_plugins(settings)
+    try:
+        return ENGINES.get(settings.engine, settings.plugins)
+    except (KeyError, ImportError) as e:
+        raise SettingsError(f"FARM_ENGINE: {e.args[0] if e.args else e}") from None
 
 
 def engine_scaling(settings: ServiceSettings) -> dict:
@@ -44,6 +56,7 @@ def build_app(settings: ServiceSettings):
             "FARM_REDIS_URL is unset: point it at the Redis that holds the farm's state (redis://host:6379/0); "
             "only `farm serve` starts an embedded one"
         )
+    engine_class(settings)
     store = DeploymentActorConfig(
         name="weights", actor_class=WeightStore, init_args=(settings.redis_url, prefix(settings.app_name))
     )

@@ -217,7 +217,7 @@ class _Api:
         self, pieces: Callable[[], Iterable], size: int, version: int, policy: P.InFlightPolicy = "finish"
     ) -> P.WeightsPushResponse:
         """Upload a body made of pieces (bytes-like; `pieces()` gives them afresh for each attempt) of `size` bytes in
-        all, as `version`: what services/weight_client.py's WeightPusher sends (buckets straight from the tensors'
+        all, as `version`: what services/weights/pusher.py's WeightPusher sends (buckets straight from the tensors'
         memory, with a manifest of per-tensor checksums). For a state dict, use WeightPusher.push."""
         params = {"version": version, "policy": policy}
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}

@@ -1,11 +1,19 @@
-"""The errors the service answers with, each with its HTTP status. Domain code raises them; `services/api/errors.py`
-turns them (and the errors of the libraries underneath) into the one error body, in one place.
+"""The errors the service answers with, each with its HTTP status, and `as_service_error`: the one mapping of any
+exception (ours, the request's validation, an engine's missing verb, Redis, Ray and Serve) to one of them. Domain
+code raises them and may map what it catches (a rollout job records its failure); `services/api/errors.py` writes
+the error body and registers the handlers.
 
 They cross Ray (raised in an engine replica, caught at the ingress): each pickles as its class, message and detail,
 whatever its constructor takes.
 """
 
 from __future__ import annotations
+
+import redis
+from fastapi.exceptions import RequestValidationError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.exceptions import HTTPException
 
 
 def pydantic_fields(errors: list[dict], *prefix: str) -> list[dict]:
@@ -122,7 +130,61 @@ class RolloutCancelled(Conflict):
 
 class ReplicaFull(Overloaded):
     """A replica already runs FARM_ENGINE_MAX_ONGOING_REQUESTS rollouts and holds its share of
-    FARM_ENGINE_MAX_QUEUED_REQUESTS waiting (it answers services.overload.Full; the ingress raises this)."""
+    FARM_ENGINE_MAX_QUEUED_REQUESTS waiting (it answers services.replica.overload.Full; the ingress raises this)."""
 
     def __init__(self, message: str = QUEUES_FULL):
         super().__init__(message)
+
+
+class StateUnavailable(Unavailable):
+    """503 with Retry-After: Redis does not answer; nothing was changed."""
+
+    retry_after_s = 2
+
+
+STATE_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # redis-py wraps socket errors in these
+SERVE_ERRORS = (BackPressureError, DeploymentUnavailableError)  # Serve answers these in plain text unless mapped
+
+
+def unreachable(error: BaseException) -> StateUnavailable:
+    return StateUnavailable(
+        f"control-plane state unreachable (Redis: {type(error).__name__}); nothing was changed: retry after 2 s"
+    )
+
+
+class EngineVerbMissing(NotImplementedError):
+    """This engine does not offer the verb; the service answers 501 with this message. (It crosses Ray, so it is
+    built from its message alone.)"""
+
+    @classmethod
+    def of(cls, engine: object, verb: str, instead: str) -> EngineVerbMissing:
+        return cls(f"the {type(engine).__name__} engine has no {verb}: {instead}")
+
+
+def replica_gone(e: BaseException) -> bool:
+    """Whether `e` says the replica itself is gone (dead, unreachable, none running), not that its method failed."""
+    return isinstance(e, (RayActorError, DeploymentUnavailableError)) and not isinstance(e, RayTaskError)
+
+
+def as_service_error(exc: BaseException) -> ServiceError:
+    """The error the service answers for `exc`: its own errors as they are, the request's validation and an engine's
+    missing verb mapped to a status, anything else a 500."""
+    if isinstance(exc, RayTaskError):  # raised in a replica: Ray's wrapper is also an instance of the original's class
+        exc = exc.cause
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return Invalid(pydantic_fields(exc.errors()))
+    if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
+        return NotSupported(str(exc))
+    if isinstance(exc, STATE_ERRORS):  # Redis does not answer: 503 with Retry-After
+        return unreachable(exc)
+    if isinstance(exc, BackPressureError):
+        return Overloaded(QUEUES_FULL)
+    if isinstance(exc, DeploymentUnavailableError):
+        return ReplicaLost("no engine replica is running (starting or restarting): retry")
+    if isinstance(exc, HTTPException):
+        error = ServiceError(str(exc.detail))
+        error.status = exc.status_code
+        return error
+    return ServiceError(f"internal error: {type(exc).__name__}; see the service log")

@@ -8,10 +8,11 @@ Fanout            a rollout spread over the replicas (and the group filter's sch
 Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
-SGLangCompat      SGLang's native endpoints, translated onto the objects above
+SGLangNative      SGLang's native endpoints, translated onto the objects above
 
-Their shared state (queue, request_id records, committed version, policy stats) is in Redis (services/state.py),
-so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm, and a restarted one loses nothing.
+Their shared state (queue, request_id records, committed version, policy stats) is in Redis
+(services/state/redis_client.py), so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm, and a
+restarted one loses nothing.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ import logging
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from services import logs, metrics, state
-from services.fanout import Fanout
-from services.openai_compat import OpenAICompat
+from services import errors, logs, metrics
+from services.compat.openai_api import OpenAICompat
+from services.compat.sglang_native import SGLangNative
 from services.plugins import load_plugins
-from services.policy_stats import PolicyStatsBoard
-from services.queue import TrajectoryQueue
-from services.replicas import Replicas
-from services.request_checks import RequestChecks
-from services.rollout_jobs import RolloutJobs
-from services.rollouts import Rollouts
+from services.queue.trajectory_queue import TrajectoryQueue
+from services.replica.handle import Replicas
+from services.rollout.fanout import Fanout
+from services.rollout.jobs import RolloutJobs
+from services.rollout.policy_stats import PolicyStatsBoard
+from services.rollout.request_checks import RequestChecks
+from services.rollout.rollouts import Rollouts
 from services.settings import ServiceSettings
-from services.sglang_compat import SGLangCompat
-from services.weight_push import WeightPush
+from services.state import redis_client as state
+from services.weights.push import WeightPush
 
 log = logging.getLogger("farm.service")
 FOLLOW_S = 0.5  # how often a replica reads the committed version and the policy stats back from Redis
@@ -61,7 +63,7 @@ class Ingress:
             batch_groups=4 * settings.replicas,
         )
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
-        self.sglang = SGLangCompat(self)
+        self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]
 
@@ -96,7 +98,7 @@ class Ingress:
                 if failing:
                     log.info("state_reachable_again", extra={"committed": self.weights.committed})
                 failing = False
-            except state.STATE_ERRORS as e:
+            except errors.STATE_ERRORS as e:
                 if not failing:
                     log.warning("state_unreachable", extra={"error": repr(e)})
                 failing = True

@@ -12,12 +12,11 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from services.app import build_app
-from services.engine import ENGINES
+from services.app import build_app, engine_class
 from services.models import CACHE, resolve_model
 from services.net import free_port
-from services.redis_server import EmbeddedRedis
 from services.settings import ServiceSettings, SettingsError
+from services.state.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("farm.service")
 EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, stopped by stop()
@@ -25,7 +24,7 @@ EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, s
 
 def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
     """The settings with FARM_MODEL as a folder (the embedded default built once here, not once per replica)."""
-    if not ENGINES.get(settings.engine, settings.plugins).needs_model:
+    if not engine_class(settings).needs_model:
         return settings
     try:
         return settings.model_copy(update={"model": str(resolve_model(settings.model))})

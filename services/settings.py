@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAKE_TOKEN = "export FARM_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -134,18 +134,6 @@ class ServiceSettings(BaseSettings):
         if self.engine_num_gpus is not None:
             return self.engine_num_gpus
         return 1.0 if self.device.startswith("cuda") or self.engine == "sglang" else 0.0
-
-    @model_validator(mode="after")
-    def _known_engine(self) -> "ServiceSettings":
-        from services.engine import ENGINES
-        from services.plugins import load_plugins
-
-        load_plugins(self)  # a FARM_PLUGINS module may register an engine by name
-        try:
-            ENGINES.get(self.engine, self.plugins)
-        except (KeyError, ImportError) as e:
-            raise ValueError(f"FARM_ENGINE: {e.args[0] if e.args else e}") from None
-        return self
 
 
 def explain(error: ValidationError) -> str:

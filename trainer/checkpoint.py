@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.state_dict import canonical_state_dict, cpu_state_dict
+from services.weights.state_dict import canonical_state_dict, cpu_state_dict
 
 
 def _rng_state() -> dict:

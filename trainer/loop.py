@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from services import protocol as P
-from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, staleness, step_metrics
+from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, staleness_metrics, step_metrics
 from trainer.actor import update_actor
 from trainer.advantages import compute_advantages
 from trainer.batch import Batch, broadcast_batch
@@ -84,9 +84,11 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     the step's metrics."""
     a = run.cfg.actor_rollout_ref.actor
     old_lp, ref_lp, kl_exact, values = no_grad_passes(run, b)
-    metrics = kl_readings(b, old_lp, ref_lp, kl_exact) | staleness.staleness_metrics(b, run.version)
+    metrics = kl_readings(b, old_lp, ref_lp, kl_exact) | staleness_metrics.staleness_metrics(b, run.version)
     weights, mask, corr = rollout_correction.correction(old_lp, b, run.cfg.algorithm.rollout_correction)
-    corr |= staleness.offpolicy_correction(b, run.version, old_lp, weights, mask, run.cfg.algorithm.rollout_correction)
+    corr |= staleness_metrics.offpolicy_correction(
+        b, run.version, old_lp, weights, mask, run.cfg.algorithm.rollout_correction
+    )
     if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
         old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
         weights = b.importance_weights[:, None] * b.response_mask

@@ -6,7 +6,7 @@ or fed to the trainer's queue source and leased from it (`queue`); leased groups
 weights are pushed, so a group leased by a trainer that died comes back when its lease runs out.
 
 With `async_training.staleness_threshold` s > 0 the trainer keeps s steps of prompts fed ahead of the one it pulls,
-so the service generates them while it trains (trainer/queue_ahead.py); no group whose oldest token is more than
+so the service generates them while it trains (trainer/staleness_bound.py); no group whose oldest token is more than
 s versions behind the trainer is trained on.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from services import protocol as P
 from services.tasks import Problem
-from trainer import queue_ahead
+from trainer import staleness_bound
 from trainer.batch import Batch, make_batch
 
 if TYPE_CHECKING:
@@ -104,14 +104,14 @@ def lease_groups(run: TrainingRun) -> list[P.Group]:
     state = next((s for s in run.client.queue_sources() if s.name == name), None)
     if state is None:
         state = add_queue_source(run, name)
-    run.pull_stats |= queue_ahead.rollout_idle(run.queue_clock, state)
+    run.pull_stats |= staleness_bound.rollout_idle(run.queue_clock, state)
     run.queue_clock = (state.generation_busy_s, state.generation_idle_s)
     upto = min(run.pulls + a.staleness_threshold, t.total_training_steps) if a.enabled else run.pulls
     while run.batches < upto:  # each batch once, even if resumed: its id is the run's and its number
         run.batches += 1
         run.client.queue_add_prompts(name, draw_prompts(run), batch_id=f"{run.run_id}:{run.batches}")
     bound = a.staleness_threshold if a.enabled else t.queue_max_staleness
-    got = queue_ahead.lease(run.client, name, run.cfg.data.train_batch_size, run.version, bound, t.queue_lease_s)
+    got = staleness_bound.lease(run.client, name, run.cfg.data.train_batch_size, run.version, bound, t.queue_lease_s)
     run.pull_stats |= {"stale_dropped_groups": got.stale_dropped, "refused_groups": got.refused}
     run.leased = [i.item_id for i in got.items]
     run.redelivered += sum(i.deliveries > 1 for i in got.items)
@@ -135,7 +135,7 @@ def add_queue_source(run: TrainingRun, name: str) -> P.QueueSourceState:
         sampling_params=params.model_copy(update={"seed": None}),
         sampler=sampler,
         reward=t.reward or run.task.reward,
-        target_groups=queue_ahead.target_groups(run.cfg),
+        target_groups=staleness_bound.target_groups(run.cfg),
     )
     state = run.client.queue_add_source(source)
     log.info("queue_source_added", extra={"source": name})

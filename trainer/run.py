@@ -18,7 +18,7 @@ from verl.trainer.ppo import core_algos
 from services.client import FarmClient
 from services.models import resolve_model
 from services.tasks import TASKS
-from services.weight_client import WeightPusher
+from services.weights.pusher import WeightPusher
 from trainer import checkpoint, distributed, step_metrics
 from trainer.config import Config, Optim
 from trainer.guards import Guard

@@ -1,6 +1,6 @@
 """The policy's weights to the service, pushed as the next version and checked to be served.
 
-The push streams the canonical state dict straight from the parameters' memory (services/weight_client.py): no
+The push streams the canonical state dict straight from the parameters' memory (services/weights/pusher.py): no
 safetensors copy is made, and every replica verifies each tensor's checksum. The mode is trainer.weight_sync:
   full      (default) every tensor, every step: the fastest on one machine (docs: bench/weight_sync.py)
   bucketed  only the tensors that changed since the last push
@@ -18,8 +18,8 @@ import torch
 
 from services import protocol as P
 from services.client import FarmClient, FarmError
-from services.engine.state_dict import canonical_state_dict
-from services.weight_client import WeightPusher, base_refused
+from services.weights.pusher import WeightPusher, base_refused
+from services.weights.state_dict import canonical_state_dict
 
 STATS_ENV = "FARM_WEIGHT_SYNC_STATS"  # a file: one JSON line per push (seconds, bytes, mode), for bench/weight_sync.py
 

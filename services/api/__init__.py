@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from pydantic.json_schema import models_json_schema
 
 from services import protocol as P
-from services.api import control, errors, openai, queue, rollouts, samplers, sglang, weights
+from services.api import control, errors, openai, queue, rollouts, samplers, sglang_native, weights
 from services.api.deps import require_token
 from services.api.middleware import BodyLimit, RequestMetrics
 
@@ -26,8 +26,16 @@ OWN_ANSWERS = {
     "/abort_request": {},
 }
 STREAMED = {"/v1/rollouts": "application/x-ndjson", "/generate": "text/event-stream"}  # the answer to "stream": true
-OPEN = (rollouts.router, samplers.router, weights.router, queue.router, control.router, openai.router, sglang.router)
-NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang.admin)
+OPEN = (
+    rollouts.router,
+    samplers.router,
+    weights.router,
+    queue.router,
+    control.router,
+    openai.router,
+    sglang_native.router,
+)
+NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang_native.admin)
 
 
 class FarmAPI(FastAPI):

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services import metrics
 from services import protocol as P
 from services.api.deps import ingress
-from services.state import STATE_ERRORS
+from services.errors import STATE_ERRORS
 
 SCRAPE_TIMEOUT_S = 10  # within Prometheus' default scrape timeout
 router = APIRouter(tags=["control"])

@@ -1,6 +1,6 @@
-"""Every error answer, in one place: the service's own errors carry their status; the request's validation errors,
-an engine's missing verb and Serve's own errors are mapped here. Serve's back-pressure becomes Overloaded at the
-handle (services/replicas.py); one that gets past it is a 429 here too, not Serve's plain-text 503: Serve registers
+"""Every error answer, in one place: the error body and the handlers. Which status an exception answers with is
+`services.errors.as_service_error`. Serve's back-pressure becomes Overloaded at the
+handle (services/replica/handle.py); one that gets past it is a 429 too, not Serve's plain-text 503: Serve registers
 its handlers for BackPressureError and DeploymentUnavailableError on the ingress app after ours, and
 services/api/__init__.py keeps ours.
 
@@ -14,52 +14,21 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayTaskError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
 from services import protocol as P
-from services.engine.base import EngineVerbMissing
 from services.errors import (
-    QUEUES_FULL,
-    Invalid,
-    NotSupported,
-    Overloaded,
-    ReplicaLost,
+    SERVE_ERRORS,
+    STATE_ERRORS,
+    EngineVerbMissing,
     ServiceError,
     Unavailable,
-    pydantic_fields,
+    as_service_error,
 )
-from services.overload import RateLimitedWarning
-from services.state import STATE_ERRORS, unreachable
+from services.replica.overload import RateLimitedWarning
 
 log = logging.getLogger("farm.service")
-SERVE_ERRORS = (BackPressureError, DeploymentUnavailableError)  # Serve answers these in plain text unless mapped
 unavailable = RateLimitedWarning(log)  # a 503 (not ready, a replica restarting) is a state, polled: one line per path
-
-
-def as_service_error(exc: BaseException) -> ServiceError:
-    """The error the service answers for `exc`: its own errors as they are, the request's validation and an engine's
-    missing verb mapped to a status, anything else a 500."""
-    if isinstance(exc, RayTaskError):  # raised in a replica: Ray's wrapper is also an instance of the original's class
-        exc = exc.cause
-    if isinstance(exc, ServiceError):
-        return exc
-    if isinstance(exc, RequestValidationError):
-        return Invalid(pydantic_fields(exc.errors()))
-    if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
-        return NotSupported(str(exc))
-    if isinstance(exc, STATE_ERRORS):  # Redis does not answer: 503 with Retry-After
-        return unreachable(exc)
-    if isinstance(exc, BackPressureError):
-        return Overloaded(QUEUES_FULL)
-    if isinstance(exc, DeploymentUnavailableError):
-        return ReplicaLost("no engine replica is running (starting or restarting): retry")
-    if isinstance(exc, HTTPException):
-        error = ServiceError(str(exc.detail))
-        error.status = exc.status_code
-        return error
-    return ServiceError(f"internal error: {type(exc).__name__}; see the service log")
 
 
 def response(error: ServiceError) -> JSONResponse:

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from services import protocol as P
 from services.api.deps import ingress
-from services.openai_stream import events
+from services.compat.openai_stream import events
 
 router = APIRouter(tags=["openai"])
 ANSWERS = {422: {"model": P.ErrorResponse}, 200: {"content": {"text/event-stream": {}}}}

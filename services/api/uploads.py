@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -25,19 +24,6 @@ async def read_body(request: Request, limit: int, setting: str, what: str, fix: 
         if len(data) > limit:
             raise too_large
     return bytes(data), digest.hexdigest()
-
-
-def check_sha256(declared: str | None, actual: str) -> None:
-    """422 when the client's x-content-sha256 differs from the body's."""
-    if declared and not hmac.compare_digest(declared.lower(), actual):
-        raise Invalid(
-            [
-                {
-                    "field": "x-content-sha256",
-                    "message": f"body has SHA-256 {actual}, not {declared}: the upload was damaged; send it again",
-                }
-            ]
-        )
 
 
 def prompts_from_body(body: bytes, content_type: str | None) -> list[P.Prompt]:

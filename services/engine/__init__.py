@@ -9,6 +9,8 @@ in FARM_PLUGINS (or registered by name from a FARM_PLUGINS module with `@ENGINES
 """
 
 from services.engine import bench_engine, sglang_engine, torch_engine  # noqa: F401  (they register themselves)
-from services.engine.base import ENGINES, Engine, EngineOutput, EngineVerbMissing, WeightsRejected
+from services.engine.base import ENGINES, Engine, EngineOutput
+from services.errors import EngineVerbMissing
+from services.weights.checks import WeightsRejected
 
 __all__ = ["ENGINES", "Engine", "EngineOutput", "EngineVerbMissing", "WeightsRejected"]

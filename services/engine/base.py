@@ -37,24 +37,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from services.engine.stats import EngineStats
+from services.errors import EngineVerbMissing
 from services.protocol import FinishReason, InFlightPolicy, SamplingParams
 from services.registry import Registry
 
 if TYPE_CHECKING:
     from services.settings import ServiceSettings
-
-
-class WeightsRejected(ValueError):
-    """A weight update that does not match the model; the engine keeps its old version."""
-
-
-class EngineVerbMissing(NotImplementedError):
-    """This engine does not offer the verb; the service answers 501 with this message. (It crosses Ray, so it is
-    built from its message alone.)"""
-
-    @classmethod
-    def of(cls, engine: Engine, verb: str, instead: str) -> EngineVerbMissing:
-        return cls(f"the {type(engine).__name__} engine has no {verb}: {instead}")
 
 
 @dataclass
@@ -241,7 +229,7 @@ class Engine(abc.ABC):
         """The served weights by canonical name (read only), which a delta push is rebuilt against; None when the
         engine cannot give them (then a push with a base version is refused: send a full push). The default reads
         `self.model` when the engine keeps an nn.Module there (the torch engine)."""
-        from services.engine.state_dict import canonical_state_dict
+        from services.weights.state_dict import canonical_state_dict
 
         model = getattr(self, "model", None)
         return canonical_state_dict(model) if isinstance(model, torch.nn.Module) else None

@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine.base import ENGINES, Engine, EngineOutput
 from services.protocol import InFlightPolicy, SamplingParams
+from services.weights.checks import WeightsRejected
 
 
 class _Run:

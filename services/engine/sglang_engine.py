@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import ENGINES, Engine, EngineOutput, WeightsRejected
-from services.engine.state_dict import non_finite, spec_of
+from services.engine.base import ENGINES, Engine, EngineOutput
 from services.protocol import InFlightPolicy, SamplingParams
-from services.weight_checks import WeightsError, check_state_dict, read_header_file
+from services.weights.checks import WeightsError, WeightsRejected, check_state_dict, non_finite, read_header_file
+from services.weights.state_dict import spec_of
 
 TORCH_DTYPE_NAMES = {
     "BF16": "bfloat16",

@@ -26,14 +26,13 @@ from services.engine.base import (
     Engine,
     EngineOutput,
     ScoredTokens,
-    WeightsRejected,
     checked_health_token,
 )
-from services.engine.state_dict import canonical_state_dict, non_finite, spec_of
 from services.engine.torch_sampling import RegexMask, processed_logits, text_hits_stop  # noqa: F401  (their home)
 from services.engine.torch_scheduler import BatchScheduler
 from services.protocol import InFlightPolicy, SamplingParams
-from services.weight_checks import check_state_dict
+from services.weights.checks import WeightsRejected, check_state_dict, non_finite
+from services.weights.state_dict import canonical_state_dict, spec_of
 
 if TYPE_CHECKING:
     from services.settings import ServiceSettings

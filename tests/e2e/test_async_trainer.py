@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, replicas
-from trainer import rollouts, staleness
+from trainer import rollouts, staleness_metrics
 from trainer.config import load
 
 TOKENS = 1024
@@ -86,9 +86,9 @@ def test_the_async_trainer_trains_within_the_bound_on_samples_that_span_versions
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3] and len(seen) == 3
     for (version, b), step in zip(seen, steps):
-        lags = staleness.sample_staleness(b, version)
+        lags = staleness_metrics.sample_staleness(b, version)
         assert 0 <= lags.min() and lags.max() <= 1 and step["staleness_max"] == lags.max()
-        assert step["staleness_hist"] == staleness.staleness_metrics(b, version)["staleness_hist"]
+        assert step["staleness_hist"] == staleness_metrics.staleness_metrics(b, version)["staleness_hist"]
         for row, mask, first in zip(b.token_versions, b.response_mask, b.weight_versions):
             versions = row[mask.bool()].tolist()
             assert versions[0] == first and versions == sorted(versions) and versions[-1] <= version

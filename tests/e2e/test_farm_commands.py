@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from services import protocol as P
 from services.client import FarmClient
-from services.weight_client import WeightPusher
+from services.weights.pusher import WeightPusher
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, farm_train, serve_env, stop
 from trainer.weight_sync import push_weights

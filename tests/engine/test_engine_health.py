@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from services.engine import WeightsRejected
-from services.engine.state_dict import canonical_state_dict
 from services.engine.torch_engine import TorchEngine
 from services.protocol import SamplingParams
+from services.weights.state_dict import canonical_state_dict
 
 
 @pytest.fixture

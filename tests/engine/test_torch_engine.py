@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from services.engine import EngineOutput, WeightsRejected
-from services.engine.state_dict import canonical_state_dict
 from services.engine.torch_engine import TorchEngine
-from services.group_sampling import sample_groups, to_sample
 from services.protocol import Group, Prompt, Sample, SampledWith, SamplingParams
+from services.replica.group_sampling import sample_groups, to_sample
 from services.samplers import NoParams, Plain
+from services.weights.state_dict import canonical_state_dict
 from trainer.batch import make_batch
 from trainer.forward import response_logprobs
 

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 from services import protocol as P
 from services.client import FarmClient
 from services.tasks import TASKS
-from services.weight_client import WeightPusher
+from services.weights.pusher import WeightPusher
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, LONG_TOKENS, in_thread, perturbed, replicas, wait_until
-from trainer import rollouts, staleness
+from trainer import rollouts, staleness_metrics
 from trainer.batch import make_batch
 from trainer.config import load
 from trainer.weight_sync import push_weights
@@ -91,7 +91,7 @@ def test_no_sample_older_than_the_bound_reaches_the_trainer(bench_service, s):
                 groups = pull_step(run)
                 dropped += run.pull_stats["stale_dropped_groups"] + run.pull_stats["refused_groups"]
                 b = make_batch(groups, pad_id=0)
-                lags += staleness.sample_staleness(b, run.version).tolist()
+                lags += staleness_metrics.sample_staleness(b, run.version).tolist()
                 if step == 1:  # everything fed so far generated, on the first version, before the versions move
                     wait_until(lambda: state(client, source).ready >= 2 * s, "the groups fed ahead generated")
                 for _ in range(3 if step == 1 else 1):  # the step's push (and two more after the first)
@@ -151,12 +151,12 @@ def test_a_commit_while_the_queue_generates_reaches_the_batch_with_each_tokens_v
         t.join(300)
         assert out and not isinstance(out[0], Exception), out
         b = make_batch(out[0], pad_id=0)
-        lags = staleness.sample_staleness(b, run.version).tolist()
+        lags = staleness_metrics.sample_staleness(b, run.version).tolist()
         rows = [v[m.bool()].tolist() for v, m in zip(b.token_versions, b.response_mask)]
         assert all(len(r) == LONG_TOKENS for r in rows)
         if policy == "partial":
             assert lags == [1, 1] and all(r[0] == old and r[-1] == old + 1 and r == sorted(r) for r in rows), lags
-            assert staleness.staleness_metrics(b, run.version)["spanning_samples"] == 2
+            assert staleness_metrics.staleness_metrics(b, run.version)["spanning_samples"] == 2
         else:
             assert lags == [0, 0] and all(set(r) == {old + 1} for r in rows), lags
             assert all(s.token_weight_versions is None for g in out[0] for s in g.samples)
@@ -166,6 +166,6 @@ def test_a_commit_while_the_queue_generates_reaches_the_batch_with_each_tokens_v
         assert push_weights(pusher, model, policy) == old + 2
         assert pusher.last["mode"] == "bucketed" and pusher.last["sent_tensors"] == 1
         second = make_batch(pull_step(run), pad_id=0)
-        assert staleness.sample_staleness(second, run.version).max() <= 1
+        assert staleness_metrics.sample_staleness(second, run.version).max() <= 1
     finally:
         client.queue_remove_source(source)

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from services import server
-from services.redis_server import EmbeddedRedis
+from services.state.embedded_redis import EmbeddedRedis
 from tests.service.helpers import AUTH, any_busy, in_thread, replica_metric, wait_until
 
 SHORT = {"max_new_tokens": 8, "temperature": 1.0}

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from services import protocol as P
 from services.client import FarmError
-from services.weight_buckets import buckets, full_payloads, size
-from services.weight_checks import parse_header, payload_size
-from services.weight_client import WeightPusher
-from services.weight_delta import encode
-from services.weight_manifest import Manifest, manifest_of
+from services.weights.buckets import buckets, full_payloads, size
+from services.weights.checks import parse_header, payload_size
+from services.weights.delta import encode
+from services.weights.manifest import Manifest, manifest_of
+from services.weights.pusher import WeightPusher
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
 from tests.service.helpers import AUTH, greedy, replace_an_engine_replica, rollout, tokens, versions
 

@@ -7,19 +7,21 @@ from tests.conftest import TOKEN
 
 
 def test_engines_are_registered_and_unknown_ones_are_refused_at_start_up(tiny_model):
-    from pydantic import ValidationError
-
+    from services.app import engine_class
     from services.engine import ENGINES
-    from services.settings import ServiceSettings
+    from services.settings import ServiceSettings, SettingsError
 
     assert {"torch", "sglang", "bench"} <= set(ENGINES.names())
-    with pytest.raises(ValidationError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
-        ServiceSettings(api_token=TOKEN, engine="vllm")
-    with pytest.raises(ValidationError, match="FARM_ENGINE.*FARM_PLUGINS"):  # a module not listed is never imported
-        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine")
-    with pytest.raises(ValidationError, match="not a Engine subclass"):
-        ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:LongestOfTwo", plugins=["tests.farm_plugins"])
+    with pytest.raises(SettingsError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
+        engine_class(ServiceSettings(api_token=TOKEN, engine="vllm"))
+    with pytest.raises(SettingsError, match="FARM_ENGINE.*FARM_PLUGINS"):  # a module not listed is never imported
+        engine_class(ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine"))
+    with pytest.raises(SettingsError, match="not a Engine subclass"):
+        engine_class(
+            ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:LongestOfTwo", plugins=["tests.farm_plugins"])
+        )
     ok = ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine", plugins=["tests.farm_plugins"])
+    assert engine_class(ok).__name__ == "EchoEngine"
     assert ENGINES.get(ok.engine, ok.plugins).__name__ == "EchoEngine"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services import protocol as P
-from trainer import queue_ahead, rollout_correction, rollouts, staleness, step_metrics
+from trainer import rollout_correction, rollouts, staleness_bound, staleness_metrics, step_metrics
 from trainer.batch import make_batch
 from trainer.config import ConfigError, RolloutCorrection, load
 
@@ -105,10 +105,10 @@ def test_a_lease_refuses_groups_whose_oldest_token_is_past_the_bound_and_counts_
         stale_dropped=3,
     )
     q = FakeQueue([first])
-    got = queue_ahead.lease(q, "src", 2, version=9, bound=1, lease_s=5)
+    got = staleness_bound.lease(q, "src", 2, version=9, bound=1, lease_s=5)
     assert [i.item_id for i in got.items] == ["ok", "i2-0"] and got.refused == 1 and got.stale_dropped == 3
     assert [r.max_staleness for r in q.requests] == [1, 1] and [r.max_groups for r in q.requests] == [2, 1]
-    loose = queue_ahead.lease(FakeQueue([first]), "src", 2, version=9, bound=None, lease_s=5)
+    loose = staleness_bound.lease(FakeQueue([first]), "src", 2, version=9, bound=None, lease_s=5)
     assert [i.item_id for i in loose.items] == ["old", "ok"] and loose.refused == 0  # no bound: the old one arrives
 
 
@@ -161,7 +161,7 @@ def test_the_batch_keeps_each_tokens_version_and_the_staleness_counts_the_oldest
     assert b.token_versions.tolist() == [[3, 3, 3], [3, 4, 4], [5, 5, 0]]
     assert b.oldest_versions.tolist() == [3, 3, 5]
     assert b.select(torch.tensor([1])).token_versions.tolist() == [[3, 4, 4]]
-    m = staleness.staleness_metrics(b, version=5)
+    m = staleness_metrics.staleness_metrics(b, version=5)
     assert m["staleness_hist"] == [1, 0, 2] and m["staleness_max"] == 2 and m["spanning_samples"] == 1
     assert m["token_staleness_mean"] == pytest.approx((2 + 2 + 2 + 2 + 1 + 1 + 0 + 0) / 8)
     assert m["offpolicy_fraction"] == pytest.approx(2 / 3)
@@ -174,11 +174,11 @@ def test_the_off_policy_figures_say_what_the_correction_did_to_the_stale_samples
     cfg = RolloutCorrection(rollout_is_threshold=threshold)
     old = torch.full((2, 3), -0.2)
     weights, mask, _ = rollout_correction.correction(old, b, cfg)
-    m = staleness.offpolicy_correction(b, 5, old, weights, mask, cfg)
+    m = staleness_metrics.offpolicy_correction(b, 5, old, weights, mask, cfg)
     assert m["offpolicy_clipped_fraction"] == clipped and m["offpolicy_masked_fraction"] == masked
     expected = {2.0: 2.0, "0.5_2.0": 0.0, 5.0: math.e}[threshold]
     assert m["offpolicy_is_weight_mean"] == pytest.approx(expected, rel=1e-5)
-    on_policy = staleness.offpolicy_correction(b, 3, old, weights, mask, cfg)  # nothing is late at version 3
+    on_policy = staleness_metrics.offpolicy_correction(b, 3, old, weights, mask, cfg)  # nothing is late at version 3
     assert on_policy["offpolicy_is_weight_mean"] is None
 
 

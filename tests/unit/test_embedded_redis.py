@@ -5,8 +5,8 @@ import sys
 import pytest
 import redis
 
-from services.redis_server import EmbeddedRedis
 from services.settings import SettingsError
+from services.state.embedded_redis import EmbeddedRedis
 
 
 def test_it_persists_in_its_folder_and_a_running_one_is_reused(tmp_path):

@@ -6,10 +6,16 @@ import pickle
 import pytest
 from ray.exceptions import RayTaskError
 
-from services.api.errors import as_service_error
-from services.engine.base import EngineVerbMissing
 from services.engine.bench_engine import BenchEngine
-from services.errors import Invalid, NotSupported, ReplicaFull, ServiceError, VersionNotReached
+from services.errors import (
+    EngineVerbMissing,
+    Invalid,
+    NotSupported,
+    ReplicaFull,
+    ServiceError,
+    VersionNotReached,
+    as_service_error,
+)
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from services import protocol as P
 from services.api import create_api
 from services.errors import QUEUES_FULL, Unavailable
-from services.overload import DropServeBackpressure, RateLimitedWarning
-from services.replicas import Replicas
+from services.replica.handle import Replicas
+from services.replica.overload import DropServeBackpressure, RateLimitedWarning
 
 
 class Clock:
@@ -197,8 +197,8 @@ def counted(kind: str) -> float:
 
 def test_a_replicas_full_answer_and_serves_back_pressure_are_counted_429s_and_a_dead_replica_a_503():
     from services.errors import Overloaded, ReplicaFull, ReplicaLost
-    from services.overload import Full
-    from services.replicas import ReplicaCall
+    from services.replica.handle import ReplicaCall
+    from services.replica.overload import Full
 
     full, queue = counted("replica_full"), counted("engine_queue")
     with pytest.raises(ReplicaFull) as e:

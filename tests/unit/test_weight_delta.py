@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from services.weight_buckets import buckets, full_payloads, header, plan, size, views
-from services.weight_checks import WeightsError, parse_header, payload_size
-from services.weight_delta import DeltaError, decode, encode
-from services.weight_manifest import Manifest, digest, manifest_of, tensor_bytes
-from services.weight_stream import Body, check_bucket, check_complete, receive
+from services.weights.buckets import buckets, full_payloads, header, plan, size, views
+from services.weights.checks import WeightsError, parse_header, payload_size
+from services.weights.delta import DeltaError, decode, encode
+from services.weights.manifest import Manifest, digest, manifest_of, tensor_bytes
+from services.weights.stream import Body, check_bucket, check_complete, receive
 
 
 def step(t: torch.Tensor, lr: float = 2e-5, seed: int = 0) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_plan_bounds_the_bytes_of_each_bucket():
 
 
 def spec_of(tensors):
-    from services.engine.state_dict import spec_of as s
+    from services.weights.state_dict import spec_of as s
 
     return s(tensors)
 
@@ -200,7 +200,7 @@ def test_manifest_checks():
     with pytest.raises(WeightsError, match="not a manifest"):
         Manifest.from_metadata({"farm": "[1, 2]"})
     incomplete = Manifest("xxh3_128", 3, {"a.weight": ("00", "full")})
-    from services.weight_stream import Received
+    from services.weights.stream import Received
 
     problems = check_complete(spec, Received(manifest=incomplete, names={"a.weight"}))
     assert any("leaves out tensor 'b.weight'" in p for p in problems)

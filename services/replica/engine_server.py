@@ -1,0 +1,369 @@
+"""One engine replica (a Serve deployment): it owns an Engine and serves the ingress's calls.
+
+Rollouts run at once, up to FARM_ENGINE_MAX_ONGOING_REQUESTS: each awaits engine.agenerate, and the engine merges
+their calls into shared batches (the torch engine's scheduler thread makes every model call: torch runs fastest
+that way; SGLang batches them itself). Past that, a replica holds its share of FARM_ENGINE_MAX_QUEUED_REQUESTS
+waiting (waiting_room), and answers Full (the ingress's 429) beyond. Serve gives the replica CONTROL_SLOTS more
+request slots (request_slots), so weight pushes, control and scrapes get through a full replica, and Serve's own
+queue at the ingress is only a backstop (routing_queue). Before a replica
+serves its first request it loads the committed weight version from the WeightStore, and a rollout asking for a
+newer version waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+from ray import serve
+
+from services import logs
+from services import protocol as P
+from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.errors import Invalid, Unavailable, VersionNotReached
+from services.plugins import load_plugins
+from services.replica.group_sampling import prompt_ids, sample_groups
+from services.replica.overload import Full
+from services.replica.token_pieces import alternative, token_pieces
+from services.samplers import make_sampler
+from services.settings import ServiceSettings
+
+log = logging.getLogger("farm.service")
+
+CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (running and waiting)
+ABORT_RERUNS = 3  # times the samples cut by "abort" commits are run again
+STORE_FOLLOW_S = 2.0  # how often a replica checks the WeightStore for a version it missed
+
+
+def replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def waiting_room(settings: ServiceSettings) -> int:
+    """Rollouts a replica holds waiting for a slot: its share of FARM_ENGINE_MAX_QUEUED_REQUESTS (rounded up)."""
+    return -(-settings.engine_max_queued_requests // settings.replicas)
+
+
+def request_slots(settings: ServiceSettings) -> int:
+    """Serve's max_ongoing_requests for a replica: its running rollouts, its waiting room, and CONTROL_SLOTS that
+    rollouts hold only for an instant (one past the waiting room gets Full at once and gives its slot back)."""
+    return settings.engine_max_ongoing_requests + waiting_room(settings) + CONTROL_SLOTS
+
+
+def routing_queue(settings: ServiceSettings) -> int:
+    """Serve's max_queued_requests for the engine deployment (each ingress replica's handle): a backstop. Serve counts
+    a call as queued while it routes it, and refuses past the limit even when replicas have free slots (a burst of
+    calls counts in full), so the limit holds every call the replicas could admit at once; the replicas' waiting
+    rooms keep FARM_ENGINE_MAX_QUEUED_REQUESTS."""
+    return max(settings.replicas, settings.max_replicas) * request_slots(settings) + settings.engine_max_queued_requests
+
+
+class EngineServer:
+    async def __init__(self, settings: ServiceSettings):
+        from services.models import resolve_model
+
+        load_plugins(settings)
+        logs.setup_farm_loggers(settings.log_level)
+        self.settings = settings
+        kind = ENGINES.get(settings.engine, settings.plugins)
+        model = str(resolve_model(settings.model)) if kind.needs_model else settings.model
+        threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
+        self.engine: Engine = await asyncio.to_thread(kind.from_settings, model, settings, threads)
+        self.catch_up_lock = asyncio.Lock()
+        self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
+        self.rollouts_running = 0
+        self.waiting_room = waiting_room(settings)
+        self.pending_version = 0  # a commit in progress on this replica
+        await self.catch_up(0)  # before Serve routes any traffic here
+        self.following = asyncio.create_task(self._follow_store())
+
+    async def _follow_store(self) -> None:
+        """Forever: load a version committed while this replica missed the push (it started between a push's
+        phases, so the commit's broadcast did not reach it)."""
+        while True:
+            await asyncio.sleep(STORE_FOLLOW_S)
+            try:
+                await self.catch_up(0)
+            except Exception as e:  # the store is being recreated, or the weights cannot be loaded: say so, retry
+                log.warning("catch_up_failed", extra={"error": repr(e)})
+
+    def _on_engine_thread(self, fn, *args):
+        """A blocking engine verb (scoring, health) on the engine's one thread (Engine.engine_thread)."""
+        return asyncio.get_running_loop().run_in_executor(self.engine.engine_thread(), fn, *args)
+
+    # rollouts --------------------------------------------------------------------------------------------
+    async def rollout(
+        self,
+        prompts: list[P.Prompt],
+        n: int,
+        params: P.SamplingParams,
+        reward: str | None,
+        min_version: int = 0,
+        meta: dict | None = None,
+        sampler: P.SamplerSpec | None = None,
+    ) -> list[P.Group] | Full:
+        """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
+        waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
+        exception (Serve would log each one with a traceback)."""
+        if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
+            return Full(self.rollouts_waiting)
+        self.rollouts_waiting += 1
+        try:
+            await self.rollout_slots.acquire()
+        finally:
+            self.rollouts_waiting -= 1
+        self.rollouts_running += 1
+        try:
+            if self.engine.weight_version < min_version:
+                await self.catch_up(min_version)
+            spec = sampler or P.SamplerSpec()
+            return await sample_groups(
+                self._generate_rerun,
+                self.engine.tokenizer,
+                prompts,
+                n,
+                params,
+                reward,
+                meta or {"sampler": "plain"},
+                make_sampler(spec, self.settings.plugins),
+            )
+        finally:
+            self.rollouts_running -= 1
+            self.rollout_slots.release()
+
+    async def _generate_rerun(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+        """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
+        outs = await self._generate(prompts, params)
+        for _ in range(ABORT_RERUNS):
+            served = (
+                await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
+            )
+            redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
+            if not redo:
+                break
+            for i, o in zip(redo, await self._generate([prompts[i] for i in redo], params)):
+                outs[i] = o
+        return outs
+
+    async def _generate(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+        """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
+        (its rows leave the batch at the next step)."""
+        cancel = threading.Event()
+        work = asyncio.ensure_future(self.engine.agenerate(prompts, params, cancel))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancel.set()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
+            raise
+
+    async def _settled(self) -> int:
+        """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""
+        while self.pending_version > self.engine.weight_version:
+            await asyncio.sleep(0.01)
+        return self.engine.weight_version
+
+    # weights ---------------------------------------------------------------------------------------------
+    async def catch_up(self, min_version: int) -> None:
+        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for
+        min_version."""
+        deadline = time.monotonic() + self.settings.min_version_wait_s
+        while True:
+            async with self.catch_up_lock:
+                store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
+                version, source = await store.current.remote()
+                if version > self.engine.weight_version:
+                    await self.commit(version, None, source)
+                    log.info("caught_up", extra={"version": version})
+            if self.engine.weight_version >= min_version:
+                return
+            if time.monotonic() > deadline:
+                raise VersionNotReached(
+                    f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S="
+                    f"{self.settings.min_version_wait_s}; this replica serves {self.engine.weight_version}"
+                )
+            await asyncio.sleep(0.05)
+
+    async def stage(self, source: tuple, version: int) -> int:
+        """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
+        NaN or inf in a tensor) are Invalid, a 422 naming the tensor; a push with a base version that does not fit
+        the served weights is a Conflict (409) telling the client to send a full push. A catch-up ("chain") first
+        commits the versions before `version` it still lacks."""
+        from services.errors import Conflict
+        from services.weights.stage import BaseMismatch, staged_tensors
+
+        kind, where = source
+        try:
+            if kind == "chain":
+                *before, (last, source) = where
+                for v, step in before:
+                    if step is not None and v > self.engine.weight_version:
+                        await self.stage(step, v)
+                        await asyncio.to_thread(self.engine.commit_weights, v, None)
+                kind, where = source
+            if kind == "path":
+                await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
+            else:
+                tensors = await asyncio.to_thread(staged_tensors, source, self.engine)
+                await asyncio.to_thread(self.engine.stage_weights, tensors, version)
+        except WeightsRejected as e:
+            detail = [{"field": "path" if kind == "path" else "body", "message": str(e)}]
+            raise Invalid(detail, "weights refused; the old version keeps serving") from None
+        except BaseMismatch as e:
+            raise Conflict(
+                "the push does not apply to a replica's weights; the old version keeps serving",
+                [{"field": "base", "message": str(e)}],
+            ) from None
+        return version
+
+    async def commit(self, version: int, policy: str | None, source: tuple) -> int:
+        """Phase two: serve the staged version (the ingress has recorded it in the store). A replica that
+        joined after phase one stages from `source` first. A catch-up (policy None) keeps a push's policy."""
+        if version <= self.engine.weight_version:
+            return self.engine.weight_version
+        self.pending_version = max(self.pending_version, version)
+        try:
+            try:
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+            except WeightsRejected:  # nothing staged here: this replica started after phase one
+                await self.stage(source, version)
+                await asyncio.to_thread(self.engine.commit_weights, version, policy)
+        finally:
+            self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
+        return self.engine.weight_version
+
+    async def record(self, version: int, source: tuple, hold: bool = False) -> None:
+        """Make `version` the one a starting replica loads (the store belongs to this deployment). hold=True: the
+        store only takes its own copy of the upload, while the replicas stage (services/weights/store.py)."""
+        store = serve.get_deployment_actor("weights")
+        await (store.hold if hold else store.commit).remote(version, source)
+
+    def discard(self, version: int) -> None:
+        self.engine.discard_weights(version)
+
+    def weight_spec(self) -> dict:
+        return self.engine.weight_spec()
+
+    def weight_version(self) -> tuple[str, int]:
+        """(this replica's id, the version it serves)."""
+        return replica_id(), self.engine.weight_version
+
+    async def init_weights_update_group(self, group: P.DistributedGroup, replica_ids: list[str]) -> int:
+        """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
+        Blocks (off the event loop) until the trainer and every replica have joined."""
+        rank = group.rank_offset + replica_ids.index(replica_id()) * self.engine.ranks_per_engine
+        await asyncio.to_thread(
+            self.engine.init_weights_update_group,
+            group.master_address,
+            group.master_port,
+            rank,
+            group.world_size,
+            group.group_name,
+            group.backend,
+        )
+        return rank
+
+    async def update_weights_from_distributed(self, update: P.DistributedUpdate, replica_ids: list[str]) -> int:
+        await asyncio.to_thread(
+            self.engine.update_weights_from_distributed,
+            update.names,
+            update.dtypes,
+            update.shapes,
+            update.version,
+            update.group_name,
+        )
+        return self.engine.weight_version
+
+    # control and health ----------------------------------------------------------------------------------
+    def state(self) -> P.ReplicaState:
+        e = self.engine
+        return P.ReplicaState(
+            replica=replica_id(),
+            weight_version=e.weight_version,
+            paused=e.paused,
+            busy=e.busy,
+            generated_tokens=e.generated_tokens,
+            rollouts_running=self.rollouts_running,
+            rollouts_waiting=self.rollouts_waiting,
+            **e.stats.snapshot(),
+        )
+
+    def pause(self) -> P.ReplicaState:
+        """Stop admitting generate calls; calls already running finish."""
+        self.engine.pause()
+        return self.state()
+
+    def resume(self) -> P.ReplicaState:
+        self.engine.resume()
+        return self.state()
+
+    def abort(self) -> P.ReplicaState:
+        """End the generate calls in flight at their next token."""
+        self.engine.abort()
+        return self.state()
+
+    async def health(self) -> P.Health:
+        """The engine samples one token (temperature 1); a replica that cannot (NaN weights, a broken device) is
+        Unavailable, naming itself and the error. The sample joins the running batch (the torch engine takes it
+        ahead of waiting calls), so a busy replica answers within a step or two."""
+        me, version = replica_id(), self.engine.weight_version
+        if self.engine.paused:
+            return P.Health(status="paused", weight_version=version, replica=me)
+        try:
+            token = await self._on_engine_thread(self.engine.health)
+        except Exception as e:
+            raise Unavailable(f"replica {me} cannot sample: {type(e).__name__}: {e}") from None
+        return P.Health(status="ok", weight_version=version, generated_token_id=token, replica=me)
+
+    # for the OpenAI surface ------------------------------------------------------------------------------
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size()
+
+    def render_chat(self, messages: list[dict]) -> str | None:
+        """Messages through the model's chat template, ready for generation; None without a template."""
+        tok = self.engine.tokenizer
+        return (
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
+        )
+
+    def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
+        return [token_pieces(self.engine.tokenizer, ids) for ids in samples]
+
+    def context_length(self) -> int | None:
+        return self.engine.context_length()
+
+    def prompt_lengths(self, prompts: list[P.Prompt]) -> list[int]:
+        """Each prompt's length in tokens, tokenized as a rollout tokenizes it."""
+        return [len(prompt_ids(self.engine.tokenizer, p)) for p in prompts]
+
+    async def score(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+        """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
+        alternatives as {text: logprob}."""
+        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        tok = self.engine.tokenizer
+        return [
+            {
+                "pieces": token_pieces(tok, ids),
+                "logprobs": s.logprobs,
+                "top": [{alternative(tok, t): lp for t, lp in alts} for alts in s.top],
+            }
+            for ids, s in zip(sequences, scored)
+        ]
+
+    # for the SGLang surface -------------------------------------------------------------------------------
+    async def score_ids(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+        """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
+        and the top_k alternatives of its position as [token_id, logprob] pairs."""
+        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded alone (SGLang's return_text_in_logprobs)."""
+        return self.engine.tokenizer.batch_decode([[i] for i in ids])
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Texts tokenized as SGLang's tokenizer manager does (tokenizer.encode: special tokens such as BOS added)."""
+        return [self.engine.tokenizer.encode(t) for t in texts]
