@@ -5,7 +5,7 @@ serves it), and before each one the weights take a step like an optimizer's at t
 element moves by lr * sign(noise), as Adam's first steps do), so bucketed and delta pushes see real changes:
   raw       safetensors.torch.save of the state dict, load, and copy of every tensor into a second model's
             parameters, in this process, with the torch threads of one replica
-  full      services/weight_client.WeightPusher "full": buckets streamed from the tensors' memory with per-tensor
+  full      services/weights/pusher.py WeightPusher "full": buckets streamed from the tensors' memory with per-tensor
             xxh3 checksums; the ingress puts each bucket in the object store once, replicas view them in place
   bucketed  only the tensors whose checksum changed (at any lr > 0 every trained tensor changes)
   delta     changed tensors as XOR against the last push, byte planes zlib-compressed

@@ -136,6 +136,15 @@ class _Stream:
         """Start reading an answer (afresh on each attempt); raise FarmError for an error answer (its body read)."""
         self.status, self.partial = _checked(r).status_code, ""
 
+    def events(self, text: str) -> Iterator[P.GroupEvent]:
+        """The groups of the whole lines in the text received so far, one by one, up to the closing line (then
+        `done` is set); FarmError when the closing line carries an error."""
+        for line in self.lines(text):
+            if event := self.read(line):
+                yield event
+            elif self.done:
+                return
+
     def read(self, line: str) -> P.GroupEvent | None:
         """The line's group; None for a blank line or the closing one (then `done` is set); FarmError when the
         closing line carries an error."""
@@ -320,11 +329,9 @@ class FarmClient(_Api):
                     r.read()
                 s.open(r)
                 for text in r.iter_text():
-                    for line in s.lines(text):
-                        if event := s.read(line):
-                            yield event
-                        elif s.done:
-                            return
+                    yield from s.events(text)
+                    if s.done:
+                        return
                 raise s.cut()
 
 
@@ -359,9 +366,8 @@ class AsyncFarmClient(_Api):
                         await r.aread()
                     s.open(r)
                     async for text in r.aiter_text():
-                        for line in s.lines(text):
-                            if event := s.read(line):
-                                yield event
-                            elif s.done:
-                                return
+                        for event in s.events(text):
+                            yield event
+                        if s.done:
+                            return
                     raise s.cut()

@@ -9,27 +9,40 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from pythonjsonlogger.json import JsonFormatter
 
 QUIET = ("httpx", "httpcore", "urllib3", "ray", "transformers", "filelock")
 
 
+def json_formatter() -> logging.Formatter:
+    return JsonFormatter(
+        "{message}{levelname}{name}",
+        style="{",
+        rename_fields={"message": "event", "levelname": "level", "name": "logger"},
+    )
+
+
 def json_handler(stream=sys.stdout) -> logging.Handler:
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(
-        JsonFormatter(
-            "{message}{levelname}{name}",
-            style="{",
-            rename_fields={"message": "event", "levelname": "level", "name": "logger"},
-        )
-    )
+    handler.setFormatter(json_formatter())
     return handler
 
 
-def setup(level: int = logging.INFO, stream=sys.stdout) -> None:
-    """JSON lines on `stream` for every logger; chatty libraries only from WARNING up."""
-    logging.basicConfig(level=level, handlers=[json_handler(stream)], force=True)
+def setup(
+    level: int = logging.INFO, stream=sys.stdout, file: str | Path | None = None, console_level: int = logging.NOTSET
+) -> None:
+    """JSON lines on `stream` for every logger; chatty libraries only from WARNING up. With `file`, every line is
+    also appended to that file, and `stream` gets only the lines from console_level up."""
+    console = json_handler(stream)
+    console.setLevel(console_level)
+    handlers = [console]
+    if file is not None:
+        to_file = logging.FileHandler(file, encoding="utf-8")
+        to_file.setFormatter(json_formatter())
+        handlers.append(to_file)
+    logging.basicConfig(level=level, handlers=handlers, force=True)
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAKE_TOKEN = "export FARM_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -98,10 +98,10 @@ class ServiceSettings(BaseSettings):
         60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed."
     )
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
-    log_level: str = Field(
+    log_level: Annotated[str, BeforeValidator(str.upper)] = Field(
         "INFO",
         pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
-        description="Level of the service's JSON log "
+        description="Level of the service's JSON log (any case: `debug` is DEBUG) "
         "lines (the replicas' too, which Ray copies to `farm serve`'s output).",
     )
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")

@@ -50,6 +50,11 @@ def _train_parser(sub) -> None:
     )
     for name, (key, kind) in TRAIN_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=key)
+    p.add_argument(
+        "--log-file",
+        help="append the JSON log lines to this file; the console then gets warnings, errors and a short line every "
+        "10 steps (FARM_LOG_LEVEL=debug: every JSON line too)",
+    )
 
 
 def train_config(args):
@@ -105,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
             cfg = train_config(args)
         except ConfigError as e:
             sys.exit(str(e))
+        if args.log_file:
+            from trainer.console import log_to_file
+
+            log_to_file(args.log_file, cfg.trainer.total_training_steps)
         train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))
     elif args.cmd == "demo":
         from trainer.demo import run_demo

@@ -1,8 +1,9 @@
 """`farm demo`: the whole loop on one machine, as three OS processes.
 
-this process ── starts ──► `farm serve` (Ray Serve app on 127.0.0.1)
-             └─ starts ──► `farm train` (talks to the service over HTTP only)
-and prints held-out accuracy before and after, with 95% intervals.
+this process ── starts ──► `farm serve` (Ray Serve app on 127.0.0.1; its log: OUT/service.log)
+             └─ starts ──► `farm train` (talks to the service over HTTP only; its JSON log: OUT/train.log)
+and prints held-out accuracy before and after, with 95% intervals. The console shows the trainer's progress bar, a
+short line every 10 steps, and warnings and errors; FARM_LOG_LEVEL=debug adds the trainer's JSON lines.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    train_log = out_dir / "train.log"
+    train_log.unlink(missing_ok=True)
     state = out_dir / "state"  # the service's embedded Redis: a demo starts from version 0 and an empty queue
     shutil.rmtree(state, ignore_errors=True)
     path = resolve_model(model)  # builds the embedded default on first run
@@ -67,16 +70,26 @@ def run_demo(model: str, steps: int | None, eval_size: int | None, out: str) -> 
                 str(eval_size),
                 "--out",
                 str(out_dir),
+                "--log-file",
+                str(train_log),
                 "trainer.resume_mode=disable",  # a demo starts from the model, not from the last run
                 *DEMO_SETTINGS,
             ]
-            subprocess.run(train, env=env, check=True)
+            print(
+                f"scoring the held-out problems, then training {steps} steps "
+                f"(log: {train_log}, metrics: {out_dir / 'metrics.jsonl'})",
+                flush=True,
+            )
+            code = subprocess.run(train, env=env).returncode
         finally:
             service.send_signal(signal.SIGTERM)
             try:
                 service.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 service.kill()
+    if code:
+        print(f"training failed (exit status {code}); see above, and {train_log}", file=sys.stderr)
+        return code
     summary = json.loads((out_dir / "summary.json").read_text())
     report(summary, time.time() - start)
     return 0

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from services import protocol as P
 from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, staleness_metrics, step_metrics
-from trainer.actor import update_actor
+from trainer.actor import ActorInputs, update_actor
 from trainer.advantages import compute_advantages
 from trainer.batch import Batch, broadcast_batch
 from trainer.config import TrainerConfig
@@ -159,9 +159,10 @@ def ppo_update(
     measure_noise = run.cfg.guards.variance_statistic == "grad_noise_scale"
     run.policy.train()
     stats: dict[str, list[float]] = {}
+    actor = ActorInputs(run.policy, b, adv, old_lp, ref_lp, weights, a)
     for _ in range(a.ppo_epochs):
         for mb in mini_batches(b, run.mini_batch_size, run.rank, run.world):
-            row = update_actor(run.policy, run.opt["actor"], b, mb, adv, old_lp, ref_lp, weights, a, measure_noise)
+            row = update_actor(actor, run.opt["actor"], mb, measure_noise)
             if run.critic is not None:
                 row.update(update_critic(run.critic, run.opt["critic"], b, mb, values, returns, run.cfg))
             for k, v in row.items():

@@ -40,14 +40,8 @@ class Leased:
     refused: int = 0  # groups the trainer found too old itself, left unacked
 
 
-def oldest_version(group: P.Group) -> int | None:
-    """The oldest weight version among the group's tokens (None for a group without samples)."""
-    versions = [v for s in group.samples for v in (s.token_weight_versions or [s.weight_version])]
-    return min(versions, default=None)
-
-
 def too_old(group: P.Group, version: int, bound: int | None) -> bool:
-    oldest = oldest_version(group)
+    oldest = group.oldest_version()
     return bound is not None and oldest is not None and version - oldest > bound
 
 

@@ -1,4 +1,5 @@
-"""Reading the streamed uploads, which have their own FARM_ limits: weights (hashed as they arrive) and prompt files."""
+"""Reading a streamed prompt upload (POST /v1/queue/sources/{name}/prompts), with its own FARM_ limit: the body, and
+its prompts from JSON or JSONL. Weight uploads stream through services/weights/stream.py instead."""
 
 from __future__ import annotations
 

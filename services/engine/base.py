@@ -11,13 +11,20 @@ commit_weights   serve the staged weights as the new version; `policy` says what
                    abort    they end with finish_reason "abort" at their next token (the caller retries them)
                    partial  they go on with the new weights from their next token (see token_versions)
 discard_weights  drop what was staged (another replica refused it)
-pause / resume   stop and restart admitting new generate calls (`paused` says which)
+pause / resume   stop and restart admitting new generate calls (`paused` says which); a generate call that waits
+                 at the gate ends "abort" with no tokens if its `cancel` is set first
 abort            end every in-flight generate call at its next token ("abort")
 health           prove the engine can sample one token (temperature 1)
 init_weights_update_group / update_weights_from_distributed
                  the NCCL transport (SGLang); an engine without it raises EngineVerbMissing, a 501 naming the engine
 State read by the service: weight_version, paused, busy, generated_tokens, stats (busy time, batch sizes: stats.py),
 tokenizer, vocab_size().
+
+What Engine does for every engine: commit_weights checks the version (served already: a no-op; not staged:
+WeightsRejected) and hands the rest to the engine's _commit_staged; discard_weights drops `_staged`, the
+(version, weights) pair that stage_weights holds; pause, resume and paused open and close one admit gate, which
+a generate call waits at (_wait_admitted) or a scheduler reads (`paused`); cancellable() awaits an engine call
+so that cancelling the caller sets the call's `cancel` event.
 
 Engines are registered by name in ENGINES (services/engine/__init__.py); a dotted path `pkg.module:Class` whose
 module is in FARM_PLUGINS works too. The service builds one with `Engine.from_settings`.
@@ -30,9 +37,10 @@ import asyncio
 import math
 import pathlib
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
@@ -40,6 +48,7 @@ from services.engine.stats import EngineStats
 from services.errors import EngineVerbMissing
 from services.protocol import FinishReason, InFlightPolicy, SamplingParams
 from services.registry import Registry
+from services.weights.checks import WeightsRejected
 
 if TYPE_CHECKING:
     from services.settings import ServiceSettings
@@ -72,6 +81,7 @@ def read_safetensors_folder(path: str | pathlib.Path) -> dict[str, torch.Tensor]
     return tensors
 
 
+T = TypeVar("T")
 GENERATE_THREADS = 1024  # most generate calls a concurrent engine's default agenerate runs at once (threads on demand)
 _callers: ThreadPoolExecutor | None = None
 
@@ -85,6 +95,27 @@ def generate_threads() -> ThreadPoolExecutor:
     return _callers
 
 
+async def cancellable(work: Awaitable[T], cancel: threading.Event) -> T:
+    """Await `work` shielded from cancellation: cancelling the awaiting task sets `cancel` instead (the engine ends
+    the call at its next token) and re-raises; the work's outcome is then retrieved, so no warning is logged."""
+    future = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancel.set()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
+        raise
+
+
+ADMIT_POLL_S = 0.05  # how often a generate call waiting at a paused engine's gate looks at its cancel event
+
+
+def _open_gate() -> threading.Event:
+    gate = threading.Event()
+    gate.set()
+    return gate
+
+
 class Engine(abc.ABC):
     needs_model: ClassVar[bool] = True  # False: runs without model weights (the bench engine)
     # True: generate is thread-safe and merges concurrent calls (the bench engine); False: the default agenerate
@@ -94,6 +125,7 @@ class Engine(abc.ABC):
     weight_version: int = 0
     generated_tokens: int = 0  # since the engine started
     tokenizer = None  # a Hugging Face tokenizer: the service tokenizes, decodes and renders chat with it
+    _staged: tuple[int, object] | None = None  # (version, what stage_weights holds for commit_weights)
 
     @classmethod
     def from_settings(cls, model_path: str, settings: ServiceSettings, threads: int | None) -> Engine:
@@ -121,17 +153,21 @@ class Engine(abc.ABC):
     def engine_thread(self) -> ThreadPoolExecutor:
         """The one thread the replica runs this engine's blocking verbs on (scoring, health; generate too by
         default), created on first use."""
-        found = self.__dict__.get("_engine_thread")
-        if found is None:
-            found = self.__dict__.setdefault("_engine_thread", ThreadPoolExecutor(1, thread_name_prefix="engine"))
-        return found
+        return self._own("_engine_thread", lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
 
     @property
     def stats(self) -> EngineStats:
-        """Busy time and batch sizes (services/engine/stats.py); created on first use, so a user engine needs no
-        __init__ call for it."""
-        found = self.__dict__.get("_stats")
-        return found if found is not None else self.__dict__.setdefault("_stats", EngineStats())
+        """Busy time and batch sizes (services/engine/stats.py)."""
+        return self._own("_stats", EngineStats)
+
+    def _own(self, name: str, make: Callable[[], T]) -> T:
+        """The attribute `name`, made by make() on first use, so that a user engine needs no Engine.__init__ call."""
+        found = self.__dict__.get(name)
+        return found if found is not None else self.__dict__.setdefault(name, make())
+
+    def _cancelled_before_start(self, prompts: list[list[int]]) -> list[EngineOutput]:
+        """The outputs of a call cancelled before it started: "abort" with no tokens, on the served version."""
+        return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
 
     def vocab_size(self) -> int:
         """Token ids a prompt may use: [0, vocab_size)."""
@@ -150,14 +186,32 @@ class Engine(abc.ABC):
         """Stage the safetensors files of a folder (an engine that reads the folder itself overrides this)."""
         self.stage_weights(read_safetensors_folder(path), version)
 
-    @abc.abstractmethod
     def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        """Serve the weights staged as `version`; a no-op when it is served already. With policy None (a
-        replica catching up) a commit of the same version already under way keeps its policy."""
+        """Serve the weights staged as `version` (_commit_staged); a no-op when it is served already, WeightsRejected
+        when it is not staged. With policy None (a replica catching up) a commit of the same version already under
+        way keeps its policy."""
+        # already served: a replica's catch-up and the push's own commit can both land
+        if version <= self.weight_version:
+            return
+        if self._staged is None or self._staged[0] != version:
+            raise WeightsRejected(f"version {version} is not staged on this replica")
+        self._commit_staged(version, policy)
 
     @abc.abstractmethod
+    def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
+        """Serve `self._staged`, which holds `version`, newer than the served one (commit_weights checked both);
+        `policy` as in commit_weights."""
+
     def discard_weights(self, version: int) -> None:
         """Drop the weights staged as `version`, if any."""
+        if self._staged is not None and self._staged[0] == version:
+            self._staged = None
+
+    def _version_problems(self, version: int) -> list[str]:
+        """Why `version` cannot be staged: [] when it is newer than the served one."""
+        if version <= self.weight_version:
+            return [f"version {version} is not newer than the served version {self.weight_version}"]
+        return []
 
     def init_weights_update_group(
         self,
@@ -187,19 +241,32 @@ class Engine(abc.ABC):
         )
 
     # lifecycle ------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """Close the admit gate: new generate calls wait until resume; running ones go on."""
+        self._gate().clear()
 
-    @abc.abstractmethod
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Open the admit gate (an engine whose scheduler waits for it extends this to wake the scheduler)."""
+        self._gate().set()
+
+    @property
+    def paused(self) -> bool:
+        """New generate calls wait (pause) until resume."""
+        return not self._gate().is_set()
+
+    def _gate(self) -> threading.Event:
+        """The admit gate: set while new generate calls are admitted, clear while paused (open on first use)."""
+        return self._own("_admit_gate", _open_gate)
+
+    def _wait_admitted(self, cancel: threading.Event | None) -> bool:
+        """Block a new generate call while paused: True once the gate is open, False if `cancel` is set first."""
+        while not self._gate().wait(ADMIT_POLL_S):
+            if cancel is not None and cancel.is_set():
+                return False
+        return True
 
     @abc.abstractmethod
     def abort(self) -> None: ...
-
-    @property
-    @abc.abstractmethod
-    def paused(self) -> bool:
-        """New generate calls wait (pause) until resume."""
 
     @property
     @abc.abstractmethod

@@ -53,8 +53,7 @@ class BenchEngine(Engine):
             self.tokenizer = byte_tokenizer()
         self.token_latency_s = token_latency_s
         self.weight_version, self.generated_tokens = 0, 0
-        self._admit, self._epoch, self._staged = threading.Event(), 0, None
-        self._admit.set()
+        self._epoch, self._staged = 0, None
         self._clock = threading.Condition()  # guards the three below
         self._runs: list[_Run] = []
         self._tick, self._ticking = 0, False  # the tick in progress; whether the clock thread runs
@@ -67,9 +66,8 @@ class BenchEngine(Engine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
     ) -> list[EngineOutput]:
-        while not self._admit.wait(0.05):
-            if cancel is not None and cancel.is_set():
-                return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
+        if not self._wait_admitted(cancel):
+            return self._cancelled_before_start(prompts)
         rng = random.Random(params.seed)
         run = _Run(len(prompts), params.max_new_tokens, cancel, self._epoch, 0, self.weight_version)
         if prompts:
@@ -119,15 +117,12 @@ class BenchEngine(Engine):
         return {"bench.weight": ([1], "F32")}
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if version <= self.weight_version:
-            raise WeightsRejected(f"version {version} is not newer than the served version {self.weight_version}")
-        self._staged = version
+        if problems := self._version_problems(version):
+            raise WeightsRejected("; ".join(problems))
+        self._staged = (version, None)  # no weights: only the version
 
-    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        if version <= self.weight_version:
-            return
-        if self._staged != version:
-            raise WeightsRejected(f"version {version} is not staged on this replica")
+    def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
+        """The new version, for new calls and (by the policy) for the calls in flight; nothing waits."""
         with self._clock:
             self.weight_version, self._staged = version, None
             if policy == "partial":
@@ -137,20 +132,11 @@ class BenchEngine(Engine):
                 self._epoch += 1
 
     def discard_weights(self, version: int) -> None:
+        """Drop what was staged, whatever its version."""
         self._staged = None
-
-    def pause(self) -> None:
-        self._admit.clear()
-
-    def resume(self) -> None:
-        self._admit.set()
 
     def abort(self) -> None:
         self._epoch += 1
-
-    @property
-    def paused(self) -> bool:
-        return not self._admit.is_set()
 
     @property
     def busy(self) -> bool:

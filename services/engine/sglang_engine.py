@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.base import ENGINES, Engine, EngineOutput
+from services.engine.base import ADMIT_POLL_S, ENGINES, Engine, EngineOutput
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weights.checks import WeightsError, WeightsRejected, check_state_dict, non_finite, read_header_file
 from services.weights.state_dict import spec_of
@@ -95,27 +95,14 @@ class SGLangEngine(Engine):
         self.llm = sglang.Engine(model_path=model_path, device=device, dtype=dtype)
         self.llm.loop = self._loop = _LoopThread()
         self.weight_version, self.generated_tokens = 0, 0
-        self._cv = threading.Condition()  # guards the three below
-        self._inflight, self._paused, self._committing = 0, False, False
+        self._cv = threading.Condition()  # guards the two below
+        self._inflight, self._committing = 0, False
         self._staged: tuple[int, dict[str, torch.Tensor] | str] | None = None
         self._spec: dict[str, tuple[list[int], str]] | None = None
 
     # lifecycle -------------------------------------------------------------
-    def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
     def abort(self) -> None:
         self._loop.call(self.llm.tokenizer_manager.abort_request, abort_all=True)
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     @property
     def busy(self) -> bool:
@@ -136,8 +123,8 @@ class SGLangEngine(Engine):
         cancel = cancel or threading.Event()
         while not self._enter():  # paused, or a commit holds new calls back
             if cancel.is_set():
-                return [EngineOutput([], [], "abort", self.weight_version, []) for _ in prompts]
-            await asyncio.sleep(0.05)
+                return self._cancelled_before_start(prompts)
+            await asyncio.sleep(ADMIT_POLL_S)
         version, rids = self.weight_version, [uuid.uuid4().hex for _ in prompts]
         sampling = self._sampling(params)
         try:
@@ -169,9 +156,9 @@ class SGLangEngine(Engine):
         return self._loop.run_until_complete(self.agenerate(prompts, params, cancel))
 
     def _enter(self) -> bool:
-        """Count a call in flight, unless new calls are held back now."""
+        """Count a call in flight, unless new calls are held back now (paused, or a commit)."""
         with self._cv:
-            if self._paused or self._committing:
+            if self.paused or self._committing:
                 return False
             self._inflight += 1
             self.stats.busy(True)
@@ -227,9 +214,7 @@ class SGLangEngine(Engine):
         return self._spec
 
     def _check(self, got: dict[str, tuple[list[int], str]], version: int) -> None:
-        problems = check_state_dict(self.weight_spec(), got)
-        if version <= self.weight_version:
-            problems.append(f"version {version} is not newer than the served version {self.weight_version}")
+        problems = check_state_dict(self.weight_spec(), got) + self._version_problems(version)
         if problems:
             raise WeightsRejected("; ".join(problems))
 
@@ -250,12 +235,9 @@ class SGLangEngine(Engine):
         self._check(got, version)
         self._staged = (version, str(path))
 
-    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        # already served: a replica's catch-up and the push's own commit can both land
-        if version <= self.weight_version:
-            return
-        if self._staged is None or self._staged[0] != version:
-            raise WeightsRejected(f"version {version} is not staged on this replica")
+    def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
+        """Update SGLang's weights from the staged tensors or folder, alone: in-flight calls finish (or are aborted)
+        first and new ones wait ("partial" is "finish" here)."""
         staged = self._staged[1]
         with self._exclusive(abort=policy == "abort"):
             if isinstance(staged, str):
@@ -265,10 +247,6 @@ class SGLangEngine(Engine):
             if not ok:
                 raise WeightsRejected(message)
             self.weight_version, self._staged = version, None
-
-    def discard_weights(self, version: int) -> None:
-        if self._staged is not None and self._staged[0] == version:
-            self._staged = None
 
     @contextmanager
     def _exclusive(self, abort: bool = False):

@@ -5,8 +5,8 @@ Batch   one KV cache, left padded so that every row's next token sits at the sam
         theirs); a finished row leaves (its cache row is dropped), and columns that no row attends to any more are
         trimmed from the left. Positions are per row, so padding never shifts a row's positions, and a padded column
         is masked out: a row decodes as it would alone, up to float rounding.
-Slots   each row's tokens, logprobs, sampling logprobs and weight versions so far, written for the whole batch in one
-        operation per step, read once when the row ends.
+Slots   each row's tokens, logprobs, sampling logprobs (write) and per-token weight versions (record_token_versions)
+        so far, written for the whole batch in one operation each per step, read once when the row ends.
 """
 
 from __future__ import annotations
@@ -149,9 +149,13 @@ class Slots:
     def release(self, slots: list[int]) -> None:
         self.free += slots
 
-    def write(self, slot: torch.Tensor, step: torch.Tensor, tok, lp, slp, version: int) -> None:
-        """This step's token of each row (slot, step: (B,) each)."""
+    def write(self, slot: torch.Tensor, step: torch.Tensor, tok, lp, slp) -> None:
+        """This step's token of each row and its raw and sampling logprobs (slot, step: (B,) each)."""
         self.tok[slot, step], self.lp[slot, step], self.slp[slot, step] = tok, lp, slp
+
+    def record_token_versions(self, slot: torch.Tensor, step: torch.Tensor, version: int) -> None:
+        """The weight version that sampled this step's token of each row (slot, step: (B,) each): one per token, so
+        a row's versions change mid-sample under the "partial" commit policy (EngineOutput.token_versions)."""
         self.ver[slot, step] = version
 
     def tokens(self, slot: int, n: int) -> list[int]:

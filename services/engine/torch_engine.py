@@ -26,6 +26,7 @@ from services.engine.base import (
     Engine,
     EngineOutput,
     ScoredTokens,
+    cancellable,
     checked_health_token,
 )
 from services.engine.torch_sampling import RegexMask, processed_logits, text_hits_stop  # noqa: F401  (their home)
@@ -65,8 +66,6 @@ class TorchEngine(BatchScheduler, Engine):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.weight_version = 0
         self._lock = threading.Lock()  # the model: one decode step, scoring pass or weight update at a time
-        self._admit = threading.Event()
-        self._admit.set()
         self._abort_epoch = 0  # bumped by abort() and by an "abort" commit: running calls compare at each step
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._commit: InFlightPolicy | None = None  # the policy of a commit waiting to be applied
@@ -85,19 +84,13 @@ class TorchEngine(BatchScheduler, Engine):
         )
 
     # lifecycle -------------------------------------------------------------
-    def pause(self) -> None:
-        self._admit.clear()
-
     def resume(self) -> None:
-        self._admit.set()
+        """Open the admit gate and wake the scheduler, which admits the calls that waited (Engine.pause)."""
+        super().resume()
         self._wake()
 
     def abort(self) -> None:
         self._abort_epoch += 1
-
-    @property
-    def paused(self) -> bool:
-        return not self._admit.is_set()
 
     @property
     def busy(self) -> bool:
@@ -136,18 +129,13 @@ class TorchEngine(BatchScheduler, Engine):
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         problems = check_state_dict(self.weight_spec(), spec_of(state_dict)) + non_finite(state_dict)
-        if version <= self.weight_version:
-            problems.append(f"version {version} is not newer than the served version {self.weight_version}")
+        problems += self._version_problems(version)
         if problems:
             raise WeightsRejected("; ".join(problems))
         self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
 
-    def commit_weights(self, version: int, policy: InFlightPolicy | None = "finish") -> None:
-        # already served: a replica's catch-up and the push's own commit can both land
-        if version <= self.weight_version:
-            return
-        if self._staged is None or self._staged[0] != version:
-            raise WeightsRejected(f"version {version} is not staged on this replica")
+    def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
+        """Hand the commit to the scheduler and wait until it has applied it (or the staged tensors were discarded)."""
         with self._cv:
             if policy is not None or self._commit is None:  # a catch-up (None) does not override a push's policy
                 self._commit = policy or "finish"
@@ -157,10 +145,6 @@ class TorchEngine(BatchScheduler, Engine):
             self._cv.notify_all()
             while self.weight_version < version and self._commit is not None:
                 self._cv.wait(0.05)
-
-    def discard_weights(self, version: int) -> None:
-        if self._staged is not None and self._staged[0] == version:
-            self._staged = None
 
     def _apply_staged(self) -> None:
         """Copy the staged tensors into the model (the scheduler thread, holding self._lock). A commit whose tensors
@@ -187,10 +171,4 @@ class TorchEngine(BatchScheduler, Engine):
         """generate without a thread: the call waits in the scheduler's queue, the caller on its future. Cancelling
         the awaiting task sets `cancel`, so the call's rows leave the batch at the next step."""
         cancel = cancel or threading.Event()
-        done = asyncio.wrap_future(self._submit(prompts, params, cancel))
-        try:
-            return await asyncio.shield(done)
-        except asyncio.CancelledError:
-            cancel.set()
-            done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
-            raise
+        return await cancellable(asyncio.wrap_future(self._submit(prompts, params, cancel)), cancel)

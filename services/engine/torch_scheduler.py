@@ -58,7 +58,7 @@ class Call:
 
 class BatchScheduler:
     """Mixed into TorchEngine, which sets model, device, tokenizer, eos_ids, pad_id, weight_version, the locks and
-    the commit state, and _apply_staged()."""
+    the commit state, and _apply_staged(); Engine gives `paused`, `stats` and _cancelled_before_start()."""
 
     def _start_scheduler(self, threads: int | None, max_batch_size: int, window_s: float) -> None:
         self.max_batch_size, self.window_s = max_batch_size, window_s
@@ -153,7 +153,7 @@ class BatchScheduler:
     def _drop_cancelled_pending(self) -> None:
         for call in [c for c in self._pending if c.cancel.is_set()]:
             self._pending.remove(call)
-            call.outputs = [EngineOutput([], [], "abort", self.weight_version, []) for _ in call.prompts]
+            call.outputs = self._cancelled_before_start(call.prompts)
             self._done.append(call)
 
     def _admit_calls(self, calls: list[Call]) -> tuple[Batch, torch.Tensor] | None:
@@ -216,7 +216,9 @@ class BatchScheduler:
         live = ~t["gone"]
         everyone = bool(live.all())
         rows = [t["slot"], t["step"], d.token, d.logprob, d.sampling_logprob]
-        self.slots.write(*(rows if everyone else [x[live] for x in rows]), self.weight_version)
+        slot, step, token, logprob, sampling_logprob = rows if everyone else [x[live] for x in rows]
+        self.slots.write(slot, step, token, logprob, sampling_logprob)
+        self.slots.record_token_versions(slot, step, self.weight_version)
         t["last"] = d.token
         hit = (d.token[:, None] == t["stops"]).any(-1)
         if d.dead is not None:

@@ -124,6 +124,11 @@ class Group(BaseModel):
         None, description="Tokens of every candidate generated for this group (returned or not)."
     )
 
+    def oldest_version(self, default: int | None = None) -> int | None:
+        """Derived, not a field (not sent): the oldest weight version among the group's tokens, each sample's
+        token_weight_versions or else its weight_version; `default` for a group without samples."""
+        return min((min(s.token_weight_versions or [s.weight_version]) for s in self.samples), default=default)
+
 
 class FilterReport(BaseModel):
     """What dynamic_group_filter generated and kept: the zero-variance fraction and the over-sampling waste."""

@@ -15,7 +15,7 @@ from redis.exceptions import WatchError
 
 from services import metrics
 from services import protocol as P
-from services.queue.store import GROUP, Keys, dataset_prompts, oldest_version, prompt_entries
+from services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
 from services.tasks import TASKS
 
 log = logging.getLogger("farm.queue")
@@ -165,7 +165,7 @@ class QueueGeneration:
                             continue
                         item = {"prompt": prompt.model_dump(mode="json"), "group": group.model_dump(mode="json")}
                         fields = {"item": json.dumps(item), "entry": entry}
-                        pipe.xadd(k.ready, {**fields, "version": oldest_version(group, current)})
+                        pipe.xadd(k.ready, {**fields, "version": group.oldest_version(current)})
                     pipe.delete(k.generating).hdel(k.stats, "error")
                     await pipe.execute()
                     return

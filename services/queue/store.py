@@ -94,7 +94,3 @@ def prompt_entries(prompts: list[P.Prompt], last_pid: int) -> list[str]:
     """The JSON entries of prompts whose pids end at last_pid (a pid tells a prompt's generations apart)."""
     first = last_pid - len(prompts) + 1
     return [json.dumps({"pid": first + i, "prompt": p.model_dump(mode="json")}) for i, p in enumerate(prompts)]
-
-
-def oldest_version(group: P.Group, default: int) -> int:
-    return min((min(s.token_weight_versions or [s.weight_version]) for s in group.samples), default=default)

@@ -186,9 +186,7 @@ class TrajectoryQueue(QueueGeneration):
                 break
             await asyncio.sleep(min(POLL_S, (deadline - now) / 1000))
         items = await self._lease(k, taken, now + int(req.lease_s * 1000))
-        for item in items:
-            for s in item.group.samples:
-                metrics.STALENESS.observe(max(0, current - s.weight_version))
+        metrics.record_staleness([item.group for item in items], current)
         redelivered = sum(i.deliveries > 1 for i in items)
         if redelivered:
             await self.r.hincrby(k.stats, "redelivered", redelivered)

@@ -23,6 +23,7 @@ from ray import serve
 from services import logs
 from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine.base import cancellable
 from services.errors import Invalid, Unavailable, VersionNotReached
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
@@ -152,13 +153,7 @@ class EngineServer:
         """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
         (its rows leave the batch at the next step)."""
         cancel = threading.Event()
-        work = asyncio.ensure_future(self.engine.agenerate(prompts, params, cancel))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancel.set()
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
-            raise
+        return await cancellable(self.engine.agenerate(prompts, params, cancel), cancel)
 
     async def _settled(self) -> int:
         """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""

@@ -1,5 +1,5 @@
 """The rollout surface the routes call: check a request, start (or replay) its job, answer it whole or streamed,
-cancel it. The work itself is in rollout_jobs.py (the request_id table), fanout.py and group_filter.py."""
+cancel it. The work itself is in jobs.py (the request_id table), fanout.py and group_filter.py."""
 
 from __future__ import annotations
 

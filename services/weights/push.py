@@ -54,6 +54,22 @@ def newer_than_served(version: int, served: dict[str, int], verb: str) -> int:
     return current
 
 
+def refusal(errors: list[Exception], version: int, current: int) -> Exception:
+    """What a failed stage answers: 422 when every failing replica refused the content, 409 when one refused the
+    base, else 500 naming the replicas."""
+    detail = list({str(d): d for e in errors for d in getattr(e, "detail", [])}.values())
+    if all(isinstance(e, Invalid) for e in errors):
+        return Invalid(detail, errors[0].message)
+    if all(isinstance(e, (Invalid, Conflict)) for e in errors):
+        return Conflict(next(e for e in errors if isinstance(e, Conflict)).message, detail)
+    failed = [str(e).strip().splitlines()[-1] for e in errors]
+    log.error("weight_stage_failed", extra={"version": version, "errors": failed})
+    return ReplicasFailed(
+        f"{len(failed)} replicas failed to stage version {version}; every replica stays on version {current}",
+        [{"field": "replica", "message": f} for f in failed],
+    )
+
+
 class WeightPush:
     def __init__(self, replicas, settings: ServiceSettings, r: Redis, prefix: str):
         """`replicas` is the ingress's handle on the engine replicas (services.replica.handle.Replicas). It is given,
@@ -156,58 +172,14 @@ class WeightPush:
         base: int | None = None,
         sent: int | None = None,
     ) -> P.WeightsPushResponse:
+        """The two phases over every replica, under the push lock: admit, stage, record, commit."""
         async with self._locked():
             start = time.perf_counter()
-            served = await self.replicas.versions()
-            current = newer_than_served(version, served, "push")
-            if self.spec is None:
-                self.spec = await self.replicas.call("weight_spec")
-            if base is not None:
-                await self._check_base(base, served, size)
-            try:
-                tensors = await check(self.spec)
-            except WeightsError as e:
-                raise Invalid(
-                    [{"field": "body", "message": m} for m in e.problems],
-                    "weights refused; the old version keeps serving",
-                ) from None
-            source, timeout = source(), self.settings.weight_sync_timeout_s
-            # the store copies the upload while the replicas stage it (services/weights/store.py)
-            big = source[0] != "path" and size > HOLD_ABOVE  # a small upload: the store copies it at the commit
-            hold = asyncio.ensure_future(self.replicas.call("record", version, source, True)) if big else None
-            errors = await self.replicas.errors("stage", source, version, timeout_s=timeout, setting=SYNC_TIMEOUT)
-            with contextlib.suppress(Exception):  # a failed copy is taken again at the commit below
-                await hold if hold else None
-            if errors := self._without_lost(errors, "stage", version):
-                await self.replicas.each("discard", version)
-                detail = list({str(d): d for e in errors for d in getattr(e, "detail", [])}.values())
-                if all(isinstance(e, Invalid) for e in errors):  # every failing replica refused the content: 422
-                    raise Invalid(detail, errors[0].message)
-                if all(isinstance(e, (Invalid, Conflict)) for e in errors):  # a replica refused the base: 409
-                    raise Conflict(next(e for e in errors if isinstance(e, Conflict)).message, detail)
-                failed = [str(e).strip().splitlines()[-1] for e in errors]
-                log.error("weight_stage_failed", extra={"version": version, "errors": failed})
-                raise ReplicasFailed(
-                    f"{len(failed)} replicas failed to stage version {version}; every replica stays "
-                    f"on version {current}",
-                    [{"field": "replica", "message": f} for f in failed],
-                )
-            try:  # first: a replica starting from now on loads this
-                await self.replicas.call("record", version, source)
-            except Exception as e:
-                await self.replicas.each("discard", version)
-                detail = [{"field": "base", "message": str(e).strip().splitlines()[-1]}]
-                message = f"the weight store cannot record version {version}; every replica stays on {current}"
-                raise Conflict(message, detail) from None
-            errors = await self.replicas.errors(
-                "commit", version, policy, source, timeout_s=timeout, setting=SYNC_TIMEOUT
-            )
-            if failed := [str(e).strip().splitlines()[-1] for e in self._without_lost(errors, "commit", version)]:
-                log.error("weight_commit_failed", extra={"version": version, "errors": failed})
-                raise ReplicasFailed(
-                    f"{len(failed)} replicas failed to commit version {version}",
-                    [{"field": "replica", "message": f} for f in failed],
-                )
+            current, tensors = await self._admit(version, check, size, base)
+            where = source()
+            await self._stage(version, where, size, current)
+            await self._record(version, where, current)
+            await self._commit(version, policy, where)
             self.committed = version  # the store wrote it to Redis, for the other ingress replicas
             seconds = time.perf_counter() - start
         metrics.VERSION.set(version)
@@ -219,6 +191,56 @@ class WeightPush:
         return P.WeightsPushResponse(
             version=version, tensors=tensors, bytes=size, seconds=seconds, base=base, sent_tensors=sent
         )
+
+    async def _admit(self, version: int, check: Callable, size: int, base: int | None) -> tuple[int, int]:
+        """(the newest served version, the number of tensors): 409 unless `version` is newer and `base` applies,
+        422 unless the weights fit the model."""
+        served = await self.replicas.versions()
+        current = newer_than_served(version, served, "push")
+        if self.spec is None:
+            self.spec = await self.replicas.call("weight_spec")
+        if base is not None:
+            await self._check_base(base, served, size)
+        try:
+            return current, await check(self.spec)
+        except WeightsError as e:
+            raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
+
+    async def _stage(self, version: int, source: tuple, size: int, current: int) -> None:
+        """Phase one: every replica stages; any refusal and every replica discards. A large upload is copied by the
+        store meanwhile (services/weights/store.py); a small one at the commit."""
+        big = source[0] != "path" and size > HOLD_ABOVE
+        hold = asyncio.ensure_future(self.replicas.call("record", version, source, True)) if big else None
+        errors = await self.replicas.errors(
+            "stage", source, version, timeout_s=self.settings.weight_sync_timeout_s, setting=SYNC_TIMEOUT
+        )
+        with contextlib.suppress(Exception):  # a failed copy is taken again at the commit
+            await hold if hold else None
+        if errors := self._without_lost(errors, "stage", version):
+            await self.replicas.each("discard", version)
+            raise refusal(errors, version, current)
+
+    async def _record(self, version: int, source: tuple, current: int) -> None:
+        """Before the commit: a replica starting from now on loads this version."""
+        try:
+            await self.replicas.call("record", version, source)
+        except Exception as e:
+            await self.replicas.each("discard", version)
+            detail = [{"field": "base", "message": str(e).strip().splitlines()[-1]}]
+            message = f"the weight store cannot record version {version}; every replica stays on {current}"
+            raise Conflict(message, detail) from None
+
+    async def _commit(self, version: int, policy: str, source: tuple) -> None:
+        """Phase two: every replica serves the version (a replica that missed phase one stages from `source`)."""
+        errors = await self.replicas.errors(
+            "commit", version, policy, source, timeout_s=self.settings.weight_sync_timeout_s, setting=SYNC_TIMEOUT
+        )
+        if failed := [str(e).strip().splitlines()[-1] for e in self._without_lost(errors, "commit", version)]:
+            log.error("weight_commit_failed", extra={"version": version, "errors": failed})
+            raise ReplicasFailed(
+                f"{len(failed)} replicas failed to commit version {version}",
+                [{"field": "replica", "message": f} for f in failed],
+            )
 
     async def _check_base(self, base: int, served: dict[str, int], size: int) -> None:
         """409 (field base) unless every replica serves `base`, and the store's chain of deltas stays under the

@@ -21,7 +21,7 @@ from services.weights.checks import WeightsError, WeightsRejected
 from services.weights.delta import DeltaError, decode
 from services.weights.manifest import Manifest, digest, tensor_bytes
 
-FULL_PUSH = "send a full push (all tensors, no base); services.weight_client.WeightPusher falls back to one by itself"
+FULL_PUSH = "send a full push (all tensors, no base); services.weights.pusher.WeightPusher falls back to one by itself"
 
 
 class Served(Protocol):

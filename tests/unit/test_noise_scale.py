@@ -6,7 +6,7 @@ import torch
 
 from tests.unit.test_kl_reading import every_sequence
 from tests.unit.test_rollout_correction import Bigram, sequences
-from trainer.actor import update_actor
+from trainer.actor import ActorInputs, update_actor
 from trainer.config import ConfigError, load
 from trainer.forward import response_logprobs
 from trainer.minibatches import MiniBatch
@@ -69,7 +69,8 @@ def test_the_actor_step_measures_each_micro_batch_as_its_own_mini_batch(mode):
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # leaves the gradients to read, and the weights as they are
 
     def step(idx, measure):
-        row = update_actor(policy, opt, b, MiniBatch(idx, share_of(b, idx)), adv, old_lp, old_lp, weights, cfg, measure)
+        inputs = ActorInputs(policy, b, adv, old_lp, old_lp, weights, cfg)
+        row = update_actor(inputs, opt, MiniBatch(idx, share_of(b, idx)), measure)
         return row, float(policy.table.grad.pow(2).sum())
 
     row, whole = step(torch.arange(8), True)
