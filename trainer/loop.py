@@ -43,7 +43,7 @@ def train(run: TrainingRun) -> dict:
     summary: dict = {"config": run.cfg.model_dump()}
     if t.eval_size and run.step == 0 and run.rank == 0:
         summary["before"] = held_out_accuracy(run)
-    bar = progress_bar(run)
+    bar, accuracy = progress_bar(run), None
     began = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
@@ -69,7 +69,9 @@ def train(run: TrainingRun) -> dict:
         if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
             run.save()
         rollouts.ack(run)  # after the checkpoint: killed before it, a trainer gets these groups again; after, not
-        bar.set_postfix(reward=f"{batch.rewards.mean().item():.3f}", kl=f"{metrics['kl_ref']:.4f}")
+        accuracy = metrics.get("val_accuracy", accuracy)  # held-out, every trainer.test_freq steps
+        shown = {"acc": f"{accuracy:.3f}"} if accuracy is not None else {}
+        bar.set_postfix(reward=f"{batch.rewards.mean().item():.3f}", kl=f"{metrics['kl_ref']:.4f}", **shown)
     if t.eval_size and run.rank == 0:
         summary["after"] = held_out_accuracy(run)
     summary["final_weight_version"] = run.version

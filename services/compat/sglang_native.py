@@ -58,7 +58,7 @@ class SGLangNative:
         if not all(0 <= k <= MAX_TOP_LOGPROBS for k in top):
             raise Invalid([{"field": "top_logprobs_num", "message": f"give 0..{MAX_TOP_LOGPROBS}"}])
         ids = rids(req.rid, len(prompts), single)
-        groups = await self.rollouts(prompts, params, req.rid if isinstance(req.rid, str) else None)
+        groups = await self.groups(prompts, params, req.rid if isinstance(req.rid, str) else None)
         answers = []
         for i, (prompt, group) in enumerate(zip(prompts, groups)):
             for j, s in enumerate(group.samples):
@@ -83,7 +83,7 @@ class SGLangNative:
             raise Invalid([{"field": "input_ids", "message": "an empty prompt: give at least one token id"}])
         return ids, single
 
-    async def rollouts(
+    async def groups(
         self, prompts: list[list[int]], params: list[S.SGLangSamplingParams], rid: str | None
     ) -> list[P.Group | None]:
         """One rollout per distinct sampling_params (usually one for the whole batch); each prompt's group.
