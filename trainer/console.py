@@ -101,6 +101,9 @@ def log_to_file(path: str | Path, total_steps: int, stream=None) -> None:
     """`farm train --log-file`: every JSON log line is appended to `path`; the console (stdout) gets the warnings and
     errors as JSON and StepLines' short line every LINE_EVERY steps, and with FARM_LOG_LEVEL=debug every JSON line
     too. metrics.jsonl is written as before."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars each time the trainer loads a model
     console = BarSafe(stream if stream is not None else sys.stdout)
     logs.setup(stream=console, file=path, console_level=console_level(os.environ.get("FARM_LOG_LEVEL")))
     logging.getLogger().addHandler(StepLines(total_steps, console))
