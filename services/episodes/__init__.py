@@ -7,6 +7,7 @@ Built so far (the session's token model; the HTTP routes, episode environments a
   segments.py      a session's tokens in segments that only grow: sampled ids appended verbatim (loss mask 1),
                    rendered context (mask 0), per-token logprobs and weight versions, turns; a rewritten history
                    forks a segment that names its parent; a retried turn is found again
+  tool_schemas.py  OpenAI tool definitions checked (names, parameters a valid JSON Schema), as 422 detail
   tool_formats.py  TOOL_FORMATS: how a model writes a tool call (hermes, plain) and how it reads back as OpenAI
                    `tool_calls`, malformed calls counted with their reason
 

@@ -14,7 +14,7 @@ A request that repeats the history a turn answered (a retry) gets that turn agai
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from services.episodes.tool_formats import ToolCall
 
@@ -128,3 +128,13 @@ class Segment:
             messages=self.messages[:keep],
             message_ends=self.message_ends[:keep],
         )
+
+    def to_json(self) -> str:
+        """The segment as JSON (a session keeps its segments in Redis); from_json gives it back exactly."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Segment:
+        data = json.loads(text)
+        data["turns"] = [Turn(**{**t, "tool_calls": [ToolCall(**c) for c in t["tool_calls"]]}) for t in data["turns"]]
+        return cls(**data)

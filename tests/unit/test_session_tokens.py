@@ -177,3 +177,12 @@ def test_a_template_that_is_not_append_only_is_refused(tok):
 
     with pytest.raises(chat_delta.NotAppendOnly, match="append"):
         chat_delta.delta(Rewrites(), [{"role": "user", "content": "hi"}], None)
+
+
+def test_a_segment_round_trips_through_json_exactly(tok):
+    seg, messages, _ = episode(tok, canonical=False)
+    fork = seg.fork("s1", messages[:3] + [{"role": "user", "content": "again"}])
+    for original in (seg, fork):
+        back = Segment.from_json(original.to_json())
+        assert back == original and back.turns[:1] == original.turns[:1]
+    assert Segment.from_json(seg.to_json()).turns[0].tool_calls[0].openai()["function"]["name"] == "calculator"

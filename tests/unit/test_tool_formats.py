@@ -65,3 +65,29 @@ def test_the_registry_names_the_formats_and_a_wrong_parser_reads_nothing():
     hermes_text = Hermes().render_call("calculator", {"expression": "1+1"})
     assert Plain().parse(hermes_text, turn=0).calls == []
     assert Hermes().parse(Plain().render_call("calculator", {"expression": "1+1"}), turn=0).calls == []
+
+
+def test_tool_definitions_are_checked_as_json_schema_naming_the_field():
+    from services.episodes.tool_schemas import tool_problems
+
+    good = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    assert tool_problems([good, {"type": "function", "function": {"name": "noop"}}]) == []
+    bad = [
+        good,
+        good,  # defined twice
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "string"}}},
+        {"type": "function", "function": {"name": "has space"}},
+        {"type": "retrieval"},
+        {"type": "function", "function": {"name": "h", "parameters": {"properties": {"x": {"minimum": "zero"}}}}},
+    ]
+    fields = [p["field"] for p in tool_problems(bad)]
+    assert fields == [
+        "tools[1].function.name",
+        "tools[2].function.parameters",
+        "tools[3].function.parameters",
+        "tools[4].function.name",
+        "tools[5]",
+        "tools[6].function.parameters",
+    ]
+    assert "not a valid JSON Schema" in tool_problems([bad[2]])[0]["message"]
