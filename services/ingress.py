@@ -9,8 +9,9 @@ Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
 SGLangNative      SGLang's native endpoints, translated onto the objects above
+Sessions          multi-turn sessions, token level (services/episodes/)
 
-Their shared state (queue, request_id records, committed version, policy stats) is in Redis
+Their shared state (queue, request_id records, sessions, committed version, policy stats) is in Redis
 (services/state/redis_client.py), so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm, and a
 restarted one loses nothing.
 """
@@ -26,6 +27,8 @@ from ray.serve.handle import DeploymentHandle
 from services import errors, logs, metrics
 from services.compat.openai_api import OpenAICompat
 from services.compat.sglang_native import SGLangNative
+from services.episodes.session_store import SessionStore
+from services.episodes.sessions import Sessions
 from services.plugins import load_plugins
 from services.queue.trajectory_queue import TrajectoryQueue
 from services.replica.handle import Replicas
@@ -62,6 +65,7 @@ class Ingress:
             self.weights.refresh,
             batch_groups=4 * settings.replicas,
         )
+        self.sessions = Sessions(self.rollouts, SessionStore(self.redis, prefix))
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         await self.follow_once()

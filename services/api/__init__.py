@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from pydantic.json_schema import models_json_schema
 
 from services import protocol as P
-from services.api import control, errors, openai, queue, rollouts, samplers, sglang_native, weights
+from services.api import control, errors, openai, queue, rollouts, samplers, sessions, sglang_native, weights
 from services.api.deps import require_token
 from services.api.middleware import BodyLimit, RequestMetrics
 
@@ -34,8 +34,17 @@ OPEN = (
     control.router,
     openai.router,
     sglang_native.router,
+    sessions.router,
 )
-NEED_TOKEN = (rollouts.admin, samplers.admin, weights.admin, queue.admin, control.admin, sglang_native.admin)
+NEED_TOKEN = (
+    rollouts.admin,
+    samplers.admin,
+    weights.admin,
+    queue.admin,
+    control.admin,
+    sglang_native.admin,
+    sessions.admin,
+)
 
 
 class FarmAPI(FastAPI):

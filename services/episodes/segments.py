@@ -47,6 +47,7 @@ class Turn:
     finish_reason: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)  # calls that did not read (services/episodes/tool_formats.py)
+    reward: float | None = None  # this turn's reward, when the client scores turns
 
 
 @dataclass
@@ -109,13 +110,10 @@ class Segment:
         """Whether `given` is this segment's history and more."""
         return len(given) > len(self.messages) and shared_messages(self.messages, given) == len(self.messages)
 
-    def fork(self, new_id: str, given: list[dict]) -> Segment:
-        """A segment for a history that rewrites this one: this segment's tokens up to the last shared message that
-        ends at a known token, copied untrained; the caller renders given[len(fork.messages):] next."""
-        keep = shared_messages(self.messages, given)
-        while keep and self.message_ends[keep - 1] is None:
-            keep -= 1
-        cut = self.message_ends[keep - 1] if keep else 0
+    def fork_at(self, new_id: str, cut: int) -> Segment:
+        """A segment that keeps this one's first `cut` tokens (copied untrained) and goes on from there: a token-level
+        rewrite (the session's /generate with an offset). Messages stay with the turns that end by the cut."""
+        keep = sum(1 for end in self.message_ends if end is not None and end <= cut)
         return Segment(
             new_id,
             parent=self.id,
@@ -128,6 +126,16 @@ class Segment:
             messages=self.messages[:keep],
             message_ends=self.message_ends[:keep],
         )
+
+    def fork(self, new_id: str, given: list[dict]) -> Segment:
+        """A segment for a history that rewrites this one: this segment's tokens up to the last shared message that
+        ends at a known token, copied untrained; the caller renders given[len(fork.messages):] next."""
+        keep = shared_messages(self.messages, given)
+        while keep and self.message_ends[keep - 1] is None:
+            keep -= 1
+        fork = self.fork_at(new_id, self.message_ends[keep - 1] if keep else 0)
+        fork.messages, fork.message_ends = self.messages[:keep], self.message_ends[:keep]
+        return fork
 
     def to_json(self) -> str:
         """The segment as JSON (a session keeps its segments in Redis); from_json gives it back exactly."""

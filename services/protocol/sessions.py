@@ -1,0 +1,113 @@
+"""Sessions: multi-turn rollouts whose tokens the farm keeps exactly (tokens in, tokens out).
+
+A client opens a session, then sends each turn's new token ids; the farm appends them to the session's tokens,
+samples, and appends the sampled ids verbatim. The trajectory gives every segment's tokens with the loss mask,
+logprobs and per-token weight versions.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from services.protocol.common import Float, Int64, RequestModel, SamplingParams, Text, TokenId
+
+MAX_SESSION_TTL_S = 7 * 86400
+
+
+class SessionCreate(RequestModel):
+    """POST /v1/sessions."""
+
+    sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams, description="Every turn's sampling params, unless the turn gives its own."
+    )
+    group_id: Text | None = Field(None, description="The GRPO group this episode belongs to (returned as given).")
+    min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
+    tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
+    ttl_s: float = Field(
+        3600.0, gt=0, le=MAX_SESSION_TTL_S, description="The session is forgotten this long after its last turn."
+    )
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    base_url: str = Field(..., description="The session's own base URL (its routes are under it).")
+    group_id: str | None = None
+    tool_format: str
+    turns: int = Field(..., description="Sampled turns in the head segment.")
+    tokens: int = Field(..., description="Tokens in the head segment.")
+    segments: int
+    closed: bool
+
+
+class SessionGenerate(RequestModel):
+    """POST /v1/sessions/{id}/generate: token ids in, token ids out."""
+
+    append_token_ids: list[TokenId] = Field(
+        ..., description="Token ids to append before sampling (the prompt, a tool result, the template's tokens)."
+    )
+    turn: int | None = Field(
+        None,
+        ge=0,
+        description="Which turn this is (0 first). A repeat of an answered turn with the same ids gets that answer "
+        "again (a retry); None: the next turn.",
+    )
+    offset: int | None = Field(
+        None,
+        ge=0,
+        description="Keep only the first `offset` tokens of the session and append after them: a rewrite, which "
+        "starts a new segment naming its parent. None: keep every token.",
+    )
+    sampling_params: SamplingParams | None = Field(None, description="This turn's params; default: the session's.")
+
+
+class SessionTurn(BaseModel):
+    session_id: str
+    segment_id: str
+    turn: int = Field(..., description="The turn's index in its segment.")
+    prompt_tokens: int = Field(
+        ..., description="The segment's tokens before the sampled ones: the prompt sampled from."
+    )
+    token_ids: list[int] = Field(..., description="The sampled ids, appended to the segment as they are.")
+    logprobs: list[float]
+    sampling_logprobs: list[float] | None = None
+    finish_reason: str
+    weight_version: int
+    token_weight_versions: list[int]
+
+
+class SessionReward(RequestModel):
+    """POST /v1/sessions/{id}/reward."""
+
+    reward: Float
+    turn: int | None = Field(None, ge=0, description="The turn it scores; None: the whole episode (final).")
+
+
+class TurnSpan(BaseModel):
+    start: int
+    end: int
+    finish_reason: str
+    reward: float | None = None
+
+
+class SegmentOut(BaseModel):
+    segment_id: str
+    parent: str | None = Field(None, description="The segment this one forked from.")
+    parent_tokens: int = Field(0, description="Its first parent_tokens tokens are the parent's (loss mask 0 here).")
+    token_ids: list[int]
+    loss_mask: list[int] = Field(..., description="1 exactly on the tokens sampled in this segment.")
+    logprobs: list[float] = Field(..., description="Raw-model logprob of each sampled token; 0.0 elsewhere.")
+    sampling_logprobs: list[float] = Field(..., description="Under the distribution sampled; 0.0 elsewhere.")
+    token_versions: list[int] = Field(..., description="Weight version of each sampled token; -1 elsewhere.")
+    turns: list[TurnSpan]
+
+
+class Trajectory(BaseModel):
+    session_id: str
+    group_id: str | None = None
+    closed: bool
+    reward: float | None = Field(None, description="The final reward, if one was given.")
+    segments: list[SegmentOut] = Field(..., description="In creation order; the last is the head.")
+
+
+class SessionList(BaseModel):
+    sessions: list[str]
