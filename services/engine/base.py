@@ -197,10 +197,13 @@ class Engine(abc.ABC):
             raise WeightsRejected(f"version {version} is not staged on this replica")
         self._commit_staged(version, policy)
 
-    @abc.abstractmethod
     def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
         """Serve `self._staged`, which holds `version`, newer than the served one (commit_weights checked both);
-        `policy` as in commit_weights."""
+        `policy` as in commit_weights. An engine implements this, or commit_weights itself (as engines written
+        before this template did)."""
+        raise NotImplementedError(
+            f"the {type(self).__name__} engine implements neither _commit_staged nor commit_weights"
+        )
 
     def discard_weights(self, version: int) -> None:
         """Drop the weights staged as `version`, if any."""

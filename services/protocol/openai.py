@@ -24,15 +24,11 @@ from services.protocol.common import (
 )
 
 
-class _Strict(RequestModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="Send one last chunk with the usage block and no choices.")
 
 
-class CompletionRequest(_Strict):
+class CompletionRequest(RequestModel):
     """POST /v1/completions."""
 
     # the service's rule, for the schema: max_tokens 0 only with echo
@@ -67,12 +63,12 @@ class CompletionRequest(_Strict):
     user: Text | None = Field(None, description="Accepted and logged nowhere (OpenAI's end-user id).")
 
 
-class TextPart(_Strict):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] = Field(..., description="Text, or text parts (other part types are refused).")
     name: Text | None = None
@@ -81,7 +77,7 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(RequestModel):
     """POST /v1/chat/completions; messages go through the model's chat template."""
 
     # the service's rule, for the schema: top_logprobs only with logprobs

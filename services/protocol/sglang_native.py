@@ -33,11 +33,7 @@ LogprobStart = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 VERSION = "^[1-9][0-9]{0,18}$"  # SGLang's weight_version as the farm's integer version (at most INT64_MAX)
 
 
-class _Strict(RequestModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SGLangSamplingParams(_Strict):
+class SGLangSamplingParams(RequestModel):
     """SGLang's sampling_params, the subset the farm's engines honour (the farm's SamplingParams underneath)."""
 
     max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS, description="Most tokens to generate.")
@@ -60,7 +56,7 @@ class SGLangSamplingParams(_Strict):
     sampling_seed: Int64 | None = Field(None, ge=0, description="Seed for reproducible sampling (farm: seed).")
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(RequestModel):
     """POST /generate: SGLang's GenerateReqInput, single (`text` a string, `input_ids` a flat list) or batch."""
 
     # the service's rule, for the schema: exactly one of text and input_ids
@@ -103,7 +99,7 @@ class GenerateRequest(_Strict):
         return [v] if isinstance(v, dict) else v
 
 
-class UpdateWeightsFromDiskRequest(_Strict):
+class UpdateWeightsFromDiskRequest(RequestModel):
     """POST /update_weights_from_disk: the farm's path push (POST /v1/weights/path), two phases over every replica."""
 
     model_path: Text = Field(..., min_length=1, description="Folder of *.safetensors files (inside FARM_WEIGHTS_DIR).")
@@ -128,7 +124,7 @@ class UpdateWeightsFromDiskRequest(_Strict):
         return farm_version(v)
 
 
-class InitWeightsUpdateGroupRequest(_Strict):
+class InitWeightsUpdateGroupRequest(RequestModel):
     """POST /init_weights_update_group: every replica joins the trainer's NCCL group (/v1/weights/distributed/init)."""
 
     master_address: Text = Field(..., description="The trainer's rendezvous host.")
@@ -139,7 +135,7 @@ class InitWeightsUpdateGroupRequest(_Strict):
     backend: Text = Field("nccl", description="torch.distributed backend.")
 
 
-class UpdateWeightsFromDistributedRequest(_Strict):
+class UpdateWeightsFromDistributedRequest(RequestModel):
     """POST /update_weights_from_distributed: the trainer broadcasts the tensors (farm: /v1/weights/distributed)."""
 
     names: list[Text] = Field(..., min_length=1, description="Tensor names, in broadcast order.")
@@ -162,7 +158,7 @@ class UpdateWeightsFromDistributedRequest(_Strict):
         return farm_version(v)
 
 
-class PauseGenerationRequest(_Strict):
+class PauseGenerationRequest(RequestModel):
     """POST /pause_generation: abort what runs and admit nothing until /continue_generation."""
 
     mode: Literal["abort"] = Field(
@@ -172,13 +168,13 @@ class PauseGenerationRequest(_Strict):
     )
 
 
-class ContinueGenerationRequest(_Strict):
+class ContinueGenerationRequest(RequestModel):
     """POST /continue_generation: admit generation again on every replica."""
 
     torch_empty_cache: bool = Field(True, description="Accepted; the farm keeps no allocator cache to empty.")
 
 
-class AbortRequest(_Strict):
+class AbortRequest(RequestModel):
     """POST /abort_request: cancel a /generate by its string rid, or everything running."""
 
     # the service's rule, for the schema: a rid, or abort_all
