@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from redis.asyncio import Redis
@@ -16,6 +17,7 @@ from services.episodes.segments import Segment
 from services.errors import Conflict, NotFound
 
 TURN_LOCK_S = 600  # a turn holds its session's lock at most this long (a lost holder's lock lapses)
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # what Sessions.open gives (uuid4 hex)
 
 
 @dataclass
@@ -47,12 +49,18 @@ class SessionStore:
     def __init__(self, r: Redis, prefix: str):
         self.r, self.prefix = r, f"{prefix}:sess:"
 
+    def key(self, session_id: str) -> str:
+        """The session's Redis key; 404 for an id no session can have (so no other key is ever read as a session)."""
+        if not SESSION_ID.fullmatch(session_id):
+            raise NotFound(f"no session {session_id[:80]!r}: session ids are what POST /v1/sessions answers")
+        return self.prefix + session_id
+
     async def create(self, session: Session) -> None:
-        if not await self.r.set(self.prefix + session.id, session.to_json(), ex=int(session.ttl_s) or 1, nx=True):
+        if not await self.r.set(self.key(session.id), session.to_json(), ex=int(session.ttl_s) or 1, nx=True):
             raise Conflict(f"session {session.id} exists already")
 
     async def load(self, session_id: str) -> Session:
-        text = await self.r.get(self.prefix + session_id)
+        text = await self.r.get(self.key(session_id))
         if text is None:
             raise NotFound(
                 f"no session {session_id!r}: it was never opened, or it expired (ttl_s after its last turn) or was "
@@ -61,10 +69,10 @@ class SessionStore:
         return Session.from_json(text)
 
     async def save(self, session: Session) -> None:
-        await self.r.set(self.prefix + session.id, session.to_json(), ex=int(session.ttl_s) or 1)
+        await self.r.set(self.key(session.id), session.to_json(), ex=int(session.ttl_s) or 1)
 
     async def delete(self, session_id: str) -> bool:
-        return bool(await self.r.delete(self.prefix + session_id))
+        return bool(await self.r.delete(self.key(session_id)))
 
     async def ids(self) -> list[str]:
         keys = [k async for k in self.r.scan_iter(match=self.prefix + "*", count=500)]
@@ -73,7 +81,7 @@ class SessionStore:
     @contextlib.asynccontextmanager
     async def locked(self, session_id: str):
         """The session's turn lock, held while a turn changes it."""
-        lock = self.r.lock(self.prefix + session_id + ":lock", timeout=TURN_LOCK_S, sleep=0.02)
+        lock = self.r.lock(self.key(session_id) + ":lock", timeout=TURN_LOCK_S, sleep=0.02)
         await lock.acquire()
         try:
             yield

@@ -8,7 +8,8 @@ The records live in Redis, shared by every ingress replica (keys under farm:<app
   (hash)    fp: the body's fingerprint; state: running, done or failed; result (done); error, status (failed)
   :groups   list: the GroupEvents in finishing order, for a replay that streams
   :owner    the running replica's claim (services/state/redis_client.py Owner): a record whose owner lapsed is run again
-  :cancel   set by DELETE /v1/rollouts/{id} on another replica; the owner cancels at its next heartbeat
+  :cancel   set by DELETE /v1/rollouts/{id} on another replica; the owner cancels at its next heartbeat, and the DELETE
+            waits for that to answer honestly (cancelled: false when the job finished first)
   :waiting  refreshed by a replay waiting on another replica, so the owner's disconnect grace does not cancel
 A replay on the running replica follows the job in memory; on another replica it polls the record.
 Finished records expire after FARM_IDEMPOTENCY_TTL_S; failed and cancelled ones are run again by a new request.
@@ -210,7 +211,17 @@ class RolloutJobs:
         if await self.r.hget(key, "state") != "running" or not await self.r.exists(f"{key}:owner"):
             return False
         await self.r.set(f"{key}:cancel", 1, px=60_000)
-        return True
+        return await self._cancelled_remotely(key)
+
+    async def _cancelled_remotely(self, key: str) -> bool:
+        """Wait for the owner's next heartbeat to act on the cancel: False if the job finished first."""
+        deadline = asyncio.get_running_loop().time() + 3 * HEARTBEAT_S
+        while asyncio.get_running_loop().time() < deadline:
+            state = await self.r.hget(key, "state")
+            if state != "running":
+                return state == "failed"
+            await asyncio.sleep(POLL_S)
+        return True  # the owner is slow to answer; its heartbeat will still cancel the job
 
     # answers ----------------------------------------------------------------------------------------------
     async def result(self, job: Job | RemoteJob, request_id: str | None) -> P.RolloutResponse:

@@ -132,7 +132,7 @@ def test_a_stream_that_fails_raises_farm_error(client, fresh_weights):
 
 def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
     long = P.RolloutRequest(
-        prompts=[P.Prompt(text="hi")],
+        prompts=[P.Prompt(text="hi")] * 4,  # long enough that the cancel lands first, whichever replica takes it
         n=4,
         request_id="stream-to-cancel",
         sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True),

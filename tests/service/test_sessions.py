@@ -112,6 +112,10 @@ def test_rewards_close_and_refusals_name_the_field(service):
     )
     missing = call(service, "POST", "/v1/sessions/nope/generate", {"append_token_ids": [1]})
     assert missing.status_code == 404 and "POST /v1/sessions" in missing.json()["error"]
+    gone = call(service, "GET", f"/v1/sessions/{'0' * 32}")
+    assert gone.status_code == 404 and "expired" in gone.json()["error"]
+    lock = call(service, "GET", f"/v1/sessions/{fresh}:lock/trajectory")  # another key of the session: not a session
+    assert lock.status_code == 404
 
 
 def test_sessions_expire_and_listing_and_deleting_need_the_token(service):
