@@ -65,8 +65,9 @@ class Ingress:
             self.weights.refresh,
             batch_groups=4 * settings.replicas,
         )
-        self.sessions = Sessions(self.rollouts, SessionStore(self.redis, prefix))
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
+        store = SessionStore(self.redis, prefix)
+        self.sessions = Sessions(self.rollouts.answer, self.replicas.read, store, self.openai.model_name)
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]

@@ -72,6 +72,29 @@ OVERLOAD = Counter(
 )
 
 
+SESSION_TURNS = Counter("farm_session_turns_total", "Turns sampled in sessions", ["route"])
+TOOL_CALLS = Counter("farm_tool_calls_total", "Tool calls read from sampled turns", ["format"])
+TOOL_PARSE_ERRORS = Counter(
+    "farm_tool_parse_errors_total", "Tool calls a sampled turn opened that did not read (malformed)", ["format"]
+)
+SESSION_FORKS = Counter(
+    "farm_session_forks_total", "Segments forked because a turn rewrote the session's history", ["by"]
+)
+TOKEN_MISMATCH = Counter(
+    "farm_session_token_refusals_total",
+    "Turns refused because no exact token continuation exists (a template that is not append-only, a conflicting "
+    "retry)",
+    ["reason"],
+)
+SESSION_LABELS = {
+    SESSION_TURNS: ("chat", "generate"),
+    SESSION_FORKS: ("messages", "offset"),
+    TOKEN_MISMATCH: ("template", "retry_conflict", "token_session"),
+}
+for _counter, _labels in SESSION_LABELS.items():
+    for _label in _labels:
+        _counter.labels(_label)  # exported at 0 before the first one, for rate() and the dashboard
+
 QUEUE_COUNTERS = (QUEUE_GENERATED, QUEUE_REDELIVERED, QUEUE_STALE, QUEUE_ACKED)
 
 

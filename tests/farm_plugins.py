@@ -2,9 +2,11 @@
 FARM_PLUGINS; requests name the sampler by its dotted path `tests.farm_plugins:LongestOfTwo`, and the bench
 app runs the engine `tests.farm_plugins:EchoEngine`."""
 
+import re
 import zlib
 
 from services.engine.bench_engine import BenchEngine
+from services.episodes.tool_formats import TOOL_FORMATS, Hermes
 from services.rewards import REWARDS
 from services.samplers import Sampler
 
@@ -31,10 +33,35 @@ def float_ties(text: str, ground_truth: str | None) -> float:
 
 class EchoEngine(BenchEngine):
     """A user engine named by dotted path (`FARM_ENGINE=tests.farm_plugins:EchoEngine`): the bench engine, except
-    that every sample repeats its prompt's last token, so a test can tell that this engine generated it."""
+    that every sample repeats its prompt's last token, so a test can tell that this engine generated it.
+
+    It is also the scripted agent model of the session tests (a fake for what cannot run here: no model small enough
+    to train in a test writes tool calls): a prompt whose text holds `say:` is answered with the bytes after its last
+    `say:`, then stops, so a test scripts each turn (tool calls, malformed ones, answers) through the messages it
+    sends."""
+
+    SCRIPT = b"say:"
 
     def generate(self, prompts, params, cancel=None):
         outs = super().generate(prompts, params, cancel)
         for prompt, out in zip(prompts, outs):
-            out.token_ids = [prompt[-1]] * len(out.token_ids)
+            text = self.tokenizer.decode(prompt).encode()
+            if self.SCRIPT in text and len(out.token_ids) >= 1:
+                said = self.tokenizer.encode(text.rsplit(self.SCRIPT, 1)[1].decode(), add_special_tokens=False)
+                n = min(len(said), len(out.token_ids))
+                out.token_ids, out.logprobs, out.token_versions = said[:n], out.logprobs[:n], out.token_versions[:n]
+                out.sampling_logprobs = out.sampling_logprobs and out.sampling_logprobs[:n]
+                out.finish_reason = "stop" if n == len(said) else out.finish_reason
+            else:
+                out.token_ids = [prompt[-1]] * len(out.token_ids)
         return outs
+
+
+@TOOL_FORMATS.register("test_wrong_tag")
+class WrongTag(Hermes):
+    """The hermes format with a typo in its tag (`<toolcall>`): a parser that never matches what a Qwen model writes,
+    the negative control of the tool-call metrics."""
+
+    name = "test_wrong_tag"
+    BLOCK = re.compile(r"<toolcall>(.*?)</toolcall>", re.DOTALL)
+    OPEN = "<toolcall>"

@@ -37,6 +37,14 @@ async def session_generate(session_id: str, req: S.SessionGenerate, farm=Depends
     return await farm.sessions.generate(session_id, req)
 
 
+@router.post("/v1/sessions/{session_id}/chat/completions", responses=ERRORS)
+async def session_chat(session_id: str, req: S.SessionChatRequest, farm=Depends(ingress)) -> dict:
+    """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
+    verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
+    base URL."""
+    return await farm.sessions.chat(session_id, req)
+
+
 @router.post("/v1/sessions/{session_id}/reward", response_model=S.SessionInfo, responses=ERRORS)
 async def session_reward(session_id: str, req: S.SessionReward, request: Request, farm=Depends(ingress)):
     """A turn's reward, or the episode's (no turn)."""

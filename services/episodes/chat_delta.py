@@ -15,6 +15,7 @@ The first turn of a session renders its messages whole (`opening`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -28,6 +29,15 @@ class NotAppendOnly(ValueError):
 class Delta:
     messages: list[int]
     prompt: list[int]
+
+
+def for_template(messages: list[dict]) -> list[dict]:
+    """The messages as Hugging Face chat templates take them: a call's arguments as an object (OpenAI sends text)."""
+    out = json.loads(json.dumps(messages))
+    for m in out:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"] or "{}")
+    return out
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
@@ -62,9 +72,24 @@ def delta(tokenizer, new: list[dict], tools: list[dict] | None) -> Delta:
 
 def close(tokenizer, sampled: list[int], tools: list[dict] | None) -> list[int]:
     """What the template ends an assistant turn with after its content, less what `sampled` already ends with."""
-    opened = render(tokenizer, STAND_IN[:1], tools, True)
-    closed = after(opened, render(tokenizer, STAND_IN, tools, False), "an assistant turn")
+    closed = render(tokenizer, STAND_IN, tools, False)
     content = tokenizer.encode(STAND_IN[1]["content"], add_special_tokens=False)
-    ending = after(content, closed, "an assistant turn's content")
+    at = next((i for i in range(len(closed) - len(content), -1, -1) if closed[i : i + len(content)] == content), None)
+    if at is None:
+        raise NotAppendOnly("the chat template does not render an assistant turn's content as its own tokens")
+    ending = closed[at + len(content) :]
     done = next((k for k in range(len(ending), 0, -1) if sampled[-k:] == ending[:k]), 0)
     return ending[done:]
+
+
+def turn_context(
+    tokenizer, held: list[int], after_sampled: bool, new: list[dict], tools: list[dict] | None, opens: bool
+) -> list[list[int]]:
+    """The context a turn appends, as [close, messages, prompt]: `opens` for a segment with no messages yet (every
+    message rendered whole); `after_sampled` when `held` ends with a sampled assistant turn (its close goes first)."""
+    if opens:
+        first = opening(tokenizer, new, tools)
+        return [[], first.messages, first.prompt]
+    ending = close(tokenizer, held, tools) if after_sampled else []
+    d = delta(tokenizer, new, tools)
+    return [ending, d.messages, d.prompt]

@@ -56,7 +56,7 @@ class Segment:
     parent: str | None = None  # the segment this one forked from
     parent_tokens: int = 0  # its first parent_tokens tokens are the parent's
     token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)  # 1 exactly on the tokens sampled in this segment
+    loss_mask: list[int] = field(default_factory=list)  # 1 exactly on the tokens sampled (and trained) here
     logprobs: list[float] = field(default_factory=list)  # the raw model's logprob of a sampled token; 0.0 elsewhere
     sampling_logprobs: list[float] = field(default_factory=list)  # under the distribution sampled; 0.0 elsewhere
     token_versions: list[int] = field(default_factory=list)  # the weight version of a sampled token; -1 elsewhere
@@ -80,13 +80,15 @@ class Segment:
         message: dict,
         calls: list[ToolCall] = (),
         malformed: list[str] = (),
+        trained: bool = True,
     ) -> Turn:
-        """The engine's ids, appended as they are, and the assistant message they are (content and parsed calls)."""
+        """The engine's ids, appended as they are, and the assistant message they are (content and parsed calls);
+        `trained=False` keeps them out of the loss (mask 0: a malformed call masked by the session's policy)."""
         if not len(ids) == len(logprobs) == len(sampling_logprobs) == len(versions):
             raise ValueError("a sampled turn needs one logprob, sampling logprob and version per token")
         turn = Turn(len(self.token_ids), len(self.token_ids) + len(ids), len(self.messages), finish_reason)
         turn.tool_calls, turn.malformed = list(calls), list(malformed)
-        self._extend(ids, 1, logprobs, sampling_logprobs, versions)
+        self._extend(ids, int(trained), logprobs, sampling_logprobs, versions)
         self.messages.append(message)
         self.message_ends.append(len(self.token_ids))
         self.turns.append(turn)
@@ -98,6 +100,12 @@ class Segment:
         self.logprobs += lps
         self.sampling_logprobs += slps
         self.token_versions += versions
+
+    def ends_with_assistant(self) -> bool:
+        """Whether the tokens end where an assistant message does (a sampled turn, or a fork cut right after one):
+        the template's closing tokens for it have not been added yet."""
+        ends = self.message_ends[-1] if self.message_ends else None
+        return bool(self.messages) and self.messages[-1]["role"] == "assistant" and ends == len(self.token_ids)
 
     def answered(self, given: list[dict]) -> Turn | None:
         """The turn that answered exactly this history, if any: a retry gets it again."""

@@ -52,6 +52,10 @@ class ToolFormat(abc.ABC):
     def render_call(self, name: str, arguments: dict) -> str:
         """The text the model writes for one call."""
 
+    @abc.abstractmethod
+    def opening(self, name: str) -> str:
+        """A call's text up to its arguments: appended as context when tool_choice names the function."""
+
 
 TOOL_FORMATS: Registry[type[ToolFormat]] = Registry("tool format", ToolFormat)
 
@@ -106,6 +110,9 @@ class Hermes(ToolFormat):
     def render_call(self, name: str, arguments: dict) -> str:
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
+    def opening(self, name: str) -> str:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
+
 
 @TOOL_FORMATS.register("plain")
 class Plain(ToolFormat):
@@ -129,3 +136,6 @@ class Plain(ToolFormat):
 
     def render_call(self, name: str, arguments: dict) -> str:
         return f"call {name} {json.dumps(arguments, separators=(',', ':'))}"
+
+    def opening(self, name: str) -> str:
+        return f"call {name} "

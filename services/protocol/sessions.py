@@ -7,9 +7,23 @@ logprobs and per-token weight versions.
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Literal
+
 from pydantic import BaseModel, Field
 
-from services.protocol.common import Float, Int64, RequestModel, SamplingParams, Text, TokenId
+from services.protocol.common import (
+    MAX_NEW_TOKENS,
+    MAX_STOPS,
+    Float,
+    Int64,
+    NonEmptyText,
+    RequestModel,
+    SamplingParams,
+    Temperature,
+    Text,
+    TokenId,
+)
+from services.protocol.openai import TextPart
 
 MAX_SESSION_TTL_S = 7 * 86400
 
@@ -23,6 +37,10 @@ class SessionCreate(RequestModel):
     group_id: Text | None = Field(None, description="The GRPO group this episode belongs to (returned as given).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
     tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
+    malformed_tool_calls: Literal["train", "mask"] = Field(
+        "train",
+        description="A turn whose tool call did not parse: train on it (its tokens keep loss mask 1) or mask it (0).",
+    )
     ttl_s: float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="The session is forgotten this long after its last turn."
     )
@@ -111,3 +129,76 @@ class Trajectory(BaseModel):
 
 class SessionList(BaseModel):
     sessions: list[str]
+
+
+class FunctionCall(RequestModel):
+    name: Text
+    arguments: Text = Field(..., description="The JSON text of an object, as OpenAI sends it.")
+
+
+class ToolCallIn(RequestModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SessionMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = Field(None, description="None only on an assistant turn that calls tools.")
+    name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant turn's calls, as the farm gave them.")
+    tool_call_id: Text | None = Field(None, description="The call a tool message answers.")
+
+    def as_chat(self) -> dict:
+        """The message as a chat template takes it (developer as system, text parts joined)."""
+        text = (
+            self.content
+            if isinstance(self.content, str) or self.content is None
+            else "".join(p.text for p in self.content)
+        )
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class SessionChatRequest(RequestModel):
+    """POST /v1/sessions/{id}/chat/completions: OpenAI chat with tools, on the session's tokens. One choice, no
+    streaming; other OpenAI fields are refused with a 422 naming them."""
+
+    model: Text | None = Field(None, description="Any name: the service serves one policy.")
+    messages: list[SessionMessage] = Field(..., min_length=1, description="The whole history, as OpenAI takes it.")
+    tools: list[dict] | None = Field(None, description="OpenAI function tools; parameters must be JSON Schema.")
+    tool_choice: Literal["auto", "none"] | NamedToolChoice = Field(
+        "auto",
+        description="auto: the model may call; none: calls are not read; a named function: the call's opening is "
+        "appended as context and the model writes its arguments.",
+    )
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, description="Old name of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: Temperature | None = Field(None, ge=0.0, le=2.0, description="Default: the session's.")
+    top_p: Float | None = Field(None, gt=0.0, le=1.0, description="Default: the session's.")
+    n: Literal[1] = Field(1, description="A session samples one turn at a time.")
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
+    seed: Int64 | None = Field(None, ge=0)
+    logprobs: bool = Field(False, description="Return each sampled token's logprob.")
+    stream: Literal[False] = Field(False, description="Not on a session: its turns are whole.")
+    parallel_tool_calls: Literal[True] | None = Field(
+        None,
+        description="true or unset: every call a turn makes is read (false is refused: no parser can stop a model "
+        "writing a second call).",
+    )
+    user: Text | None = None

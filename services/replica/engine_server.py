@@ -24,6 +24,7 @@ from services import logs
 from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
 from services.engine.base import cancellable
+from services.episodes import chat_delta
 from services.errors import Invalid, Unavailable, VersionNotReached
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
@@ -323,6 +324,18 @@ class EngineServer:
         return (
             tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
         )
+
+    def chat_turn(
+        self, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
+    ) -> dict:
+        """A session turn's context ids as [close, messages, prompt, forced] (services/episodes/chat_delta.py), or
+        {"error": why} when the template has no exact continuation for these messages."""
+        tok = self.engine.tokenizer
+        try:
+            parts = chat_delta.turn_context(tok, held_tail, after_sampled, chat_delta.for_template(new), tools, opens)
+        except Exception as e:  # NotAppendOnly, or the template's own error (a role it refuses)
+            return {"error": str(e) or type(e).__name__}
+        return {"ids": [*parts, tok.encode(forced, add_special_tokens=False) if forced else []]}
 
     def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
         return [token_pieces(self.engine.tokenizer, ids) for ids in samples]

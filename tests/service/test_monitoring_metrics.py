@@ -23,7 +23,7 @@ def scrape(service: str) -> str:
 
 
 def drive(service: str, client, tiny_model) -> None:
-    """Traffic that touches every part the dashboard shows: rollouts, the queue, a weight push."""
+    """Traffic that touches every part the dashboard shows: rollouts, the queue, a session, a weight push."""
     assert rollout(service, request(n=2)).status_code == 200
     spec = {"name": SOURCE, "dataset": "arith", "n": 2, "target_groups": 2, "sampling_params": SHORT}
     assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
@@ -33,6 +33,7 @@ def drive(service: str, client, tiny_model) -> None:
     assert pulled.status_code == 200 and pulled.json()["items"], pulled.text
     ids = [i["item_id"] for i in pulled.json()["items"]]
     assert httpx.post(f"{service}/v1/queue/ack", json={"item_ids": ids}, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.post(f"{service}/v1/sessions", json={}, timeout=30).status_code == 200  # the tool-call series
     version = client.weights_version().version + 1
     client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
 
