@@ -9,7 +9,8 @@ Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
 SGLangNative      SGLang's native endpoints, translated onto the objects above
-Sessions          multi-turn sessions, token level (services/episodes/)
+Sessions          multi-turn sessions: token level, and OpenAI chat with tools (services/episodes/)
+Episodes          multi-turn episodes run in the farm against environment plug-ins (services/episodes/)
 
 Their shared state (queue, request_id records, sessions, committed version, policy stats) is in Redis
 (services/state/redis_client.py), so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm, and a
@@ -27,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from services import errors, logs, metrics
 from services.compat.openai_api import OpenAICompat
 from services.compat.sglang_native import SGLangNative
+from services.episodes.episodes import Episodes
 from services.episodes.session_store import SessionStore
 from services.episodes.sessions import Sessions
 from services.plugins import load_plugins
@@ -68,6 +70,7 @@ class Ingress:
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
         store = SessionStore(self.redis, prefix)
         self.sessions = Sessions(self.rollouts.answer, self.replicas.read, store, self.openai.model_name)
+        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]

@@ -86,10 +86,21 @@ TOKEN_MISMATCH = Counter(
     "retry)",
     ["reason"],
 )
+EPISODES = Counter("farm_episodes_total", "Episodes run in the farm (POST /v1/episodes)", ["stop_reason"])
+ENV_STEP_SECONDS = Histogram(
+    "farm_env_step_seconds",
+    "Time an environment took to answer a reset or a step",
+    ["call"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+)
+ENV_TIMEOUTS = Counter("farm_env_timeouts_total", "Environment resets and steps past tool_timeout_s", ["call"])
 SESSION_LABELS = {
     SESSION_TURNS: ("chat", "generate"),
     SESSION_FORKS: ("messages", "offset"),
     TOKEN_MISMATCH: ("template", "retry_conflict", "token_session"),
+    EPISODES: ("done", "max_turns", "max_tokens", "context_overflow", "env_error"),
+    ENV_TIMEOUTS: ("reset", "step"),
+    ENV_STEP_SECONDS: ("reset", "step"),
 }
 for _counter, _labels in SESSION_LABELS.items():
     for _label in _labels:

@@ -2,10 +2,15 @@
 FARM_PLUGINS; requests name the sampler by its dotted path `tests.farm_plugins:LongestOfTwo`, and the bench
 app runs the engine `tests.farm_plugins:EchoEngine`."""
 
+import asyncio
 import re
 import zlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from services.engine.bench_engine import BenchEngine
+from services.episodes.environments import ENVIRONMENTS, Environment, Step
 from services.episodes.tool_formats import TOOL_FORMATS, Hermes
 from services.rewards import REWARDS
 from services.samplers import Sampler
@@ -35,19 +40,19 @@ class EchoEngine(BenchEngine):
     """A user engine named by dotted path (`FARM_ENGINE=tests.farm_plugins:EchoEngine`): the bench engine, except
     that every sample repeats its prompt's last token, so a test can tell that this engine generated it.
 
-    It is also the scripted agent model of the session tests (a fake for what cannot run here: no model small enough
-    to train in a test writes tool calls): a prompt whose text holds `say:` is answered with the bytes after its last
-    `say:`, then stops, so a test scripts each turn (tool calls, malformed ones, answers) through the messages it
-    sends."""
+    It is also the scripted agent model of the session and episode tests (a fake for what cannot run here: no model
+    small enough to train in a test writes tool calls): a prompt whose text holds `say:‹...›` is answered with the
+    text between the marks of the last one, then stops, so a test scripts each turn (tool calls, malformed ones,
+    answers) through the messages it sends. Its context is 8192 tokens."""
 
-    SCRIPT = b"say:"
+    SCRIPT = re.compile(r"say:‹(.*?)›", re.DOTALL)
 
     def generate(self, prompts, params, cancel=None):
         outs = super().generate(prompts, params, cancel)
         for prompt, out in zip(prompts, outs):
-            text = self.tokenizer.decode(prompt).encode()
-            if self.SCRIPT in text and len(out.token_ids) >= 1:
-                said = self.tokenizer.encode(text.rsplit(self.SCRIPT, 1)[1].decode(), add_special_tokens=False)
+            scripts = self.SCRIPT.findall(self.tokenizer.decode(prompt))
+            if scripts and out.token_ids:
+                said = self.tokenizer.encode(scripts[-1], add_special_tokens=False)
                 n = min(len(said), len(out.token_ids))
                 out.token_ids, out.logprobs, out.token_versions = said[:n], out.logprobs[:n], out.token_versions[:n]
                 out.sampling_logprobs = out.sampling_logprobs and out.sampling_logprobs[:n]
@@ -55,6 +60,9 @@ class EchoEngine(BenchEngine):
             else:
                 out.token_ids = [prompt[-1]] * len(out.token_ids)
         return outs
+
+    def context_length(self) -> int:
+        return 8192
 
 
 @TOOL_FORMATS.register("test_wrong_tag")
@@ -65,3 +73,29 @@ class WrongTag(Hermes):
     name = "test_wrong_tag"
     BLOCK = re.compile(r"<toolcall>(.*?)</toolcall>", re.DOTALL)
     OPEN = "<toolcall>"
+
+
+class FlakyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    behaviour: Literal["raise", "hang", "hang_reset", "endless"]
+
+
+@ENVIRONMENTS.register("test_flaky")
+class Flaky(Environment):
+    """An environment that fails as remote sandboxes do: its step raises, or hangs, or its reset hangs; or it never
+    ends (every step answers "go on")."""
+
+    Params = FlakyParams
+    tool_format = "plain"
+
+    async def reset(self, prompt):
+        if self.params.behaviour == "hang_reset":
+            await asyncio.sleep(3600)
+        return [{"role": "user", "content": prompt.text}]
+
+    async def step(self, turn):
+        if self.params.behaviour == "raise":
+            raise RuntimeError("the sandbox crashed")
+        if self.params.behaviour == "hang":
+            await asyncio.sleep(3600)
+        return Step([{"role": "user", "content": "go on"}])

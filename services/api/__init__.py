@@ -13,7 +13,18 @@ from fastapi import Depends, FastAPI
 from pydantic.json_schema import models_json_schema
 
 from services import protocol as P
-from services.api import control, errors, openai, queue, rollouts, samplers, sessions, sglang_native, weights
+from services.api import (
+    control,
+    episodes,
+    errors,
+    openai,
+    queue,
+    rollouts,
+    samplers,
+    sessions,
+    sglang_native,
+    weights,
+)
 from services.api.deps import require_token
 from services.api.middleware import BodyLimit, RequestMetrics
 
@@ -25,7 +36,11 @@ OWN_ANSWERS = {
     "/health_generate": {},
     "/abort_request": {},
 }
-STREAMED = {"/v1/rollouts": "application/x-ndjson", "/generate": "text/event-stream"}  # the answer to "stream": true
+STREAMED = {
+    "/v1/rollouts": "application/x-ndjson",
+    "/v1/episodes": "application/x-ndjson",
+    "/generate": "text/event-stream",
+}  # the answer to "stream": true
 OPEN = (
     rollouts.router,
     samplers.router,
@@ -35,6 +50,7 @@ OPEN = (
     openai.router,
     sglang_native.router,
     sessions.router,
+    episodes.router,
 )
 NEED_TOKEN = (
     rollouts.admin,

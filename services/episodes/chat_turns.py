@@ -51,6 +51,23 @@ def turn_params(session_params: dict, req: S.SessionChatRequest) -> P.SamplingPa
         raise Invalid(pydantic_fields(e.errors())) from None
 
 
+class ContextFull(Invalid):
+    """422: the session's tokens and the new messages leave no room in the model's context for a turn."""
+
+    def __init__(self, room: int):
+        super().__init__(
+            [{"field": "messages", "message": f"{max(room, 0)} tokens of context left: no room for a turn"}],
+            "the session fills the model's context",
+        )
+
+
+def fitted(params: P.SamplingParams, room: int) -> P.SamplingParams:
+    """The params with max_new_tokens cut to the room left in the context; ContextFull when there is none."""
+    if room < 1:
+        raise ContextFull(room)
+    return params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
+
+
 def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice) -> ParsedTurn:
     """The sampled text's calls, unless tool_choice is none (then the text is all content)."""
     return ParsedTurn(text.strip()) if tool_choice == "none" else fmt.parse(text, turn)

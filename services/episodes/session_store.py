@@ -28,6 +28,7 @@ class Session:
     min_weight_version: int
     ttl_s: float
     group_id: str | None = None
+    sampler: dict = field(default_factory=lambda: {"name": "plain", "params": {}})
     malformed_tool_calls: str = "train"  # or "mask": a turn whose call did not parse gets loss mask 0
     closed: bool = False
     reward: float | None = None

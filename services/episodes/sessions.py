@@ -48,6 +48,7 @@ class Sessions:
             ttl_s=req.ttl_s,
             group_id=req.group_id,
             malformed_tool_calls=req.malformed_tool_calls,
+            sampler=req.sampler.model_dump(),
             segments=[Segment("0")],
         )
         await self.store.create(session)
@@ -59,12 +60,14 @@ class Sessions:
             prompts=[P.Prompt(token_ids=tokens)],
             n=1,
             sampling_params=params,
+            sampler=P.SamplerSpec(**session.sampler),
             min_weight_version=session.min_weight_version,
         )
         return (await self.answer(rollout)).groups[0].samples[0]
 
-    async def chat(self, session_id: str, req: S.SessionChatRequest) -> dict:
-        """An OpenAI chat turn on the session's tokens (see the module's docstring)."""
+    async def chat(self, session_id: str, req: S.SessionChatRequest, context: int | None = None) -> dict:
+        """An OpenAI chat turn on the session's tokens (see the module's docstring). With `context` (the model's, for
+        episodes run in the farm) the turn's max tokens shrink to what still fits, and ContextFull when none does."""
         tools, forced = chat_turns.checked_tools(req)
         messages = [m.as_chat() for m in req.messages]
         async with self.store.locked(session_id):
@@ -87,7 +90,10 @@ class Sessions:
             head.add_context(close, [])
             head.add_context(rendered, new)
             head.add_context(prompt + opened, [])
-            sample = await self.sample(session, head.token_ids, chat_turns.turn_params(session.sampling_params, req))
+            params = chat_turns.turn_params(session.sampling_params, req)
+            if context is not None:
+                params = chat_turns.fitted(params, context - len(head.token_ids))
+            sample = await self.sample(session, head.token_ids, params)
             parsed = chat_turns.parsed_turn(fmt, opening + sample.text, len(head.turns), req.tool_choice)
             append_sample(head, sample, parsed, not (parsed.malformed and session.malformed_tool_calls == "mask"))
             metrics.SESSION_TURNS.labels("chat").inc()

@@ -24,6 +24,7 @@ from services.protocol.common import (
     TokenId,
 )
 from services.protocol.openai import TextPart
+from services.protocol.rollouts import SamplerSpec
 
 MAX_SESSION_TTL_S = 7 * 86400
 
@@ -33,6 +34,9 @@ class SessionCreate(RequestModel):
 
     sampling_params: SamplingParams = Field(
         default_factory=SamplingParams, description="Every turn's sampling params, unless the turn gives its own."
+    )
+    sampler: SamplerSpec = Field(
+        default_factory=SamplerSpec, description="How each turn is drawn (one sample per turn: n=1 samplers)."
     )
     group_id: Text | None = Field(None, description="The GRPO group this episode belongs to (returned as given).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")

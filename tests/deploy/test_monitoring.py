@@ -41,6 +41,13 @@ SHOWN = {
     "rollout idle ratio (queue source)": "farm_trainer_rollout_idle_ratio",
     "trainer sample staleness": "farm_trainer_sample_staleness_versions_bucket",
     "off-policy corrected samples": "farm_trainer_offpolicy_fraction",
+    "session turns": "farm_session_turns_total",
+    "session forks": "farm_session_forks_total",
+    "tool calls": "farm_tool_calls_total",
+    "tool parse errors": "farm_tool_parse_errors_total",
+    "token refusals": "farm_session_token_refusals_total",
+    "episodes by stop reason": "farm_episodes_total",
+    "environment step latency": "farm_env_step_seconds_bucket",
 }
 ALERTED = {
     "FarmReplicaWeightVersionsDiffer": {"farm_replica_weight_version"},
@@ -62,6 +69,7 @@ def test_the_dashboard_is_plain_grafana_with_a_datasource_variable_and_rows():
         "Weights",
         "Trainer",
         "Batching and overlap",
+        "Agent sessions",
     ]
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))

@@ -37,6 +37,8 @@ CHEAP = {
     "target_groups": (1, 4096),
     "min_weight_version": (0, P.INT64_MAX),  # a version nobody pushes waits FARM_MIN_VERSION_WAIT_S for it
     "wait_s": (0.1, 600),
+    "max_turns": (2, 64),  # an episode's turns
+    "tool_timeout_s": (1, 600),
 }
 FEW = 2  # prompts per fuzzed request, and token ids per prompt, at most
 

@@ -1,10 +1,10 @@
 """Sessions, chat level, against the real service: OpenAI chat with tools on a session's tokens.
 
 The model is the bench app's EchoEngine (tests/farm_plugins.py), a scripted agent model: it answers a prompt holding
-`say:` with the text after it, so each turn's tool call (or malformed call, or answer) is scripted by the messages the
-test sends. It is a fake of the model only, for what cannot run here (no model small enough to train in a test
-writes tool calls); the service, its HTTP, Redis, tokenizer and chat template are real. Its tokenizer is the embedded
-byte tokenizer, whose template joins the messages' contents with newlines, so the whole chat's rendering is known.
+`say:‹...›` with the text between the marks, so each turn's tool call (or malformed call, or answer) is scripted by
+the messages the test sends. It is a fake of the model only, for what cannot run here (no model small enough to
+train in a test writes tool calls); the service, its HTTP, Redis, tokenizer and chat template are real. Its
+tokenizer is the embedded byte tokenizer, whose template joins the messages' contents with newlines.
 """
 
 import json
@@ -66,7 +66,7 @@ def test_an_openai_sdk_tool_loop_runs_on_the_session_url(bench_service):
     client = OpenAI(base_url=s["base_url"], api_key="unused", max_retries=0)
     messages = [
         {"role": "system", "content": "You can use a calculator."},
-        {"role": "user", "content": "What is 37*48? say: " + call_text("37*48")},
+        {"role": "user", "content": f"What is 37*48? say:‹{call_text('37*48')}›"},
     ]
     calls = 0
     for _ in range(4):  # the agent loop of the openai SDK's function-calling guide
@@ -78,11 +78,11 @@ def test_an_openai_sdk_tool_loop_runs_on_the_session_url(bench_service):
         for c in reply.message.tool_calls:
             calls += 1
             result = calculator(json.loads(c.function.arguments)["expression"])
-            messages.append({"role": "tool", "tool_call_id": c.id, "content": f"{result} say: It is {result}."})
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": f"{result} say:‹It is {result}.›"})
     assert calls == 1 and reply.message.content == "It is 1776." and reply.finish_reason == "stop"
     (seg,) = trajectory(bench_service, s["session_id"])["segments"]
-    said = [" " + call_text("37*48"), " It is 1776."]  # what the model sampled, its leading space included
-    assert byte_tokenizer().decode(seg["token_ids"]).endswith(f"{said[0]}\n1776 say: It is 1776.{said[1]}")
+    said = [call_text("37*48"), "It is 1776."]  # what the model sampled
+    assert byte_tokenizer().decode(seg["token_ids"]).endswith(f"›{said[0]}\n1776 say:‹It is 1776.›{said[1]}")
     assert sum(seg["loss_mask"]) == sum(len(t.encode()) for t in said)  # the two sampled turns, nothing else
 
 
@@ -92,7 +92,7 @@ def scripted_episode(bench: str, seed: int, tool_format: str = "hermes") -> dict
     rng = random.Random(seed)
     s = opened(bench, tool_format=tool_format, malformed_tool_calls="mask" if seed % 2 else "train")
     turns = rng.randint(2, 8)
-    messages = [{"role": "user", "content": f"episode {seed} say: " + call_text(f"{rng.randint(2, 99)}*7")}]
+    messages = [{"role": "user", "content": f"episode {seed} say:‹{call_text(f'{rng.randint(2, 99)}*7')}›"}]
     seen = []
     for t in range(turns):
         r = chat(bench, s["session_id"], {"messages": messages, "tools": [CALC]})
@@ -110,10 +110,10 @@ def scripted_episode(bench: str, seed: int, tool_format: str = "hermes") -> dict
         if message.get("tool_calls"):
             result = str(rng.randint(0, 10**6))  # a random tool result
             messages.append(
-                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": f"{result} say: {script}"}
+                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": f"{result} say:‹{script}›"}
             )
         else:
-            messages.append({"role": "user", "content": f"go on say: {script}"})
+            messages.append({"role": "user", "content": f"go on say:‹{script}›"})
     return {"session": s, "masks_malformed": bool(seed % 2), "answers": seen, "messages": messages}
 
 

@@ -1,0 +1,32 @@
+"""POST /v1/episodes (JSON or NDJSON stream): groups of multi-turn episodes, each driven by an environment plug-in;
+GET /v1/environments lists them. The work is services/episodes/episodes.py."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+
+from services import protocol as P
+from services.api.deps import ingress
+from services.episodes.environments import ENVIRONMENTS
+from services.protocol import episodes as E
+
+ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
+router = APIRouter(tags=["episodes"])
+
+
+@router.post("/v1/episodes", response_model=E.EpisodeResponse, responses=ERRORS)
+async def episodes(req: E.EpisodeRequest, farm=Depends(ingress)):
+    """n episodes per prompt, run concurrently; one group per prompt, in order. With `stream`, NDJSON: an
+    EpisodeGroup line per group as it finishes, then an EpisodeStreamEnd line."""
+    if req.stream:
+        return StreamingResponse(await farm.episodes.stream(req), media_type="application/x-ndjson")
+    return await farm.episodes.run(req)
+
+
+@router.get("/v1/environments", response_model=E.EnvironmentList)
+async def environments():
+    """Registered environments and what each is."""
+    return E.EnvironmentList(
+        environments={n: (ENVIRONMENTS.get(n).__doc__ or "").strip() for n in ENVIRONMENTS.names()}
+    )
