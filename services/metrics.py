@@ -197,6 +197,18 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
         ["replica"],
         registry=scrape,
     )
+    prefill = Gauge(
+        "farm_replica_prefill_tokens",
+        "Prompt tokens each replica's engine fed through the model since it started (read at scrape time)",
+        ["replica"],
+        registry=scrape,
+    )
+    cache_hits = Gauge(
+        "farm_replica_session_cache_tokens",
+        "Prompt tokens a session's KV cache saved from each replica's prefill since it started (read at scrape time)",
+        ["replica"],
+        registry=scrape,
+    )
     sizes = {
         "batch_rows": HistogramMetricFamily(
             "farm_engine_batch_size", "Samples decoded together, per engine decode step", labels=["replica"]
@@ -214,6 +226,8 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
             busy.labels(st.replica).set(st.busy_seconds)
             running.labels(st.replica).set(st.rollouts_running)
             waiting.labels(st.replica).set(st.rollouts_waiting)
+            prefill.labels(st.replica).set(st.prefill_tokens)
+            cache_hits.labels(st.replica).set(st.session_cache_tokens)
             for field, family in sizes.items():
                 h = getattr(st, field)
                 if h.bounds:

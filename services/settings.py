@@ -66,6 +66,18 @@ class ServiceSettings(BaseSettings):
         description="How long an idle torch engine waits, after a call arrives, for more calls to start with it "
         "(calls that arrive later join the running batch at its next step).",
     )
+    engine_session_cache_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes of KV cache the torch engine keeps for sessions between their turns (least recently used "
+        "first out; 0: none), so a turn prefills only its new tokens.",
+    )
+    sessions_per_replica: int = Field(
+        4096,
+        ge=1,
+        description="Sessions an engine replica is the sticky home of at most (Serve's multiplexing, least recently "
+        "used first out); a session routed elsewhere re-prefills once.",
+    )
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
     engine_num_gpus: float | None = Field(

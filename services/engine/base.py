@@ -122,6 +122,9 @@ class Engine(abc.ABC):
     # runs every generate call on the engine's one thread, one at a time, as engines written for one thread expect
     concurrent_generate: ClassVar[bool] = False
     ranks_per_engine: ClassVar[int] = 1  # NCCL ranks one engine takes in the trainer's group
+    # True: generate and agenerate take `cache_key` (a session's id) and keep its KV cache between turns (torch);
+    # forget_session(key) drops it
+    keeps_sessions: ClassVar[bool] = False
     weight_version: int = 0
     generated_tokens: int = 0  # since the engine started
     tokenizer = None  # a Hugging Face tokenizer: the service tokenizes, decodes and renders chat with it
@@ -270,6 +273,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def abort(self) -> None: ...
+
+    def forget_session(self, key: str) -> None:
+        """Drop what the engine keeps for a session between its turns (an engine with keeps_sessions)."""
 
     @property
     @abc.abstractmethod

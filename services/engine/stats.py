@@ -2,6 +2,7 @@
 
 busy seconds   time with at least one sample generating, since the engine started (1 - its rate: the idle ratio)
 batch sizes    per decode step, the rows (samples) in the batch and the generate calls they belong to
+prefill        prompt tokens fed through the model, and those a session's KV cache saved (torch engine)
 
 The torch and bench engines count every decode step; the SGLang engine counts busy time only (SGLang's own metrics,
 e.g. sglang:num_running_reqs, report its batches).
@@ -42,6 +43,7 @@ class EngineStats:
         self._busy_since: float | None = None
         self._busy_total = 0.0
         self.rows, self.calls = Histogram(), Histogram()
+        self.prefill_tokens = self.reused_tokens = 0
 
     def busy(self, active: bool) -> None:
         """Whether at least one sample is generating now (call it whenever that may have changed)."""
@@ -59,6 +61,12 @@ class EngineStats:
             self.rows.observe(rows)
             self.calls.observe(calls)
 
+    def prefill(self, fed: int, reused: int) -> None:
+        """A prefill fed `fed` prompt tokens through the model; `reused` more came from a session's KV cache."""
+        with self._lock:
+            self.prefill_tokens += fed
+            self.reused_tokens += reused
+
     @property
     def busy_seconds(self) -> float:
         with self._lock:
@@ -66,7 +74,7 @@ class EngineStats:
             return self._busy_total + running
 
     def snapshot(self) -> dict:
-        """busy_seconds, decode_steps, batch_rows and batch_calls, as P.ReplicaState has them."""
+        """busy_seconds, decode_steps, batch_rows, batch_calls and the prefill counts, as P.ReplicaState has them."""
         busy = self.busy_seconds
         with self._lock:
             return {
@@ -74,4 +82,6 @@ class EngineStats:
                 "decode_steps": sum(self.rows.counts),
                 "batch_rows": self.rows.snapshot(),
                 "batch_calls": self.calls.snapshot(),
+                "prefill_tokens": self.prefill_tokens,
+                "session_cache_tokens": self.reused_tokens,
             }

@@ -50,6 +50,31 @@ class Batch:
         b.t = {**rows, "pos": mask.sum(-1), "last": torch.zeros(B, dtype=torch.long, device=dev)}  # drawn next
         return b, out.logits[:, -1, :].float()
 
+    @classmethod
+    def prefill_cached(cls, model, cached, prompt: list[int], rows: dict, calls: list, index: list[int]):
+        """One new row whose prompt extends `cached` (torch_session_cache.py): only the tokens after the cached
+        ones go through the model. Returns the batch of it and the logits of its first token (1, V)."""
+        from transformers.cache_utils import DynamicCache
+
+        dev, k, n = rows["slot"].device, len(cached.tokens), len(prompt)
+        ids = torch.tensor([prompt[k:]], dtype=torch.long, device=dev)
+        mask = torch.ones((1, n), dtype=torch.long, device=dev)
+        cache = DynamicCache(ddp_cache_data=[(keys.to(dev), values.to(dev)) for keys, values in cached.layers])
+        positions = torch.arange(k, n, device=dev)[None]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        b = cls()
+        b.cache, b.mask, b.calls, b.index = out.past_key_values, mask, list(calls), list(index)
+        b.t = {**rows, "pos": torch.tensor([n], device=dev), "last": torch.zeros(1, dtype=torch.long, device=dev)}
+        return b, out.logits[:, -1, :].float()
+
+    def row_cache(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row i's keys and values at the columns it attends to, (1, heads, tokens, dim) per layer, copied."""
+        cols = self.mask[i].bool()
+        return [
+            (layer.keys[i : i + 1, :, cols].clone(), layer.values[i : i + 1, :, cols].clone())
+            for layer in self.cache.layers
+        ]
+
     def decode(self, model) -> torch.Tensor:
         """One step of every row: each row's last token goes in; the logits of its next token (B, V) come out."""
         t = self.t

@@ -31,6 +31,7 @@ from services.engine.base import (
 )
 from services.engine.torch_sampling import RegexMask, processed_logits, text_hits_stop  # noqa: F401  (their home)
 from services.engine.torch_scheduler import BatchScheduler
+from services.engine.torch_session_cache import SessionKV
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weights.checks import WeightsRejected, check_state_dict, non_finite
 from services.weights.state_dict import canonical_state_dict, spec_of
@@ -40,10 +41,13 @@ if TYPE_CHECKING:
 
 MAX_BATCH_SIZE = 256  # rows decoded at once (FARM_ENGINE_MAX_BATCH_SIZE)
 BATCH_WINDOW_S = 0.005  # how long an idle engine waits for more calls after one arrives (FARM_ENGINE_BATCH_WINDOW_S)
+SESSION_CACHE_BYTES = 1 << 30  # KV cache kept for sessions between turns (FARM_ENGINE_SESSION_CACHE_BYTES)
 
 
 @ENGINES.register("torch")
 class TorchEngine(BatchScheduler, Engine):
+    keeps_sessions = True  # generate takes a cache_key (Engine.keeps_sessions)
+
     def __init__(
         self,
         model_path: str,
@@ -52,6 +56,7 @@ class TorchEngine(BatchScheduler, Engine):
         threads: int | None = None,
         max_batch_size: int = MAX_BATCH_SIZE,
         batch_window_s: float = BATCH_WINDOW_S,
+        session_cache_bytes: int = SESSION_CACHE_BYTES,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -70,6 +75,7 @@ class TorchEngine(BatchScheduler, Engine):
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._commit: InFlightPolicy | None = None  # the policy of a commit waiting to be applied
         self.generated_tokens = 0
+        self.session_kv = SessionKV(session_cache_bytes)
         self._start_scheduler(threads, max_batch_size, batch_window_s)
 
     @classmethod
@@ -81,6 +87,7 @@ class TorchEngine(BatchScheduler, Engine):
             threads=threads,
             max_batch_size=settings.engine_max_batch_size,
             batch_window_s=settings.engine_batch_window_s,
+            session_cache_bytes=settings.engine_session_cache_bytes,
         )
 
     # lifecycle -------------------------------------------------------------
@@ -161,14 +168,28 @@ class TorchEngine(BatchScheduler, Engine):
 
     # generation ------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
     ) -> list[EngineOutput]:
-        return self._submit(prompts, params, cancel).result()
+        return self._submit(prompts, params, cancel, cache_key=cache_key).result()
 
     async def agenerate(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
     ) -> list[EngineOutput]:
         """generate without a thread: the call waits in the scheduler's queue, the caller on its future. Cancelling
-        the awaiting task sets `cancel`, so the call's rows leave the batch at the next step."""
+        the awaiting task sets `cancel`, so the call's rows leave the batch at the next step. `cache_key` (a
+        session's id, one prompt): start from the KV cache the key's last call left, and leave one
+        (torch_session_cache.py)."""
         cancel = cancel or threading.Event()
-        return await cancellable(asyncio.wrap_future(self._submit(prompts, params, cancel)), cancel)
+        future = self._submit(prompts, params, cancel, cache_key=cache_key)
+        return await cancellable(asyncio.wrap_future(future), cancel)
+
+    def forget_session(self, key: str) -> None:
+        self.session_kv.forget(key)

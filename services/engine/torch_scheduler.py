@@ -36,6 +36,7 @@ import torch
 from services.engine.base import EngineOutput
 from services.engine.torch_batch import Batch, Slots
 from services.engine.torch_sampling import Group, RegexMask, draw, text_hits_stop
+from services.engine.torch_session_cache import CachedSequence
 from services.protocol import SamplingParams
 
 log = logging.getLogger("farm.service")
@@ -45,8 +46,17 @@ IDLE_WAIT_S = 0.05  # how often an idle scheduler looks at the pending calls' ca
 class Call:
     """One generate call: its prompts and params, the caller's cancel event and future, and its outputs so far."""
 
-    def __init__(self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event, urgent: bool):
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event,
+        urgent: bool,
+        cache_key: str | None = None,
+    ):
         self.prompts, self.params, self.cancel, self.urgent = prompts, params, cancel, urgent
+        self.cache_key = cache_key if len(prompts) == 1 else None  # a session's one sequence (torch_session_cache.py)
+        self.kv_version = -1  # the weight version its KV cache was computed on
         self.future: Future = Future()
         self.arrived = time.monotonic()
         self.epoch = 0  # the engine's abort epoch when the call was admitted
@@ -58,7 +68,7 @@ class Call:
 
 class BatchScheduler:
     """Mixed into TorchEngine, which sets model, device, tokenizer, eos_ids, pad_id, weight_version, the locks and
-    the commit state, and _apply_staged(); Engine gives `paused`, `stats` and _cancelled_before_start()."""
+    the commit state, session_kv, and _apply_staged(); Engine gives `paused`, `stats` and _cancelled_before_start()."""
 
     def _start_scheduler(self, threads: int | None, max_batch_size: int, window_s: float) -> None:
         self.max_batch_size, self.window_s = max_batch_size, window_s
@@ -75,9 +85,14 @@ class BatchScheduler:
 
     # the callers' side -----------------------------------------------------------------------------------
     def _submit(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None, urgent: bool = False
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None,
+        urgent: bool = False,
+        cache_key: str | None = None,
     ) -> Future:
-        call = Call(prompts, params, cancel or threading.Event(), urgent)
+        call = Call(prompts, params, cancel or threading.Event(), urgent, cache_key)
         if not prompts:
             call.future.set_result([])
             return call.future
@@ -169,7 +184,7 @@ class BatchScheduler:
             except Exception as e:  # a pattern the regex package refuses
                 call.future.set_exception(e)
                 continue
-            call.epoch = self._abort_epoch
+            call.epoch, call.kv_version = self._abort_epoch, self.weight_version
             call.gen = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
             self._active[call] = None
             for i, prompt in enumerate(call.prompts):
@@ -193,7 +208,42 @@ class BatchScheduler:
             "gone": torch.zeros(B, dtype=torch.bool, device=dev),
             "stops": torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=dev),
         }
-        return Batch.prefill(self.model, prompts, self.pad_id, t, calls_of, index)
+        return self._prefill(prompts, t, calls_of, index)
+
+    def _prefill(self, prompts: list[list[int]], t: dict, calls_of: list[Call], index: list[int]):
+        """The new rows prefilled: a row whose session's KV cache this replica holds feeds only its new tokens
+        (torch_session_cache.py), the others go through one padded forward pass together."""
+        cached = {}
+        if self.batch.joinable():
+            for i, call in enumerate(calls_of):
+                if call.cache_key is not None:
+                    hit = self.session_kv.match(call.cache_key, prompts[i], self.weight_version)
+                    if hit is not None:
+                        cached[i] = hit
+        plain = [i for i in range(len(prompts)) if i not in cached]
+        parts = []
+        if plain:
+            rows = {k: v[plain] for k, v in t.items()}
+            parts.append(
+                Batch.prefill(
+                    self.model,
+                    [prompts[i] for i in plain],
+                    self.pad_id,
+                    rows,
+                    [calls_of[i] for i in plain],
+                    [index[i] for i in plain],
+                )
+            )
+        for i, hit in cached.items():
+            rows = {k: v[i : i + 1] for k, v in t.items()}
+            parts.append(Batch.prefill_cached(self.model, hit, prompts[i], rows, [calls_of[i]], [index[i]]))
+        reused = sum(len(hit.tokens) for hit in cached.values())
+        self.stats.prefill(sum(map(len, prompts)) - reused, reused)
+        batch, logits = parts[0]
+        for other, more in parts[1:]:
+            batch.extend(other)
+            logits = torch.cat([logits, more])
+        return batch, logits
 
     def _step(self, new: tuple[Batch, torch.Tensor] | None) -> None:
         """One decode step of the running rows and the first token of the new ones."""
@@ -270,11 +320,24 @@ class BatchScheduler:
         call, slot = b.calls[i], int(b.t["slot"][i])
         tok, lp, slp, ver = self.slots.read(slot, length)
         call.outputs[b.index[i]] = EngineOutput(tok, lp, reason, ver[0] if length else self.weight_version, ver, slp)
+        if call.cache_key is not None and reason != "abort":
+            self._keep_session(i, call, tok)
         call.live -= 1
         if not call.live:
             del self._active[call]
             self.generated_tokens += sum(len(o.token_ids) for o in call.outputs)
             self._done.append(call)
+
+    def _keep_session(self, i: int, call: Call, sampled: list[int]) -> None:
+        """Row i's KV cache, kept for its session's next turn: the prompt and every sampled token but the last (the
+        last was drawn, not fed). Only when all of it was computed on the weights served now."""
+        covered = call.prompts[0] + sampled[:-1]
+        b = self.batch
+        if call.kv_version != self.weight_version or not sampled or not b.joinable():
+            return
+        if int(b.mask[i].sum()) != len(covered):  # a row that ended on a token it could not feed (a regex dead end)
+            return
+        self.session_kv.put(call.cache_key, CachedSequence(covered, self.weight_version, b.row_cache(i)))
 
     def _remove(self, ended: torch.Tensor) -> None:
         """Rows that ended leave the batch (unless _rows_to_keep keeps them: then they are gone, not decoded for)."""

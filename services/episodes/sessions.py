@@ -62,6 +62,7 @@ class Sessions:
             sampling_params=params,
             sampler=P.SamplerSpec(**session.sampler),
             min_weight_version=session.min_weight_version,
+            routing_key=session.id,  # its home replica, and the KV cache kept there between turns
         )
         return (await self.answer(rollout)).groups[0].samples[0]
 

@@ -50,6 +50,10 @@ class ReplicaState(BaseModel):
     batch_calls: BatchSizes = Field(
         default_factory=BatchSizes, description="Generate calls sharing the batch, per decode step."
     )
+    prefill_tokens: int = Field(0, description="Prompt tokens fed through the model since start (torch engine).")
+    session_cache_tokens: int = Field(
+        0, description="Prompt tokens a session's KV cache saved from the prefill since start (torch engine)."
+    )
 
 
 class ControlResponse(BaseModel):

@@ -49,6 +49,14 @@ class RolloutRequest(RequestModel):
     min_weight_version: Int64 = Field(
         0, ge=0, description="Run only on replicas serving this weight version or later (waits for it)."
     )
+    routing_key: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Requests with the same key go to the same engine replica while it is healthy, and the torch "
+        "engine keeps the KV cache of the key's last sequence (one prompt, n=1), so a request whose prompt extends it "
+        "prefills only its new tokens. Sessions use their id.",
+    )
     request_id: Text | None = Field(
         None,
         min_length=1,

@@ -13,6 +13,7 @@ newer version waits for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ from services.errors import Invalid, Unavailable, VersionNotReached
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
 from services.replica.overload import Full
+from services.replica.session_routes import session_routes
 from services.replica.token_pieces import alternative, token_pieces
 from services.samplers import make_sampler
 from services.settings import ServiceSettings
@@ -79,6 +81,7 @@ class EngineServer:
         self.rollouts_running = 0
         self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
+        self.session_route = session_routes(self.engine, settings.sessions_per_replica)
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
 
@@ -106,6 +109,7 @@ class EngineServer:
         min_version: int = 0,
         meta: dict | None = None,
         sampler: P.SamplerSpec | None = None,
+        routing_key: str | None = None,
     ) -> list[P.Group] | Full:
         """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
         waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
@@ -122,8 +126,11 @@ class EngineServer:
             if self.engine.weight_version < min_version:
                 await self.catch_up(min_version)
             spec = sampler or P.SamplerSpec()
+            if routing_key:
+                await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
+            cache_key = routing_key if routing_key and self.engine.keeps_sessions else None
             return await sample_groups(
-                self._generate_rerun,
+                functools.partial(self._generate_rerun, cache_key=cache_key),
                 self.engine.tokenizer,
                 prompts,
                 n,
@@ -136,9 +143,11 @@ class EngineServer:
             self.rollouts_running -= 1
             self.rollout_slots.release()
 
-    async def _generate_rerun(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+    async def _generate_rerun(
+        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None
+    ) -> list[EngineOutput]:
         """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
-        outs = await self._generate(prompts, params)
+        outs = await self._generate(prompts, params, cache_key)
         for _ in range(ABORT_RERUNS):
             served = (
                 await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
@@ -146,15 +155,18 @@ class EngineServer:
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
-            for i, o in zip(redo, await self._generate([prompts[i] for i in redo], params)):
+            for i, o in zip(redo, await self._generate([prompts[i] for i in redo], params, cache_key)):
                 outs[i] = o
         return outs
 
-    async def _generate(self, prompts: list[list[int]], params: P.SamplingParams) -> list[EngineOutput]:
+    async def _generate(
+        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None
+    ) -> list[EngineOutput]:
         """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
-        (its rows leave the batch at the next step)."""
+        (its rows leave the batch at the next step). `cache_key` only for an engine that keeps sessions."""
         cancel = threading.Event()
-        return await cancellable(self.engine.agenerate(prompts, params, cancel), cancel)
+        keyed = {"cache_key": cache_key} if cache_key is not None else {}
+        return await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
 
     async def _settled(self) -> int:
         """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""

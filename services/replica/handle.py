@@ -113,9 +113,11 @@ class Replicas:
         self.handle = handle
         overload.quiet_serve_backpressure()  # this runs in the ingress replica
 
-    def call(self, method: str, *args) -> ReplicaCall:
-        """One replica's `method` (Serve picks the replica)."""
-        return ReplicaCall(getattr(self.handle, method).remote(*args), method)
+    def call(self, method: str, *args, key: str | None = None) -> ReplicaCall:
+        """One replica's `method` (Serve picks the replica); with `key` (a session's id), the key's home replica
+        while it is healthy (services/replica/session_routes.py)."""
+        handle = self.handle.options(multiplexed_model_id=key) if key else self.handle
+        return ReplicaCall(getattr(handle, method).remote(*args), method)
 
     async def read(self, method: str, *args, attempts: int = 3):
         """An idempotent `method` on one replica; on another if the first dies under it."""

@@ -57,6 +57,8 @@ class Fanout:
             floor,
             meta,
             spec,
+            req.routing_key,
+            key=req.routing_key,
         )
 
     async def produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:

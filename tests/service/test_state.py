@@ -88,7 +88,7 @@ def test_a_replay_on_the_other_ingress_replica_while_the_first_runs_gets_its_res
     assert generated_tokens(service) - tokens == 2 * 300  # one request's worth: 1 prompt x 2 samples x 300 tokens
 
 
-def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_or_ack(service):
+def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_ack_or_session(service):
     prompts = [{"text": f"Q: {a}+{a + 1}\nA:", "ground_truth": str(2 * a + 1)} for a in range(12)]
     spec = {"name": "survivor", "prompts": prompts, "n": 2, "target_groups": 3, "sampling_params": SHORT}
     assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
@@ -102,6 +102,9 @@ def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_or_ack(serv
         "acked"
     ] == [pulled[0]["item_id"]]  # the other stays leased, unacked, across the restart
     before = sources(service)["survivor"]
+    session = httpx.post(f"{service}/v1/sessions", json={"sampling_params": SHORT}, timeout=30).json()["session_id"]
+    first = httpx.post(f"{service}/v1/sessions/{session}/generate", json={"append_token_ids": [40, 41]}, timeout=60)
+    assert first.status_code == 200, first.text
 
     killed = ingress_actors()
     assert len(killed) == 2
@@ -110,6 +113,9 @@ def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_or_ack(serv
     back = wait_until(lambda: sources(service).get("survivor"), "the restarted ingress serves the queue", 180)
     assert back["acked"] == 1 and back["pending_prompts"] + back["ready"] + back["leased"] >= 1
     assert back["acked"] == before["acked"] and back["redelivered"] == before["redelivered"]
+    r = httpx.post(f"{service}/v1/sessions/{session}/generate", json={"append_token_ids": [50]}, timeout=60)
+    assert r.status_code == 200 and r.json()["turn"] == 1, r.text  # the session outlived every ingress replica
+    assert r.json()["prompt_tokens"] == 2 + len(first.json()["token_ids"]) + 1
 
     deliveries = {pulled[1]["item_id"]: 1}
     deadline = time.monotonic() + 240
