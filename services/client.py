@@ -28,6 +28,7 @@ import httpx
 import tenacity
 
 from services import protocol as P
+from services.protocol import episodes as E
 
 RETRY_STATUS = {429, 502, 503, 504}
 # weights go up in slices this big: httpcore copies one big bytes body, slices it sends as they are
@@ -199,6 +200,10 @@ class _Api:
 
     def rollouts(self, req: P.RolloutRequest) -> P.RolloutResponse:
         return self._send(_Call("POST", "/v1/rollouts", P.RolloutResponse, json=_rollout_body(req)))
+
+    def episodes(self, req: E.EpisodeRequest) -> E.EpisodeResponse:
+        """Groups of multi-turn episodes run in the farm against an environment (POST /v1/episodes)."""
+        return self._send(_Call("POST", "/v1/episodes", E.EpisodeResponse, json=req.model_dump(mode="json")))
 
     def cancel(self, request_id: str) -> P.CancelResponse:
         """Cancel a running rollout; cancelled=False when none with this id runs."""

@@ -60,17 +60,18 @@ class Ingress:
         self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy)
         self.jobs = RolloutJobs(settings, self.redis, prefix)
         self.rollouts = Rollouts(self.fanout, self.checks, self.jobs)
-        self.queue = TrajectoryQueue(
-            self.redis,
-            prefix,
-            self.fanout.generate_for_queue,
-            self.weights.refresh,
-            batch_groups=4 * settings.replicas,
-        )
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
         store = SessionStore(self.redis, prefix)
         self.sessions = Sessions(self.rollouts.answer, self.replicas.read, store, self.openai.model_name)
         self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
+        self.queue = TrajectoryQueue(
+            self.redis,
+            prefix,
+            self.fanout.generate_for_queue,
+            self.episodes.generate_for_queue,
+            self.weights.refresh,
+            batch_groups=4 * settings.replicas,
+        )
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]

@@ -77,18 +77,20 @@ class WrongTag(Hermes):
 
 class FlakyParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    behaviour: Literal["raise", "hang", "hang_reset", "endless"]
+    behaviour: Literal["raise", "hang", "hang_reset", "endless", "scored"]
 
 
 @ENVIRONMENTS.register("test_flaky")
 class Flaky(Environment):
     """An environment that fails as remote sandboxes do: its step raises, or hangs, or its reset hangs; or it never
-    ends (every step answers "go on")."""
+    ends (every step answers "go on"); or ("scored") it answers "go on" once and ends the second turn with a reward
+    spread by a hash of the episode's text (rewards that vary, for training on two-turn episodes)."""
 
     Params = FlakyParams
     tool_format = "plain"
 
     async def reset(self, prompt):
+        self.turns, self.said = 0, ""
         if self.params.behaviour == "hang_reset":
             await asyncio.sleep(3600)
         return [{"role": "user", "content": prompt.text}]
@@ -98,4 +100,7 @@ class Flaky(Environment):
             raise RuntimeError("the sandbox crashed")
         if self.params.behaviour == "hang":
             await asyncio.sleep(3600)
+        self.turns, self.said = self.turns + 1, self.said + turn.text
+        if self.params.behaviour == "scored" and self.turns == 2:
+            return Step(reward=zlib.crc32(self.said.encode()) % 1000 / 1000, done=True)
         return Step([{"role": "user", "content": "go on"}])

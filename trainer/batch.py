@@ -19,7 +19,7 @@ class Batch:
     attention_mask: torch.Tensor  # (B, T)
     response_pos: torch.Tensor  # (B, R) index into logits of the position that predicts response token j
     response_ids: torch.Tensor  # (B, R)
-    response_mask: torch.Tensor  # (B, R) 1 on real response tokens
+    response_mask: torch.Tensor  # (B, R) 1 on the response tokens trained: sampled ones (a sample's loss_mask)
     rollout_logprobs: torch.Tensor  # (B, R) raw-model (temperature 1) logprobs reported by the service
     # (B, R) logprobs under the distribution each token was drawn from (logits / T, top-k/top-p renormalised);
     # where the service could not report them (greedy samples, SGLang), the raw ones and sampling_known 0
@@ -83,7 +83,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         attention[i, : n + m] = 1
         pos[i] = torch.arange(n - 1, n - 1 + R).clamp(max=T - 1)
         resp[i, :m] = torch.tensor(s.token_ids, dtype=torch.long)
-        mask[i, :m] = 1
+        mask[i, :m] = torch.tensor(s.loss_mask, dtype=torch.long) if s.loss_mask is not None else 1
         versions[i, :m] = torch.tensor(s.token_weight_versions or [s.weight_version] * m, dtype=torch.long)
         raw[i, :m] = torch.tensor(s.logprobs)
         sampled[i, :m] = torch.tensor(s.sampling_logprobs if s.sampling_logprobs is not None else s.logprobs)

@@ -167,6 +167,13 @@ class Data(_Strict):
     oversample: float = Field(
         1.0, ge=1, le=16, description="prompts sent per step / train_batch_size (dynamic_group_filter)"
     )
+    env: str | None = Field(
+        None,
+        description="an environment (calculator, or pkg.module:Class on the service): each group is n multi-turn "
+        "episodes against it, trained on their sampled tokens only; None: single-turn rollouts",
+    )
+    env_params: dict = Field(default_factory=dict, description="the environment's params")
+    max_turns: int = Field(4, ge=1, le=64, description="sampled turns per episode at most (with env)")
 
 
 class TrainerConfig(_Strict):

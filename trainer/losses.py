@@ -15,9 +15,11 @@ from verl.workers import config as verl_config
 
 
 def outcome_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """rewards (B,), response_mask (B, R) -> (B, R) with each reward on its sample's last response token."""
+    """rewards (B,), response_mask (B, R) -> (B, R) with each reward on its sample's last masked token (the last one
+    sampled: a multi-turn sample's mask has gaps where observations are)."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    last = ((response_mask > 0) * positions).max(-1).values.sub(1).clamp(min=0).long()
     out[torch.arange(len(rewards), device=last.device), last] = rewards.float() * (response_mask.sum(-1) > 0)
     return out
 

@@ -1,9 +1,11 @@
 """Each step's rollouts from the service, as a Batch (rank 0 only).
 
 The step's prompts (the task's training problems, through the model's chat template) are either requested
-(`trainer.rollout_source=request`: POST /v1/rollouts with the step's sampling seed and the configured sampler)
-or fed to the trainer's queue source and leased from it (`queue`); leased groups are acked once the step's
-weights are pushed, so a group leased by a trainer that died comes back when its lease runs out.
+(`trainer.rollout_source=request`: POST /v1/rollouts with the step's sampling seed and the configured sampler;
+with `data.env`, POST /v1/episodes: each group n multi-turn episodes, as groups whose samples carry a loss mask)
+or fed to the trainer's queue source and leased from it (`queue`; with `data.env` an episode source); leased groups
+are acked once the step's weights are pushed, so a group leased by a trainer that died comes back when its lease
+runs out.
 
 With `async_training.staleness_threshold` s > 0 the trainer keeps s steps of prompts fed ahead of the one it pulls,
 so the service generates them while it trains (trainer/staleness_bound.py); no group whose oldest token is more than
@@ -18,6 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 from services import protocol as P
+from services.episodes.episode_groups import as_group
+from services.protocol import episodes as E
 from services.tasks import Problem
 from trainer import staleness_bound
 from trainer.batch import Batch, make_batch
@@ -58,10 +62,17 @@ def pull(run: TrainingRun) -> Batch | None:
 
 
 def draw_prompts(run: TrainingRun) -> list[P.Prompt]:
-    """One step's prompts, drawn from the run's RNG."""
+    """One step's prompts, drawn from the run's RNG (as text for an environment, which renders its own messages)."""
     d = run.cfg.data
     problems = run.task.train_batch(run.rng, math.ceil(d.train_batch_size * d.oversample))
-    return [P.Prompt(text=render_prompt(run.tok, p), ground_truth=p.answer) for p in problems]
+    text = (lambda p: p.prompt) if d.env else (lambda p: render_prompt(run.tok, p))
+    return [P.Prompt(text=text(p), ground_truth=p.answer) for p in problems]
+
+
+def episode_limits(run: TrainingRun) -> E.EpisodeLimits | None:
+    """The environment of `data.env`, its params and turns; None for single-turn rollouts."""
+    d = run.cfg.data
+    return E.EpisodeLimits(env=E.EnvSpec(name=d.env, params=d.env_params), max_turns=d.max_turns) if d.env else None
 
 
 def sampling(run: TrainingRun) -> tuple[P.SamplingParams, P.SamplerSpec]:
@@ -80,9 +91,17 @@ def request_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
     params, sampler = sampling(run)
     if sampler.name == "dynamic_group_filter" and len(prompts) > d.train_batch_size:
         sampler.params.setdefault("target_groups", d.train_batch_size)
+    n = run.cfg.actor_rollout_ref.rollout.n
+    if (limits := episode_limits(run)) is not None:
+        common = {"prompts": prompts, "n": n, "sampling_params": params, "sampler": sampler}
+        req = E.EpisodeRequest(**limits.model_dump(), **common, min_weight_version=run.version)
+        groups = [as_group(g, params) for g in run.client.episodes(req).groups]
+        groups = [g for g in groups if g is not None]
+        run.generated_tokens += sum(g.generated_tokens or 0 for g in groups)
+        return groups
     req = P.RolloutRequest(
         prompts=prompts,
-        n=run.cfg.actor_rollout_ref.rollout.n,
+        n=n,
         sampling_params=params,
         sampler=sampler,
         reward=t.reward or run.task.reward,
@@ -136,6 +155,7 @@ def add_queue_source(run: TrainingRun, name: str) -> P.QueueSourceState:
         sampler=sampler,
         reward=t.reward or run.task.reward,
         target_groups=staleness_bound.target_groups(run.cfg),
+        episodes=episode_limits(run),
     )
     state = run.client.queue_add_source(source)
     log.info("queue_source_added", extra={"source": name})

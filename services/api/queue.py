@@ -35,6 +35,8 @@ async def queue_sources(farm=Depends(ingress)):
 async def queue_add_source(spec: P.QueueSource, farm=Depends(ingress)):
     """Register a prompt source; the service starts generating groups from it in the background."""
     await farm.checks.rollout(spec)
+    if spec.episodes is not None:
+        farm.episodes.environment(spec.episodes.env, "episodes.env")
     return await farm.queue.add_source(spec)
 
 

@@ -7,7 +7,8 @@ the sampled ids kept verbatim), the environment's step on the turn, its observat
 says done or a limit ends it. Its stop_reason says which: done, max_turns, max_tokens (the sampled tokens of the
 episode), context_overflow (no room left in the model's context), env_error (the environment raised; the message is
 kept, the rest of the group goes on). A reset or step slower than tool_timeout_s gets an error observation instead.
-The farm's own errors (a replica lost, a weight version not reached) fail the request, as for a rollout.
+The farm's own errors (a replica lost, a weight version not reached) fail the request, as for a rollout; a turn the
+engines refuse for lack of room (429) waits and tries again, since a group's episodes all run at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import tenacity
 from pydantic import ValidationError
 
 from services import metrics
@@ -25,13 +27,17 @@ from services import protocol as P
 from services.episodes import calculator  # noqa: F401  (registers the built-in environment)
 from services.episodes.chat_turns import ContextFull
 from services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
+from services.episodes.episode_groups import as_group
 from services.episodes.sessions import Sessions
 from services.episodes.tool_formats import TOOL_FORMATS, ToolCall
-from services.errors import Invalid, as_service_error
+from services.errors import Invalid, Overloaded, as_service_error
 from services.protocol import episodes as E
 from services.protocol import sessions as S
 
 ContextLength = Callable[[], Awaitable[int | None]]
+EPISODE_STRIDE = 1_000_003  # seed offset between the episodes of a seeded request (turns step by 1)
+OVERLOAD_WAIT_S = 2.0  # the longest wait between two tries of a turn the engines refused for lack of room
+OVERLOAD_PATIENCE_S = 600.0  # then the episode's request fails with the 429
 
 
 class EnvironmentFailed(Exception):
@@ -42,24 +48,30 @@ class Episodes:
     def __init__(self, sessions: Sessions, context_length: ContextLength, plugins: list[str]):
         self.sessions, self.context_length, self.plugins = sessions, context_length, plugins
 
-    def environment(self, spec: E.EnvSpec) -> tuple[type[Environment], object]:
+    def environment(self, spec: E.EnvSpec, field: str = "env") -> tuple[type[Environment], object]:
         """The environment class and its checked params; 422 naming env.name or env.params.<field>."""
         try:
             kind = ENVIRONMENTS.get(spec.name, self.plugins)
         except KeyError as e:
-            raise Invalid([{"field": "env.name", "message": str(e).strip("'\"")}]) from None
+            raise Invalid([{"field": f"{field}.name", "message": str(e).strip("'\"")}]) from None
         try:
             params = kind.Params(**spec.params)
         except ValidationError as e:
-            detail = [{"field": "env.params." + ".".join(map(str, x["loc"])), "message": x["msg"]} for x in e.errors()]
-            raise Invalid(detail) from None
+            where = [f"{field}.params." + ".".join(map(str, x["loc"])) for x in e.errors()]
+            raise Invalid([{"field": w, "message": x["msg"]} for w, x in zip(where, e.errors())]) from None
         if kind.tool_format not in TOOL_FORMATS.names():
-            raise Invalid([{"field": "env.name", "message": f"its tool format {kind.tool_format!r} is not registered"}])
+            problem = f"its tool format {kind.tool_format!r} is not registered"
+            raise Invalid([{"field": f"{field}.name", "message": problem}])
         return kind, params
 
     async def run(self, req: E.EpisodeRequest) -> E.EpisodeResponse:
         groups = [g async for g in self.groups(req)]
         return E.EpisodeResponse(groups=sorted(groups, key=lambda g: g.prompt_index))
+
+    async def generate_for_queue(self, req: E.EpisodeRequest) -> list[P.Group]:
+        """An episode source's groups, as rollout groups (episode_groups.py)."""
+        groups = [as_group(g, req.sampling_params) for g in (await self.run(req)).groups]
+        return [g for g in groups if g is not None]
 
     async def stream(self, req: E.EpisodeRequest) -> AsyncIterator[str]:
         """NDJSON lines; the request is checked before the first line, so a bad one is still a plain 422."""
@@ -92,7 +104,7 @@ class Episodes:
 
     async def group(self, req, kind, params, index: int, prompt: P.Prompt, context: int | None) -> E.EpisodeGroup:
         group_id = f"{uuid.uuid4().hex[:12]}:{index}"  # the sessions of one group share it
-        runs = [self.episode(req, kind, params, prompt, group_id, context) for _ in range(req.n)]
+        runs = [self.episode(req, kind, params, prompt, group_id, context, index * req.n + j) for j in range(req.n)]
         episodes = await asyncio.gather(*runs)
         rewards = [e.reward for e in episodes]
         std = statistics.pstdev(rewards)
@@ -105,8 +117,9 @@ class Episodes:
         )
 
     async def episode(
-        self, req: E.EpisodeRequest, kind, params, prompt: P.Prompt, group_id: str, context: int | None
+        self, req: E.EpisodeRequest, kind, params, prompt: P.Prompt, group_id: str, context: int | None, number: int
     ) -> E.EpisodeOut:
+        """Episode `number` of the request (its seed, with a seeded request: each episode and turn draws apart)."""
         opened = await self.sessions.open(
             S.SessionCreate(
                 sampling_params=req.sampling_params,
@@ -120,6 +133,7 @@ class Episodes:
         )
         sid = opened.session_id
         run = EpisodeRun(self.sessions, req, kind, sid, context)
+        run.seed = None if req.sampling_params.seed is None else (req.sampling_params.seed + EPISODE_STRIDE * number)
         try:
             run.env = kind(params)
         except Exception as e:
@@ -157,6 +171,7 @@ class EpisodeRun:
     def __init__(self, sessions: Sessions, req: E.EpisodeRequest, kind: type[Environment], sid: str, context):
         self.sessions, self.req, self.kind, self.sid, self.context = sessions, req, kind, sid, context
         self.env: Environment | None = None
+        self.seed: int | None = None  # the first turn's; turn t draws with seed + t
         self.rewards: list[float] = []
         self.tool_calls = self.malformed = self.sampled = 0
         self.stop_reason: E.StopReason = "max_turns"
@@ -180,9 +195,11 @@ class EpisodeRun:
                 if budget < 1:
                     self.stop_reason = "max_tokens"
                     return
-            chat = S.SessionChatRequest(messages=messages, tools=self.kind.tools or None, max_completion_tokens=budget)
+            seed = None if self.seed is None else (self.seed + len(self.rewards)) % 2**63
+            tools = self.kind.tools or None
+            chat = S.SessionChatRequest(messages=messages, tools=tools, max_completion_tokens=budget, seed=seed)
             try:
-                answer = await self.sessions.chat(self.sid, chat, self.context)
+                answer = await self.sample_turn(chat)
             except ContextFull:
                 self.stop_reason = "context_overflow"
                 return
@@ -208,6 +225,19 @@ class EpisodeRun:
             if self.sampled >= (self.req.max_total_tokens or float("inf")):
                 self.stop_reason = "max_tokens"
                 return
+
+    async def sample_turn(self, chat: S.SessionChatRequest) -> dict:
+        """The turn, waiting out the engines' back-pressure (429): a group's episodes run at once and may fill the
+        replicas, which is no reason to fail the request."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(Overloaded),
+            wait=tenacity.wait_random_exponential(multiplier=0.1, max=OVERLOAD_WAIT_S),
+            stop=tenacity.stop_after_delay(OVERLOAD_PATIENCE_S),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self.sessions.chat(self.sid, chat, self.context)
 
     async def env_call(self, what: str, call: Awaitable):
         """The environment's answer; None when it takes longer than tool_timeout_s; EnvironmentFailed if it

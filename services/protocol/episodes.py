@@ -23,16 +23,10 @@ class EnvSpec(RequestModel):
     params: dict = Field(default_factory=dict, description="The environment's own params; checked by it.")
 
 
-class EpisodeRequest(RequestModel):
-    """POST /v1/episodes."""
+class EpisodeLimits(RequestModel):
+    """What an episode may take: an environment's, whether requested (POST /v1/episodes) or a queue source's."""
 
     env: EnvSpec
-    prompts: list[Prompt] = Field(..., min_length=1, max_length=MAX_PROMPTS, description="One group each.")
-    n: int = Field(1, ge=1, le=MAX_N, description="Episodes per prompt (a GRPO group).")
-    sampling_params: SamplingParams = Field(
-        default_factory=SamplingParams, description="Every turn's; max_new_tokens bounds one turn."
-    )
-    sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each turn is drawn (n=1 samplers).")
     max_turns: int = Field(8, ge=1, le=MAX_TURNS, description="Sampled turns per episode at most.")
     max_total_tokens: int | None = Field(
         None, ge=1, description="Sampled tokens per episode at most (then stop_reason max_tokens); None: no bound."
@@ -40,6 +34,17 @@ class EpisodeRequest(RequestModel):
     tool_timeout_s: float = Field(
         30.0, gt=0, le=600, description="A reset or step that takes longer gets an error observation, not a hang."
     )
+
+
+class EpisodeRequest(EpisodeLimits):
+    """POST /v1/episodes."""
+
+    prompts: list[Prompt] = Field(..., min_length=1, max_length=MAX_PROMPTS, description="One group each.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Episodes per prompt (a GRPO group).")
+    sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams, description="Every turn's; max_new_tokens bounds one turn."
+    )
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each turn is drawn (n=1 samplers).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
     ttl_s: float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="Each episode's session stays readable this long."

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.protocol.common import MAX_N, Float, Int64, Prompt, RequestModel, SamplingParams, Text
+from services.protocol.episodes import EpisodeLimits
 from services.protocol.rollouts import Group, SamplerSpec
 
 
@@ -39,6 +40,11 @@ class QueueSource(RequestModel):
     reward: Text | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
     target_groups: int = Field(8, ge=1, le=4096, description="Groups kept generated ahead of the trainer.")
     seed: Int64 = Field(0, ge=0, description="Order of the dataset's prompts.")
+    episodes: EpisodeLimits | None = Field(
+        None,
+        description="An episode source: each prompt's group is n multi-turn episodes against this environment "
+        "(POST /v1/episodes), trained through each sample's loss_mask. None: single-turn rollouts.",
+    )
 
     @model_validator(mode="after")
     def _dataset_or_prompts(self) -> "QueueSource":

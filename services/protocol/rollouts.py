@@ -109,6 +109,11 @@ class Sample(BaseModel):
         None, description="Version of each token; only set when they differ (in-flight policy 'partial')."
     )
     sampler_meta: dict = Field(default_factory=dict, description="What the sampler reports about this sample.")
+    loss_mask: list[int] | None = Field(
+        None,
+        description="Per token: 1 where the model sampled it (trained), 0 on context inside the response (a "
+        "multi-turn episode's tool results and template tokens). None: every token is sampled.",
+    )
 
 
 class Group(BaseModel):

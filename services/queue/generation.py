@@ -15,6 +15,7 @@ from redis.exceptions import WatchError
 
 from services import metrics
 from services import protocol as P
+from services.protocol import episodes as E
 from services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
 from services.tasks import TASKS
 
@@ -26,8 +27,8 @@ ORPHAN_IDLE_MS = 30_000  # a delivered entry with no lease (its ingress died bet
 
 
 class QueueGeneration:
-    """TrajectoryQueue's generation side; it uses the queue's r, prefix, owner, running, cursors, generate, version,
-    batch_groups, sources_key, _source() and state()."""
+    """TrajectoryQueue's generation side; it uses the queue's r, prefix, owner, running, cursors, generate,
+    generate_episodes, version, batch_groups, sources_key, _source() and state()."""
 
     async def supervise(self) -> None:
         """Claim the sources nobody generates for (new ones, and those of a replica that died), forever."""
@@ -127,11 +128,12 @@ class QueueGeneration:
             else spec.sampling_params.model_copy(update={"seed": (spec.sampling_params.seed + batch) % 2**63})
         )
         reward = spec.reward or (TASKS.get(spec.dataset).reward if spec.dataset else None)
-        req = P.RolloutRequest(
-            prompts=[p for _, p in taken], n=spec.n, sampling_params=params, sampler=spec.sampler, reward=reward
-        )
+        common = {"prompts": [p for _, p in taken], "n": spec.n, "sampling_params": params, "sampler": spec.sampler}
         try:
-            groups = await self.generate(req)
+            if spec.episodes is not None:
+                groups = await self.generate_episodes(E.EpisodeRequest(**spec.episodes.model_dump(), **common))
+            else:
+                groups = await self.generate(P.RolloutRequest(**common, reward=reward))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the prompts wait at the front; try again shortly

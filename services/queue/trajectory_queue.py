@@ -39,11 +39,13 @@ POLL_S = 0.05  # a pull that waits for groups looks again this often
 
 
 class TrajectoryQueue(QueueGeneration):
-    """The queue as this ingress replica sees it. `generate(request)` returns the groups of a RolloutRequest;
-    `await version()` the committed version, read from the state (a push through another replica counts at once)."""
+    """The queue as this ingress replica sees it. `generate(request)` returns the groups of a RolloutRequest, and
+    `generate_episodes(request)` those of an EpisodeRequest (an episode source's); `await version()` the committed
+    version, read from the state (a push through another replica counts at once)."""
 
-    def __init__(self, r: Redis, prefix: str, generate, version, batch_groups: int):
+    def __init__(self, r: Redis, prefix: str, generate, generate_episodes, version, batch_groups: int):
         self.r, self.prefix, self.generate, self.version, self.batch_groups = r, prefix, generate, version, batch_groups
+        self.generate_episodes = generate_episodes
         self.sources_key = f"{prefix}:q:sources"  # name -> {"spec": QueueSource, "nonce": ...}
         self.owner = Owner(r)
         self.consumer = f"ingress-{self.owner.me[:12]}"

@@ -303,3 +303,30 @@ def test_a_killed_queue_trainer_resumes_and_gets_its_unacked_groups_again(servic
     finally:
         proc.kill()
         httpx.delete(f"{service}/v1/queue/sources/{source}", headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "control_variate"])
+def test_a_step_on_two_turn_episodes_trains_the_sampled_tokens_only(service, tiny_model, tmp_path, estimator):
+    """data.env: each group is n two-turn episodes (tests/farm_plugins.py:Flaky, "scored"), trained through their
+    loss mask. The trainer's recomputed logprobs over the whole multi-turn sequence equal the service's on every
+    sampled token (rollout_is_mean 1, KL 0): the tokens it trains on are the ones the engine sampled, and the
+    observation between the turns is context."""
+    from trainer.loop import train
+    from trainer.run import TrainingRun
+
+    overrides = [
+        "data.env=test_flaky",
+        "data.env_params={behaviour: scored}",
+        "data.max_turns=2",
+        "data.max_response_length=6",
+        f"algorithm.adv_estimator={estimator}",
+    ]
+    trainer = TrainingRun(config(service, tiny_model, tmp_path, *overrides), TOKEN)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    summary = train(trainer)
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and summary["final_weight_version"] == trainer.version
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    assert 0 < step["response_len"] <= 12  # two sampled turns of at most 6 tokens: the mask, not the span
+    assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(step["rollout_corr/kl"]) < 1e-3

@@ -123,3 +123,35 @@ def test_bad_episode_requests_name_the_field(bench_service, body, field):
 def test_environments_are_listed(bench_service):
     envs = httpx.get(f"{bench_service}/v1/environments", timeout=30).json()["environments"]
     assert "calculator" in envs and "test_flaky" in envs
+
+
+def test_an_episode_source_feeds_the_queue_with_masked_episode_groups(bench_service):
+    from tests.service.helpers import AUTH
+
+    prompt = {"text": f"Q: 3456*78\nA: say:‹{CALL}›", "ground_truth": "269568"}
+    source = {
+        "name": "episodes-q",
+        "prompts": [prompt] * 2,
+        "n": 2,
+        "target_groups": 2,
+        "sampling_params": PARAMS,
+        "episodes": {"env": {"name": "calculator"}, "max_turns": 2},
+    }
+    bad = {**source, "name": "bad-q", "episodes": {"env": {"name": "calculatorr"}}}
+    r = httpx.post(f"{bench_service}/v1/queue/sources", json=bad, headers=AUTH, timeout=30)
+    assert r.status_code == 422 and "episodes.env.name" in r.text, r.text
+    assert httpx.post(f"{bench_service}/v1/queue/sources", json=source, headers=AUTH, timeout=30).status_code == 200
+    try:
+        body = {"source": "episodes-q", "max_groups": 2, "wait_s": 60}
+        items = httpx.post(f"{bench_service}/v1/queue/pull", json=body, headers=AUTH, timeout=120).json()["items"]
+        assert len(items) == 2
+        for item in items:
+            group = item["group"]
+            assert byte_tokenizer().decode(group["prompt_token_ids"]) == prompt["text"]
+            for s in group["samples"]:
+                observation = len("\n= 269568")
+                assert s["loss_mask"] == [1] * len(CALL) + [0] * observation + [1] * len(CALL)
+                assert byte_tokenizer().decode(s["token_ids"]) == f"{CALL}\n= 269568{CALL}"
+                assert s["sampler_meta"]["tool_calls"] == 2 and s["finish_reason"] == "length"
+    finally:
+        httpx.delete(f"{bench_service}/v1/queue/sources/episodes-q", headers=AUTH, timeout=30)
