@@ -80,9 +80,12 @@ class FarmLLMServerClient(LLMServerClient):
         **kwargs: Any,
     ) -> TokenOutput:
         """One sample for prompt_ids. verl's request_id (its sticky-session key, the same for every turn of a
-        trajectory) is not sent: the farm's request_id is an idempotency key, so each call gets a fresh one, as
-        verl's own client does for vLLM. `priority` is dropped: the farm has no request priorities (verl drops it
-        for SGLang too). Images, video and audio are refused: the farm serves text-only models."""
+        trajectory) is the farm's routing_key: a multi-turn trajectory's turns (ToolAgentLoop's) go to one engine
+        replica, whose KV cache saves the prefill of the earlier turns (verl builds each turn's prompt ids as the
+        last prompt, its response and the new tokens, which is what the cache matches). The farm's own request_id
+        is an idempotency key, so each call gets a fresh one, as verl's own client does for vLLM. `priority` is
+        dropped: the farm has no request priorities (verl drops it for SGLang too). Images, video and audio are
+        refused: the farm serves text-only models."""
         media = {"image_data": image_data, "video_data": video_data, "audio_data": audio_data}
         media["mm_processor_output"] = kwargs.pop("mm_processor_output", None)
         given = sorted(k for k, v in media.items() if v)
@@ -93,7 +96,9 @@ class FarmLLMServerClient(LLMServerClient):
             raise ValueError(f"generate got arguments the farm cannot honour: {sorted(kwargs)}")
         params, want_logprobs = farm_sampling_params(sampling_params, self.response_length)
         prompt = P.Prompt(token_ids=normalize_token_ids(prompt_ids))
-        req = P.RolloutRequest(prompts=[prompt], sampling_params=params, request_id=uuid.uuid4().hex)
+        req = P.RolloutRequest(
+            prompts=[prompt], sampling_params=params, request_id=uuid.uuid4().hex, routing_key=str(request_id)[:128]
+        )
         sample = (await self.farm().rollouts(req)).groups[0].samples[0]
         return self.token_output(sample, want_logprobs)
 
