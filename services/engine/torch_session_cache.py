@@ -39,7 +39,7 @@ class SessionKV:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, CachedSequence] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # forget() may run from a garbage-collected route on the scheduler's thread
         self.bytes = 0
 
     def match(self, key: str, prompt: list[int], version: int) -> CachedSequence | None:

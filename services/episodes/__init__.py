@@ -1,7 +1,7 @@
 """Multi-turn sessions and episodes: exact tokens across turns, tool calls, forks.
 
-Built so far: sessions over HTTP, token level and OpenAI chat with tools. Not yet: environments run in the farm,
-sticky replicas and the KV cache kept between turns, the trainer's side.
+Sessions for agents that run outside the farm (token level, or OpenAI chat with tools), episodes run in the farm
+against environment plug-ins, and episode groups in the shape a trainer learns from. The guide: docs/episodes.md.
 
 A turn of `POST /v1/sessions/{id}/generate` or `.../chat/completions` (services/api/sessions.py) through this package:
 
@@ -20,4 +20,13 @@ A turn of `POST /v1/sessions/{id}/generate` or `.../chat/completions` (services/
   tool_formats.py    TOOL_FORMATS: how a model writes a tool call (hermes, plain) and how it reads back as OpenAI
                      `tool_calls`, malformed calls counted with their reason
   tool_schemas.py    OpenAI tool definitions checked (names, parameters a valid JSON Schema), as 422 detail
+
+An episode of `POST /v1/episodes` (services/api/episodes.py), or of a queue's episode source:
+
+  episodes.py        Episodes: a group of n episodes per prompt, concurrently; EpisodeRun: open a session, reset the
+                     environment, then chat turn (Sessions.chat), step, observation, until done or a limit
+  environments.py    the Environment interface (reset, step, close; its Params, tools, tool format), ENVIRONMENTS
+  calculator.py      the built-in calculator environment
+  episode_groups.py  an episode group as a rollout group: the shared opening as the prompt, loss_mask 0 on
+                     observations (the queue and the trainer take it)
 """

@@ -75,12 +75,12 @@ class Episodes:
 
     async def stream(self, req: E.EpisodeRequest) -> AsyncIterator[str]:
         """NDJSON lines; the request is checked before the first line, so a bad one is still a plain 422."""
-        kind = self.environment(req.env)
+        resolved = self.environment(req.env)
 
         async def lines() -> AsyncIterator[str]:
             sent = 0
             try:
-                async for group in self.groups(req, kind):
+                async for group in self.groups(req, resolved):
                     sent += 1
                     yield group.model_dump_json() + "\n"
                 yield E.EpisodeStreamEnd(groups=sent).model_dump_json() + "\n"
@@ -90,9 +90,9 @@ class Episodes:
 
         return lines()
 
-    async def groups(self, req: E.EpisodeRequest, kind=None) -> AsyncIterator[E.EpisodeGroup]:
-        """The groups as they finish."""
-        kind, params = kind or self.environment(req.env)
+    async def groups(self, req: E.EpisodeRequest, resolved=None) -> AsyncIterator[E.EpisodeGroup]:
+        """The groups as they finish (`resolved`: the environment and its params, when checked already)."""
+        kind, params = resolved or self.environment(req.env)
         context = await self.context_length()
         tasks = [asyncio.create_task(self.group(req, kind, params, i, p, context)) for i, p in enumerate(req.prompts)]
         try:

@@ -79,7 +79,7 @@ class Sessions:
                     return await self.completion(session, segment, segment.turns.index(turn), req.logprobs)
             head = self.chat_head(session, messages)
             new = messages[len(head.messages) :]
-            if new[-1]["role"] == "assistant":
+            if not new or new[-1]["role"] == "assistant":
                 raise invalid("messages", "the last message is the assistant's: end with the one the model answers")
             opening = fmt.opening(forced) if forced else ""
             tail, after_assistant = head.token_ids[-HELD_TAIL:], head.ends_with_assistant()

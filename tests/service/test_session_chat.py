@@ -246,6 +246,11 @@ def test_a_history_ending_with_the_assistant_and_unknown_sessions_are_refused(be
         bench_service, sid, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}
     )
     assert r.status_code == 422 and "messages" in r.text
+    first = chat(bench_service, sid, {"messages": [{"role": "user", "content": "hi say:‹yo›"}]})
+    assert first.status_code == 200, first.text
+    again = [{"role": "user", "content": "hi say:‹yo›"}, first.json()["choices"][0]["message"]]
+    r = chat(bench_service, sid, {"messages": again})  # the stored history, answer included: nothing to answer
+    assert r.status_code == 422 and "messages" in r.text, r.text
     assert chat(bench_service, "0" * 32, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 404
     r = httpx.post(f"{bench_service}/v1/sessions", json={"tool_format": "xml"}, timeout=30)
     assert r.status_code == 422 and "tool_format" in r.text

@@ -129,3 +129,15 @@ def test_sessions_expire_and_listing_and_deleting_need_the_token(service):
     assert call(service, "DELETE", f"/v1/sessions/{kept}").status_code == 401
     assert call(service, "DELETE", f"/v1/sessions/{kept}", headers=AUTH).json() == {"session_id": kept, "deleted": True}
     assert call(service, "GET", f"/v1/sessions/{kept}").status_code == 404
+
+
+def test_a_weight_commit_in_the_middle_of_a_session_shows_in_its_token_versions(service, client, tiny_model):
+    sid = opened(service)["session_id"]
+    first = turn(service, sid, {"append_token_ids": [40, 41]})
+    version = client.weights_version().version + 1
+    client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
+    second = turn(service, sid, {"append_token_ids": [50]})
+    assert set(first["token_weight_versions"]) == {version - 1} and set(second["token_weight_versions"]) == {version}
+    (seg,) = trajectory(service, sid)["segments"]
+    sampled = [v for v, m in zip(seg["token_versions"], seg["loss_mask"]) if m]
+    assert sampled == [version - 1] * 5 + [version] * 5  # each token says which weights sampled it

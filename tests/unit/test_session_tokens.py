@@ -186,3 +186,23 @@ def test_a_segment_round_trips_through_json_exactly(tok):
         back = Segment.from_json(original.to_json())
         assert back == original and back.turns[:1] == original.turns[:1]
     assert Segment.from_json(seg.to_json()).turns[0].tool_calls[0].openai()["function"]["name"] == "calculator"
+
+
+def test_re_encoding_breaks_token_equality_on_the_embedded_tokenizer_too():
+    """Negative control on the built-in byte tokenizer (one token per byte, no merges, so any valid text has one
+    encoding): a model still samples ids that no text round-trips, an end-of-turn token (dropped when the text is
+    decoded for the chat) and bytes that are not UTF-8 (decoded as U+FFFD). Appending ids keeps them; re-encoding
+    the sampled text does not."""
+    from services.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    lone_continuation = tok.encode("é", add_special_tokens=False)[1:]  # its second byte, 0xA9, alone
+    ids = tok.encode("1776", add_special_tokens=False) + lone_continuation + [tok.eos_token_id]
+    seg = Segment("s0")
+    seg.add_context(tok.encode("Q: ", add_special_tokens=False), [])
+    n = len(ids)
+    seg.add_sampled(ids, [-0.1] * n, [-0.1] * n, [0] * n, "stop", {"role": "assistant", "content": "x"})
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" in text
+    assert seg.token_ids[-n:] == ids  # appended verbatim
+    assert tok.encode(text, add_special_tokens=False) != ids  # the re-encoded text is other tokens
