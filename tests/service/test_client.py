@@ -100,6 +100,10 @@ async def test_async_stream_push_and_samplers(service, fresh_weights, tiny_model
         assert not (await c.cancel("no-such-request")).cancelled
 
 
+LONG_TOKENS = 4000  # a rollout the cancel reaches first, whichever ingress replica takes it (the owner acts at its
+# next heartbeat, within a second; 16 samples of 400 tokens can finish sooner on the tiny model)
+
+
 def cancel_when_running(client: FarmClient, request_id: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not client.cancel(request_id).cancelled:
@@ -114,7 +118,7 @@ def test_samplers_and_cancel(client):
         prompts=[P.Prompt(text="hi")] * 4,
         n=4,
         request_id="to-cancel",
-        sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True),
+        sampling_params=P.SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True),
     )
     failed = []
     thread = threading.Thread(target=lambda: failed.append(pytest.raises(FarmError, client.rollouts, long)))
@@ -135,7 +139,7 @@ def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
         prompts=[P.Prompt(text="hi")] * 4,  # long enough that the cancel lands first, whichever replica takes it
         n=4,
         request_id="stream-to-cancel",
-        sampling_params=P.SamplingParams(max_new_tokens=400, ignore_eos=True),
+        sampling_params=P.SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True),
     )
     with FarmClient(service, TOKEN, retries=0) as c, FarmClient(service, TOKEN, retries=0) as other:
         canceller = threading.Thread(target=cancel_when_running, args=(other, "stream-to-cancel"))
