@@ -141,7 +141,8 @@ def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
         request_id="stream-to-cancel",
         sampling_params=P.SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True),
     )
-    with FarmClient(service, TOKEN, retries=0) as c, FarmClient(service, TOKEN, retries=0) as other:
+    # c waits out a 429 (the engines freeing the rows the test before cancelled); the stream starts once admitted
+    with FarmClient(service, TOKEN, retries=5) as c, FarmClient(service, TOKEN, retries=0) as other:
         canceller = threading.Thread(target=cancel_when_running, args=(other, "stream-to-cancel"))
         canceller.start()
         with pytest.raises(FarmError) as e:
