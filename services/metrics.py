@@ -205,7 +205,8 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
     )
     cache_hits = Gauge(
         "farm_replica_session_cache_tokens",
-        "Prompt tokens a session's KV cache saved from each replica's prefill since it started (read at scrape time)",
+        "Prompt tokens a cache saved from each replica's prefill since it started: a session's KV cache (torch), any "
+        "radix-cache prefix hit (SGLang) (read at scrape time)",
         ["replica"],
         registry=scrape,
     )

@@ -20,6 +20,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -110,28 +111,54 @@ def pretraining_text(rng: random.Random, task) -> tuple[str, str]:
     return p.prompt, answer
 
 
+EOS = None  # a piece that is the end-of-turn token
+Piece = tuple[Optional[str], bool]  # text (EOS: the end-of-turn token), and whether the model learns it
+
+
+def default_corpus(rng: random.Random, task) -> list[Piece]:
+    """One example of the default model's pretraining corpus: a prompt, and its answer to learn."""
+    prompt, answer = pretraining_text(rng, task)
+    return [(prompt, False), (answer, True), (EOS, True)]
+
+
 def build_default(out: Path, steps: int = PRETRAIN_STEPS, batch: int = 128, seed: int = 0) -> Path:
     """Pretrain the embedded default model on the arithmetic corpus and save it atomically to `out`."""
-    from tqdm import tqdm
-
     from services.tasks import ArithTask
+
+    task = ArithTask()
+    return pretrain(out, lambda rng: default_corpus(rng, task), steps, batch, seed, "the default model")
+
+
+def pretrain(
+    out: Path,
+    corpus: Callable[[random.Random], list[Piece]],
+    steps: int = PRETRAIN_STEPS,
+    batch: int = 128,
+    seed: int = 0,
+    what: str = "a model",
+) -> Path:
+    """Pretrain a fresh tiny Llama (byte tokenizer) on `corpus`'s examples, learning only their pieces marked so,
+    and save it atomically to `out`."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tiny_llama(tmp, hidden=128, layers=4, seed=seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok, model = AutoTokenizer.from_pretrained(tmp), AutoModelForCausalLM.from_pretrained(tmp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
-    rng, task, start = random.Random(seed), ArithTask(), time.time()
-    log.info("build_default_model", extra={"steps": steps, "out": str(out)})
-    for _ in tqdm(range(steps), desc="pretraining the default model", unit="step"):
-        pairs = [pretraining_text(rng, task) for _ in range(batch)]
+    rng, start = random.Random(seed), time.time()
+    log.info("pretrain", extra={"model": what, "steps": steps, "out": str(out)})
+    for _ in tqdm(range(steps), desc=f"pretraining {what}", unit="step"):
         ids, labels = [], []
-        for prompt, completion in pairs:
-            p, c = tok(prompt).input_ids, tok(completion).input_ids + [tok.eos_token_id]
-            ids.append(p + c)
-            labels.append([-100] * len(p) + c)  # learn the answers, not the prompts
+        for pieces in (corpus(rng) for _ in range(batch)):
+            x, y = [], []
+            for text, learnt in pieces:
+                piece = [tok.eos_token_id] if text is EOS else tok.encode(text, add_special_tokens=False)
+                x += piece
+                y += piece if learnt else [-100] * len(piece)
+            ids.append(x)
+            labels.append(y)
         width = max(map(len, ids))
         input_ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
         label_t = torch.tensor([x + [-100] * (width - len(x)) for x in labels])

@@ -1,6 +1,6 @@
-"""Prompt sources with reference answers: a fast arithmetic task and GSM8K.
+"""Prompt sources with reference answers: a fast arithmetic task, products for the calculator environment, and GSM8K.
 
-Both use the GSM8K answer format (`#### <number>`) and so the `gsm8k` reward.
+All use the GSM8K answer format (`#### <number>`) and so the `gsm8k` reward.
 """
 
 from __future__ import annotations
@@ -68,6 +68,39 @@ class ArithTask(Task):
         triples = self._split(heldout=True)
         random.Random(0).shuffle(triples)
         return [self.problem(*t) for t in triples[:n]]
+
+
+@TASKS.register("products")
+class ProductsTask(Task):
+    """Products of a 3-digit and a 3- to 4-digit number, `Q: 347*2918\nA:`: beyond what the embedded model can
+    work out in its head, within reach with the calculator environment (bench/episodes.py). One fifth is held out."""
+
+    name = "products"
+    max_new_tokens = 48  # a turn: a calculator call, or the answer
+
+    @staticmethod
+    def problem(a: int, b: int) -> Problem:
+        return Problem(prompt=f"Q: {a}*{b}\nA:", answer=str(a * b))
+
+    @staticmethod
+    def is_heldout(a: int, b: int) -> bool:
+        return zlib.crc32(f"{a}*{b}".encode()) % 5 == 0
+
+    @staticmethod
+    def draw(rng: random.Random, heldout: bool) -> tuple[int, int]:
+        while True:
+            a, b = rng.randint(100, 999), rng.randint(100, 9999)
+            if ProductsTask.is_heldout(a, b) == heldout:
+                return a, b
+
+    def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
+        return [self.problem(*self.draw(rng, heldout=False)) for _ in range(k)]
+
+    def heldout(self, n: int) -> list[Problem]:
+        rng, pairs = random.Random(0), {}
+        while len(pairs) < n:
+            pairs.setdefault(self.draw(rng, heldout=True), None)
+        return [self.problem(*pair) for pair in pairs]
 
 
 @TASKS.register("gsm8k")

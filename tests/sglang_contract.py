@@ -7,7 +7,7 @@ Derived from the adapter's source, so that a new call is checked without editing
     called (`self.llm.loop = ...`, `self.llm.update_weights_from_tensor(...)`): each attribute exists, and a call's
     keywords and number of positional arguments fit the method's signature;
   - the keys of the dict passed as `sampling_params`: parameters of SGLang's SamplingParams.__init__ (or fields);
-  - the string keys read in the adapter's OUTPUT_READER: written into a result by SGLang's tokenizer manager or
+  - the string keys read in the adapter's OUTPUT_READERS: written into a result by SGLang's tokenizer manager or
     finish reasons (a key of that name is written there; its meaning and nesting are not checked);
   - the SGLANG_* environment variables the adapter sets: named in SGLang's source.
 
@@ -32,7 +32,7 @@ ATTRIBUTE_TYPES = {
 KWARGS_TARGETS = {"sglang.srt.entrypoints.engine.Engine": "sglang.srt.server_args.ServerArgs"}
 FORWARDERS = {"call"}  # the adapter's _LoopThread.call(fn, *args, **kwargs) runs fn(*args, **kwargs)
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
-OUTPUT_READER = "_output"  # the adapter's function that reads SGLang's result dicts
+OUTPUT_READERS = ("_output", "_prefill")  # the adapter's functions that read SGLang's result dicts
 OUTPUT_WRITERS = ("sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.schedule_batch")
 
 
@@ -327,7 +327,8 @@ def _check_output_keys(adapter: Adapter, wheel: WheelSource) -> list[str]:
                 written |= {node.slice.value} if isinstance(node.slice, ast.Constant) else set()
     return [
         f"line {line}: the adapter reads {key!r} from SGLang's output, which SGLang never writes"
-        for line, key in adapter.keys_read_in(OUTPUT_READER)
+        for reader in OUTPUT_READERS
+        for line, key in adapter.keys_read_in(reader)
         if key not in written
     ]
 

@@ -26,7 +26,9 @@ async def episodes(req: E.EpisodeRequest, farm=Depends(ingress)):
 
 @router.get("/v1/environments", response_model=E.EnvironmentList)
 async def environments():
-    """Registered environments and what each is."""
+    """Registered environments: what each is, and its params' JSON Schema."""
+    kinds = {n: ENVIRONMENTS.get(n) for n in ENVIRONMENTS.names()}
     return E.EnvironmentList(
-        environments={n: (ENVIRONMENTS.get(n).__doc__ or "").strip() for n in ENVIRONMENTS.names()}
+        environments={n: (k.__doc__ or "").strip() for n, k in kinds.items()},
+        params={n: k.Params.model_json_schema() for n, k in kinds.items()},
     )

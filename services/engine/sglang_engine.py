@@ -23,6 +23,14 @@ weights. This adapter does the same, with its own gate, so that it knows each sa
            keeps old-weight KV); per-token versions (meta_info["weight_versions"]) come only in 0.5.19.
 stage_weights_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
 
+Sessions (keeps_sessions). SGLang has no per-session state to keep: its radix cache holds every prompt's KV by
+prefix (evicted least recently used), and this adapter launches it with the cache on (disable_radix_cache=False,
+the default, said explicitly so that the contract test checks the option still exists). The service routes a session
+to one replica while it is healthy (services/replica/session_routes.py), so a turn's prompt, the session's tokens so
+far, finds its earlier turns cached there. A session's requests carry its id in their rid (`<session>-<n>`), and
+meta_info's prompt_tokens and cached_tokens feed the prefill counters (stats.prefill; on SGLang any prefix hit
+counts, a group's shared prompt too). forget_session has nothing to drop.
+
 Concurrency: the replica awaits agenerate, which awaits async_generate's future without holding a thread, so a
 replica keeps every rollout's calls in flight at once and SGLang's scheduler batches them continuously.
 
@@ -80,6 +88,8 @@ class _LoopThread:
 
 @ENGINES.register("sglang")
 class SGLangEngine(Engine):
+    keeps_sessions = True  # agenerate takes a cache_key; the radix cache keeps the turns (see the module docstring)
+
     def __init__(self, model_path: str, device: str = "cuda", dtype: str = "bfloat16", threads: int | None = None):
         try:
             import sglang
@@ -92,7 +102,7 @@ class SGLangEngine(Engine):
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read by the spawned scheduler: logprobs before temperature
         self.model_path, self.dtype = model_path, getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.llm = sglang.Engine(model_path=model_path, device=device, dtype=dtype)
+        self.llm = sglang.Engine(model_path=model_path, device=device, dtype=dtype, disable_radix_cache=False)
         self.llm.loop = self._loop = _LoopThread()
         self.weight_version, self.generated_tokens = 0, 0
         self._cv = threading.Condition()  # guards the two below
@@ -114,7 +124,11 @@ class SGLangEngine(Engine):
 
     # generation ------------------------------------------------------------
     async def agenerate(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
     ) -> list[EngineOutput]:
         """Awaited on the replica's event loop, holding no thread: the replica keeps every rollout's calls in flight
         at once and SGLang's scheduler batches them continuously. The request itself runs on the engine's loop
@@ -125,7 +139,7 @@ class SGLangEngine(Engine):
             if cancel.is_set():
                 return self._cancelled_before_start(prompts)
             await asyncio.sleep(ADMIT_POLL_S)
-        version, rids = self.weight_version, [uuid.uuid4().hex for _ in prompts]
+        version, rids = self.weight_version, [f"{cache_key or 'call'}-{uuid.uuid4().hex}" for _ in prompts]
         sampling = self._sampling(params)
         try:
             done = self._loop.submit(
@@ -145,15 +159,22 @@ class SGLangEngine(Engine):
         except asyncio.CancelledError:
             self._abort_requests(rids)
             raise
-        outs = [self._output(r, params, version) for r in await result]  # done: no wait
+        results = await result  # done: no wait
+        outs = [self._output(r, params, version) for r in results]
+        for r in results:
+            self.stats.prefill(*self._prefill(r))
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
     ) -> list[EngineOutput]:
         """agenerate, from a thread (the health check)."""
-        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel))
+        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel, cache_key))
 
     def _enter(self) -> bool:
         """Count a call in flight, unless new calls are held back now (paused, or a commit)."""
@@ -190,6 +211,12 @@ class SGLangEngine(Engine):
         if params.regex is not None:  # SGLang's grammar backend (xgrammar/outlines) constrains the whole output
             sampling["regex"] = params.regex
         return sampling
+
+    @staticmethod
+    def _prefill(result: dict) -> tuple[int, int]:
+        """(prompt tokens fed through the model, prompt tokens the radix cache already held)."""
+        meta = result["meta_info"]
+        return meta["prompt_tokens"] - meta["cached_tokens"], meta["cached_tokens"]
 
     @staticmethod
     def _output(result: dict, p: SamplingParams, version: int) -> EngineOutput:

@@ -2,10 +2,11 @@
 
 busy seconds   time with at least one sample generating, since the engine started (1 - its rate: the idle ratio)
 batch sizes    per decode step, the rows (samples) in the batch and the generate calls they belong to
-prefill        prompt tokens fed through the model, and those a session's KV cache saved (torch engine)
+prefill        prompt tokens fed through the model, and those a cache saved: a session's KV cache (torch engine), or
+               any prefix SGLang's radix cache held (its meta_info cached_tokens)
 
-The torch and bench engines count every decode step; the SGLang engine counts busy time only (SGLang's own metrics,
-e.g. sglang:num_running_reqs, report its batches).
+The torch and bench engines count every decode step; the SGLang engine counts busy time and prefill only (SGLang's
+own metrics, e.g. sglang:num_running_reqs, report its batches).
 """
 
 from __future__ import annotations

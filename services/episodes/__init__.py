@@ -27,6 +27,8 @@ An episode of `POST /v1/episodes` (services/api/episodes.py), or of a queue's ep
                      environment, then chat turn (Sessions.chat), step, observation, until done or a limit
   environments.py    the Environment interface (reset, step, close; its Params, tools, tool format), ENVIRONMENTS
   calculator.py      the built-in calculator environment
+  openenv_remote.py  the built-in openenv environment: a remote openenv-core server, one WebSocket session (/ws)
+                     per episode; a turn's text or tool call as the action, the server's reward and done
   episode_groups.py  an episode group as a rollout group: the shared opening as the prompt, loss_mask 0 on
                      observations (the queue and the trainer take it)
 """

@@ -4,7 +4,8 @@ An environment is a small async interface, registered in ENVIRONMENTS (a name, o
 FARM_PLUGINS module):
 
   Params        a pydantic model of the request's `env.params` (a typo is a 422 naming the field)
-  tools         the OpenAI tool definitions the model is shown; tool_format how it writes calls (TOOL_FORMATS)
+  tools         the OpenAI tool definitions the model is shown (a class's, or an instance's set by reset);
+                tool_format how it writes calls (TOOL_FORMATS)
   reset(prompt)             the episode's opening messages
   step(turn)                the model's turn (text, token ids, parsed tool calls) -> Step: the observation messages
                             (tool results, a user's reply), a reward, done, info

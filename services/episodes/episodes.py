@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from services import metrics
 from services import protocol as P
-from services.episodes import calculator  # noqa: F401  (registers the built-in environment)
+from services.episodes import calculator, openenv_remote  # noqa: F401  (register the built-in environments)
 from services.episodes.chat_turns import ContextFull
 from services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
 from services.episodes.episode_groups import as_group
@@ -196,7 +196,7 @@ class EpisodeRun:
                     self.stop_reason = "max_tokens"
                     return
             seed = None if self.seed is None else (self.seed + len(self.rewards)) % 2**63
-            tools = self.kind.tools or None
+            tools = self.env.tools or None  # an instance's own, once reset has set them (openenv's)
             chat = S.SessionChatRequest(messages=messages, tools=tools, max_completion_tokens=budget, seed=seed)
             try:
                 answer = await self.sample_turn(chat)

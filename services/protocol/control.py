@@ -50,9 +50,13 @@ class ReplicaState(BaseModel):
     batch_calls: BatchSizes = Field(
         default_factory=BatchSizes, description="Generate calls sharing the batch, per decode step."
     )
-    prefill_tokens: int = Field(0, description="Prompt tokens fed through the model since start (torch engine).")
+    prefill_tokens: int = Field(
+        0, description="Prompt tokens fed through the model since start (torch and SGLang engines)."
+    )
     session_cache_tokens: int = Field(
-        0, description="Prompt tokens a session's KV cache saved from the prefill since start (torch engine)."
+        0,
+        description="Prompt tokens a cache saved from the prefill since start: a session's KV cache (torch), any "
+        "radix-cache prefix hit (SGLang).",
     )
 
 

@@ -86,3 +86,4 @@ class EpisodeStreamEnd(BaseModel):
 
 class EnvironmentList(BaseModel):
     environments: dict[str, str] = Field(..., description="Name -> what it is.")
+    params: dict[str, dict] = Field(default_factory=dict, description="Name -> the JSON Schema of its env.params.")

@@ -17,11 +17,18 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+MAX_CONNECTIONS = 100  # per ingress replica
+POOL_WAIT_S = 10.0  # a command waits this long for a free connection before it is a ConnectionError (503)
 
-def connect(url: str) -> aioredis.Redis:
-    """An asyncio client that retries a dropped connection briefly (capped backoff) before raising."""
-    return aioredis.Redis.from_url(
+
+def connect(url: str, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
+    """An asyncio client that retries a dropped connection briefly (capped backoff) before raising. Its pool blocks:
+    with every connection in use (a burst of episodes, each a session), a command waits for one instead of failing
+    at once with MaxConnectionsError, as redis-py's default pool does."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=POOL_WAIT_S,
         decode_responses=True,
         socket_connect_timeout=2,
         socket_timeout=10,
@@ -29,6 +36,7 @@ def connect(url: str) -> aioredis.Redis:
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def prefix(app_name: str) -> str:

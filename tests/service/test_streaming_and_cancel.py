@@ -127,7 +127,8 @@ def test_a_retry_after_a_dropped_connection_picks_up_the_running_rollout(service
     before, replayed = _generated(service), replays()
     post_and_drop(service, body)
     r = rollout(service, body, timeout=300)
-    assert r.status_code == 200 and [len(s["token_ids"]) for s in r.json()["groups"][0]["samples"]] == [LONG_TOKENS] * 4
+    assert r.status_code == 200, (r.text, httpx.get(f"{service}/readyz", timeout=30).text)  # what failed, and where
+    assert [len(s["token_ids"]) for s in r.json()["groups"][0]["samples"]] == [LONG_TOKENS] * 4
     assert replays() == replayed + 1  # the retry joined the first job
     assert (
         4 * LONG_TOKENS <= _generated(service) - before < 4 * LONG_TOKENS + 64

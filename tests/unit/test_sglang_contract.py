@@ -160,6 +160,8 @@ def test_the_negative_controls_start_clean(wheel):
             "'max_tokens'",
         ),
         ("def _output(result): return result['meta_info']['output_token_logprob']", "'output_token_logprob'"),
+        ("def _prefill(result): return result['meta_info']['cache_tokens']", "'cache_tokens'"),  # a session's reuse
+        ("sglang.Engine(model_path='m', disable_radix_cach=False)", "ServerArgs has no field 'disable_radix_cach'"),
         ("os.environ['SGLANG_RETURN_ORIGINAL_LOGPROBS'] = '1'", "$SGLANG_RETURN_ORIGINAL_LOGPROBS"),
     ],
 )
