@@ -18,7 +18,7 @@ Each (arm, seed) run writes docs/data/episodes/<arm>-seed<k>.json (and the model
 finished file is skipped on a re-run (--force runs it again). --report rebuilds docs/results.md's section between
 its markers from the files alone (scipy: `pip install -c requirements.lock -e '.[bench]'`).
 
-    .venv/bin/python bench/episodes.py            # about 30 min on 2 cores; resumable
+    .venv/bin/python bench/episodes.py            # about 40 min on 2 cores; resumable
     .venv/bin/python bench/episodes.py --report   # seconds
 """
 
@@ -312,7 +312,7 @@ def replace_section(text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--seeds", type=int, default=4, help="seeds 0 .. N-1 (trainer.seed)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (trainer.seed)")
     ap.add_argument("--eval-size", type=int, default=200, help="held-out products scored greedily")
     ap.add_argument("--data-dir", type=Path, default=DATA)
     ap.add_argument("--force", action="store_true", help="run again the runs that have a file")

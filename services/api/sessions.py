@@ -7,9 +7,11 @@ from fastapi import APIRouter, Depends, Request
 
 from services import protocol as P
 from services.api.deps import ingress
+from services.api.openai import answer
 from services.protocol import sessions as S
 
 ERRORS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)}
+STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 router = APIRouter(tags=["sessions"])
 admin = APIRouter(tags=["sessions"])  # needs the token
 
@@ -37,12 +39,12 @@ async def session_generate(session_id: str, req: S.SessionGenerate, farm=Depends
     return await farm.sessions.generate(session_id, req)
 
 
-@router.post("/v1/sessions/{session_id}/chat/completions", responses=ERRORS)
-async def session_chat(session_id: str, req: S.SessionChatRequest, farm=Depends(ingress)) -> dict:
+@router.post("/v1/sessions/{session_id}/chat/completions", responses={**ERRORS, **STREAMED})
+async def session_chat(session_id: str, req: S.SessionChatRequest, farm=Depends(ingress)):
     """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
     verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
-    base URL."""
-    return await farm.sessions.chat(session_id, req)
+    base URL; `stream` answers in server-sent events."""
+    return answer(await farm.sessions.chat(session_id, req), req)
 
 
 @router.post("/v1/sessions/{session_id}/reward", response_model=S.SessionInfo, responses=ERRORS)

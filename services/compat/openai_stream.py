@@ -1,7 +1,7 @@
 """OpenAI's streaming answer: server-sent events in its chunk format, ending with `data: [DONE]`.
 
 Each choice is sent whole, once its samples finish (the engines return whole samples): a chunk with the text (and
-logprobs), then a chunk with its finish_reason. With stream_options.include_usage, every chunk carries
+logprobs; a session's turn also its tool_calls and the farm's token ids), then a chunk with its finish_reason. With stream_options.include_usage, every chunk carries
 `"usage": null` and one last chunk has no choices and the usage block.
 """
 
@@ -25,12 +25,15 @@ def chunks(answer: dict, include_usage: bool) -> list[dict]:
     for c in answer["choices"]:
         if chat:
             delta = {"role": "assistant", "content": c["message"]["content"]}
+            if c["message"].get("tool_calls"):  # a session's turn: each call whole, numbered as streams number them
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c["message"]["tool_calls"])]
             body = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
             end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
         else:
             body = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
             end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
-        out += [{**head, "choices": [body], **extra}, {**head, "choices": [end], **extra}]
+        farm = {"farm": answer["farm"]} if "farm" in answer else {}  # a session's token ids, on the content chunk
+        out += [{**head, "choices": [body], **extra, **farm}, {**head, "choices": [end], **extra}]
     if include_usage:
         out.append({**head, "choices": [], "usage": answer["usage"]})
     return out

@@ -69,7 +69,10 @@ def fitted(params: P.SamplingParams, room: int) -> P.SamplingParams:
 
 
 def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice) -> ParsedTurn:
-    """The sampled text's calls, unless tool_choice is none (then the text is all content)."""
+    """The sampled text's calls, unless tool_choice is none (then the text is all content). A NUL the model sampled
+    is shown as U+FFFD, as undecodable bytes are: no request may carry a NUL, and a client sends this text back in
+    its history (the session keeps the sampled ids themselves, whatever the text)."""
+    text = text.replace("\x00", "\ufffd")
     return ParsedTurn(text.strip()) if tool_choice == "none" else fmt.parse(text, turn)
 
 

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from services.episodes.tool_schemas import NAME
 from services.registry import Registry
 
 
@@ -76,6 +77,8 @@ def checked(name, arguments) -> tuple[str, str] | str:
     text of one (as OpenAI sends them)."""
     if not isinstance(name, str) or not name:
         return 'no "name": a call is {"name": "...", "arguments": {...}}'
+    if not NAME.match(name):
+        return f"the name {name[:80]!r} is no function name (1-64 letters, digits, '_' or '-')"
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)

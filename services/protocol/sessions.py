@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from services.protocol.common import (
     MAX_NEW_TOKENS,
@@ -23,7 +23,7 @@ from services.protocol.common import (
     Text,
     TokenId,
 )
-from services.protocol.openai import TextPart
+from services.protocol.openai import StreamOptions, TextPart
 from services.protocol.rollouts import SamplerSpec
 
 MAX_SESSION_TTL_S = 7 * 86400
@@ -144,6 +144,12 @@ class ToolCallIn(RequestModel):
     id: Text
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(
+        None,
+        ge=0,
+        description="The call's number in a streamed answer, as clients that accumulate chunks send it back: it must "
+        "be the call's position in tool_calls (it is not part of the history).",
+    )
 
 
 class SessionMessage(RequestModel):
@@ -152,6 +158,13 @@ class SessionMessage(RequestModel):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant turn's calls, as the farm gave them.")
     tool_call_id: Text | None = Field(None, description="The call a tool message answers.")
+
+    @model_validator(mode="after")
+    def calls_numbered_in_order(self) -> SessionMessage:
+        for i, call in enumerate(self.tool_calls or []):
+            if call.index not in (None, i):
+                raise ValueError(f"tool_calls.{i}.index is {call.index}: a call's index is its position ({i})")
+        return self
 
     def as_chat(self) -> dict:
         """The message as a chat template takes it (developer as system, text parts joined)."""
@@ -162,7 +175,7 @@ class SessionMessage(RequestModel):
         )
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["tool_calls"] = [c.model_dump(exclude={"index"}) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -180,8 +193,8 @@ class NamedToolChoice(RequestModel):
 
 
 class SessionChatRequest(RequestModel):
-    """POST /v1/sessions/{id}/chat/completions: OpenAI chat with tools, on the session's tokens. One choice, no
-    streaming; other OpenAI fields are refused with a 422 naming them."""
+    """POST /v1/sessions/{id}/chat/completions: OpenAI chat with tools, on the session's tokens. One choice; other
+    OpenAI fields are refused with a 422 naming them."""
 
     model: Text | None = Field(None, description="Any name: the service serves one policy.")
     messages: list[SessionMessage] = Field(..., min_length=1, description="The whole history, as OpenAI takes it.")
@@ -199,7 +212,12 @@ class SessionChatRequest(RequestModel):
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
     seed: Int64 | None = Field(None, ge=0)
     logprobs: bool = Field(False, description="Return each sampled token's logprob.")
-    stream: Literal[False] = Field(False, description="Not on a session: its turns are whole.")
+    stream: bool = Field(
+        False,
+        description="Server-sent events in OpenAI's chunk format: the turn is sampled whole, so one chunk carries its "
+        "content and tool_calls (each with its index), the next its finish_reason, then [DONE].",
+    )
+    stream_options: StreamOptions | None = Field(None, description="include_usage: a last chunk with the usage.")
     parallel_tool_calls: Literal[True] | None = Field(
         None,
         description="true or unset: every call a turn makes is read (false is refused: no parser can stop a model "

@@ -86,6 +86,37 @@ def test_an_openai_sdk_tool_loop_runs_on_the_session_url(bench_service):
     assert sum(seg["loss_mask"]) == sum(len(t.encode()) for t in said)  # the two sampled turns, nothing else
 
 
+def test_a_streaming_agent_gets_its_turn_in_chunks_and_sends_its_calls_back_with_their_index(bench_service):
+    """Clients that stream (the SDK's stream=True; verifiers' relay always streams) get the turn as server-sent
+    events, and accumulate tool calls that carry their `index`, which they send back: the next turn appends to the
+    same segment, no fork; an index that is not the call's position is refused."""
+    s = opened(bench_service)
+    sid, client = s["session_id"], OpenAI(base_url=s["base_url"], api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": f"What is 37*48? say:‹{call_text('37*48')}›"}]
+    chunks = list(
+        client.chat.completions.create(
+            model="farm", messages=messages, tools=[CALC], stream=True, stream_options={"include_usage": True}
+        )
+    )
+    calls = [c for chunk in chunks for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    finished = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert finished == ["tool_calls"] and [(c.index, c.function.name) for c in calls] == [(0, "calculator")]
+    assert json.loads(calls[0].function.arguments) == {"expression": "37*48"}
+    assert chunks[-1].usage.completion_tokens == len(call_text("37*48").encode())  # the byte model: a token a byte
+    retried = chat(bench_service, sid, {"messages": messages, "tools": [CALC]}).json()  # the same turn, not streamed
+    assert retried["choices"][0]["message"]["tool_calls"][0]["id"] == calls[0].id
+    sent = {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump(exclude_none=True)]}
+    assert sent["tool_calls"][0]["index"] == 0
+    answer = {"role": "tool", "tool_call_id": calls[0].id, "content": "1776 say:‹It is 1776.›"}
+    wrong = {**sent, "tool_calls": [{**sent["tool_calls"][0], "index": 1}]}
+    r = chat(bench_service, sid, {"messages": [*messages, wrong, answer], "tools": [CALC]})
+    assert r.status_code == 422 and "index" in r.text, r.text
+    r = chat(bench_service, sid, {"messages": [*messages, sent, answer], "tools": [CALC]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "It is 1776.", r.text
+    (segment,) = trajectory(bench_service, sid)["segments"]  # appended: the index is not part of the history
+    assert sum(segment["loss_mask"]) == len(call_text("37*48").encode()) + len(b"It is 1776.")
+
+
 def scripted_episode(bench: str, seed: int, tool_format: str = "hermes") -> dict:
     """One tool episode of 2 to 8 turns with random tool results and, now and then, a malformed call; returns what
     the client saw, to check against the stored trajectory."""
@@ -229,7 +260,7 @@ def test_chat_turns_on_a_real_model_keep_exact_tokens_retry_and_fork(service):
         ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "stream_options": {"include_usage": "sometimes"}}, "stream_options"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )

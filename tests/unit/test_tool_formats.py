@@ -34,6 +34,8 @@ def test_hermes_reads_each_block_and_leaves_the_rest_as_content():
         ('<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>', "not JSON"),
         ('<tool_call>["f"]</tool_call>', "not an object"),
         ('<tool_call>{"name": "f", "arguments": {}}', "without its </tool_call>"),
+        ('<tool_call>{"name": "calcula\\u0000or", "arguments": {}}</tool_call>', "no function name"),  # sampled
+        ('<tool_call>{"name": "two words", "arguments": {}}</tool_call>', "no function name"),
     ],
 )
 def test_a_malformed_hermes_call_is_no_call_and_says_why(block, reason):
@@ -91,3 +93,13 @@ def test_tool_definitions_are_checked_as_json_schema_naming_the_field():
         "tools[6].function.parameters",
     ]
     assert "not a valid JSON Schema" in tool_problems([bad[2]])[0]["message"]
+
+
+def test_a_sampled_nul_reads_as_a_replacement_character_and_makes_no_call():
+    """A byte-level model can sample a NUL byte: the turn's text shows it as U+FFFD (no request may carry a NUL, and
+    a client sends the text back), and a call name holding it is malformed, not a call of an unknown tool."""
+    from services.episodes.chat_turns import parsed_turn
+
+    got = parsed_turn(Plain(), 'ok\x00\ncall calcula\x00or {"expression":"1+1"}', 0, "auto")
+    assert got.calls == [] and len(got.malformed) == 1 and "no function name" in got.malformed[0]
+    assert "\x00" not in got.content and got.content == 'ok\ufffd\ncall calcula\ufffdor {"expression":"1+1"}'
