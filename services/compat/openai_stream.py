@@ -1,8 +1,9 @@
 """OpenAI's streaming answer: server-sent events in its chunk format, ending with `data: [DONE]`.
 
 Each choice is sent whole, once its samples finish (the engines return whole samples): a chunk with the text (and
-logprobs; a session's turn also its tool_calls and the farm's token ids), then a chunk with its finish_reason. With stream_options.include_usage, every chunk carries
-`"usage": null` and one last chunk has no choices and the usage block.
+logprobs; a session's turn also its tool_calls and the farm's token ids), then a chunk with its finish_reason.
+With stream_options.include_usage, every chunk carries `"usage": null` and one last chunk has no choices and the
+usage block.
 """
 
 from __future__ import annotations

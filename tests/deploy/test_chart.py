@@ -34,8 +34,23 @@ from tests.deploy.chart_render import (
     validate_core,
 )
 from tests.deploy.farm_env import assert_known_farm_vars
+from tests.deploy.kuberay_validation import rayservice_error
 
 MONITORING = {k: {"enabled": True} for k in ("serviceMonitor", "podMonitor", "prometheusRule", "dashboard")}
+# The GPU installs of docs/deploy.md and the chart README (token Secret, in-chart Redis: BASE's token and Redis URL
+# emptied), as a values file gives them: `--set gpu.perReplica=0.5` gives the string "0.5", which the schema refuses.
+README_GPU_INSTALL = {
+    "token": {"value": "", "existingSecret": "farm-token"},
+    "gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5},
+    "dtype": "bfloat16",
+    "replicas": 2,
+    "autoscaling": {"enabled": True, "maxReplicas": 16},
+    "worker": {"maxReplicas": 4},
+    "redis": {"url": "", "inChart": {"enabled": True}},
+    "gcsFaultTolerance": {"enabled": True},
+    "monitoring": MONITORING,
+}
+DOCS_GPU_INSTALL = README_GPU_INSTALL | {"engine": "sglang", "model": "/data/models/Qwen2.5-0.5B-Instruct"}
 VALUE_SETS = {
     "default": {},
     "gpu-workers": {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5}, "dtype": "bfloat16"},
@@ -51,6 +66,8 @@ VALUE_SETS = {
     "monitoring": {"monitoring": MONITORING, "trainer": {"enabled": True}},
     "redis-gcs-ft": {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}},
     "haproxy": {"serve": {"httpProxy": "haproxy"}},
+    "docs-gpu-install": DOCS_GPU_INSTALL,
+    "readme-gpu-install": README_GPU_INSTALL,
 }
 VALUES = {name: merged(BASE, v) for name, v in VALUE_SETS.items()}
 RENDERED = {name: render(v) for name, v in VALUES.items()}
@@ -83,6 +100,12 @@ def test_custom_resources_match_their_crds():
         assert docs, kind
         result = check_jsonschema(schema, docs)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_kuberay_accepts_the_rayservice(name):
+    """The semantic checks of the pinned KubeRay operator (kuberay_validation.py), beyond its CRD schema."""
+    assert rayservice_error(rayservice(name)) is None
 
 
 WORKER_CONTAINER = ("spec", "rayClusterConfig", "workerGroupSpecs", 0, "template", "spec", "containers", 0)
@@ -179,6 +202,7 @@ def test_autoscaling():
     cluster = rayservice("autoscaling")["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
     assert cluster["autoscalerOptions"]["upscalingMode"] == "Default"
+    assert cluster["autoscalerOptions"]["version"] == "v2"  # KubeRay >= 1.6 needs it for the group's idle timeout
     group = cluster["workerGroupSpecs"][0]
     assert (group["minReplicas"], group["maxReplicas"]) == (1, 6)
     farm = env(containers("autoscaling")["worker"])
