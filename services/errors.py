@@ -161,6 +161,11 @@ class EngineVerbMissing(NotImplementedError):
         return cls(f"the {type(engine).__name__} engine has no {verb}: {instead}")
 
 
+def described(e: BaseException) -> str:
+    """`Type: message` for a log line (redis-py's repr() of its errors leaves the message out)."""
+    return f"{type(e).__name__}: {e}"[:500]
+
+
 def replica_gone(e: BaseException) -> bool:
     """Whether `e` says the replica itself is gone (dead, unreachable, none running), not that its method failed."""
     return isinstance(e, (RayActorError, DeploymentUnavailableError)) and not isinstance(e, RayTaskError)

@@ -89,7 +89,7 @@ class Ingress:
         try:
             answers = await peers.broadcast("local_metrics").results_async(timeout_s=5, return_exceptions=True)
         except Exception as e:
-            log.warning("ingress_metrics_partial", extra={"error": repr(e)})
+            log.warning("ingress_metrics_partial", extra={"error": errors.described(e)})
             answers = []
         return me, {**dict(a for a in answers if isinstance(a, tuple)), me: text}
 
@@ -109,5 +109,5 @@ class Ingress:
                 failing = False
             except errors.STATE_ERRORS as e:
                 if not failing:
-                    log.warning("state_unreachable", extra={"error": repr(e)})
+                    log.warning("state_unreachable", extra={"error": errors.described(e)})
                 failing = True

@@ -15,6 +15,7 @@ from redis.exceptions import WatchError
 
 from services import metrics
 from services import protocol as P
+from services.errors import described
 from services.protocol import episodes as E
 from services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
 from services.tasks import TASKS
@@ -44,7 +45,7 @@ class QueueGeneration:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away: try again
-                log.warning("queue_supervise_failed", extra={"error": repr(e)})
+                log.warning("queue_supervise_failed", extra={"error": described(e)})
             await asyncio.sleep(SUPERVISE_S)
 
     async def _recover(self, k: Keys) -> None:
@@ -83,7 +84,7 @@ class QueueGeneration:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("queue_owner_stopped", extra={"source": name, "error": repr(e)})
+            log.warning("queue_owner_stopped", extra={"source": name, "error": described(e)})
         finally:
             keepalive.cancel()
             await asyncio.shield(self._let_go(k))

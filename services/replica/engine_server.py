@@ -26,7 +26,7 @@ from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
 from services.engine.base import cancellable
 from services.episodes import chat_delta
-from services.errors import Invalid, Unavailable, VersionNotReached
+from services.errors import Invalid, Unavailable, VersionNotReached, described
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
 from services.replica.overload import Full
@@ -93,7 +93,7 @@ class EngineServer:
             try:
                 await self.catch_up(0)
             except Exception as e:  # the store is being recreated, or the weights cannot be loaded: say so, retry
-                log.warning("catch_up_failed", extra={"error": repr(e)})
+                log.warning("catch_up_failed", extra={"error": described(e)})
 
     def _on_engine_thread(self, fn, *args):
         """A blocking engine verb (scoring, health) on the engine's one thread (Engine.engine_thread)."""

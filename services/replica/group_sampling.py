@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from services import protocol as P
 from services import rewards
 from services.engine import EngineOutput
+from services.errors import described
 from services.replica.seeds import round_params
 from services.samplers import Sampler
 
@@ -92,7 +93,7 @@ def to_sample(
     try:
         r = float(rewards.REWARDS.get(reward)(text, prompt.ground_truth)) if reward else 0.0
     except Exception as e:
-        log.warning("reward_failed", extra={"reward": reward, "error": repr(e)})
+        log.warning("reward_failed", extra={"reward": reward, "error": described(e)})
         reason = "error"
     if log_ratio and o.sampling_logprobs is not None:  # log p/q of the sample: raw policy over the distribution sampled
         meta = {**meta, "log_ratio": sum(o.logprobs) - sum(o.sampling_logprobs)}

@@ -28,7 +28,7 @@ from redis.exceptions import WatchError
 
 from services import metrics
 from services import protocol as P
-from services.errors import Conflict, RolloutCancelled, ServiceError, as_service_error
+from services.errors import Conflict, RolloutCancelled, ServiceError, as_service_error, described
 from services.settings import ServiceSettings
 from services.state.redis_client import Owner
 
@@ -175,7 +175,7 @@ class RolloutJobs:
                 pipe.delete(f"{key}:owner", f"{key}:cancel")
                 await pipe.execute()
         except Exception as e:  # Redis away: the record's owner lapses, and a replay runs the request again
-            log.warning("rollout_record_failed", extra={"request_id": request_id, "error": repr(e)})
+            log.warning("rollout_record_failed", extra={"request_id": request_id, "error": described(e)})
         finally:
             if self.jobs.get(request_id) is job:
                 del self.jobs[request_id]
@@ -193,7 +193,7 @@ class RolloutJobs:
                     if await self.r.exists(f"{key}:cancel"):
                         self.cancel_here(request_id)
                 except Exception as e:
-                    log.warning("rollout_heartbeat_failed", extra={"request_id": request_id, "error": repr(e)})
+                    log.warning("rollout_heartbeat_failed", extra={"request_id": request_id, "error": described(e)})
 
     def cancel_here(self, request_id: str) -> bool:
         job = self.jobs.get(request_id)

@@ -14,8 +14,8 @@ import uuid
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry  # not redis.retry's: on an asyncio client that one retries nothing
 from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 MAX_CONNECTIONS = 1024  # per ingress replica; made as needed (redis-server takes 10,000 clients by default)
 
