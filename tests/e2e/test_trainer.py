@@ -244,13 +244,17 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(service, tiny_model, 
     )
     env = {**os.environ, "FARM_API_TOKEN": TOKEN}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (tmp_path / "checkpoints" / "step_3").exists():
+    deadline, pointer = time.monotonic() + 300, tmp_path / "checkpoints" / "latest"
+
+    def latest_step() -> int:  # `latest` names a checkpoint once it is whole (its folder is renamed in first)
+        return int(pointer.read_text().split("_")[1]) if pointer.exists() else 0
+
+    while latest_step() < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "the trainer ended before its third checkpoint"
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = int((tmp_path / "checkpoints" / "latest").read_text().split("_")[1])
+    killed_at = latest_step()
     assert 3 <= killed_at < 8 and not (tmp_path / "summary.json").exists()
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
