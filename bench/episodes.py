@@ -18,7 +18,7 @@ Each (arm, seed) run writes docs/data/episodes/<arm>-seed<k>.json (and the model
 finished file is skipped on a re-run (--force runs it again). --report rebuilds docs/results.md's section between
 its markers from the files alone (scipy: `pip install -c requirements.lock -e '.[bench]'`).
 
-    .venv/bin/python bench/episodes.py            # about 40 min on 2 cores; resumable
+    .venv/bin/python bench/episodes.py            # about 20 min on 2 cores; resumable
     .venv/bin/python bench/episodes.py --report   # seconds
 """
 
@@ -40,6 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, TOKEN, log, machine, start_service, stop_service  # noqa: E402
 from services import protocol as P  # noqa: E402
 from services.client import FarmClient  # noqa: E402
+from services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
+from services.episodes.chat_delta import opening, turn_context  # noqa: E402
+from services.episodes.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
 from services.models import CACHE, EOS, Piece, byte_tokenizer, default_corpus, pretrain  # noqa: E402
 from services.protocol import episodes as E  # noqa: E402
 from services.tasks import ArithTask, ProductsTask  # noqa: E402
@@ -67,13 +70,7 @@ class ToolCorpus:
     the episode's context rendered by the session's own code."""
 
     def __init__(self):
-        from services.episodes.calculator import CALCULATOR_TOOL, Calculator
-        from services.episodes.chat_delta import opening, turn_context
-        from services.episodes.tool_formats import TOOL_FORMATS, ToolCall
-
-        self.tok, self.tools = byte_tokenizer(), [CALCULATOR_TOOL]
-        self.opening, self.turn_context, self.answer = opening, turn_context, Calculator.answer
-        self.format, self.ToolCall = TOOL_FORMATS.get("plain")(), ToolCall
+        self.tok, self.tools, self.format = byte_tokenizer(), [CALCULATOR_TOOL], TOOL_FORMATS.get("plain")()
         self.arith, self.products = ArithTask(), ProductsTask()
 
     def text(self, ids: list[int]) -> str:
@@ -81,13 +78,13 @@ class ToolCorpus:
 
     def episode(self, prompt: str, expression: str) -> list[Piece]:
         """A calculator episode as the farm holds it: the opening, the call, the observation, the answer."""
-        first = self.opening(self.tok, [{"role": "user", "content": prompt}], self.tools)
-        call = self.ToolCall("call_0_0", "calculator", json.dumps({"expression": expression}))
-        result = self.answer(call)
+        first = opening(self.tok, [{"role": "user", "content": prompt}], self.tools)
+        call = ToolCall("call_0_0", "calculator", json.dumps({"expression": expression}))
+        result = Calculator.answer(call)
         sampled = " " + self.format.render_call("calculator", {"expression": expression})
         held = self.tok.encode(prompt + sampled, add_special_tokens=False) + [self.tok.eos_token_id]
         observation = [{"role": "tool", "tool_call_id": call.id, "content": result}]
-        context = self.turn_context(self.tok, held, True, observation, self.tools, False)
+        context = turn_context(self.tok, held, True, observation, self.tools, False)
         return [
             (self.text(first.messages + first.prompt), False),
             (sampled, True),
