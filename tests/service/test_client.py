@@ -13,6 +13,7 @@ from services import client as farm_client
 from services import protocol as P
 from services.client import AsyncFarmClient, FarmClient, FarmError
 from tests.conftest import TOKEN
+from tests.service.helpers import replicas, wait_until
 from trainer import cli
 
 
@@ -104,6 +105,16 @@ LONG_TOKENS = 4000  # a rollout the cancel reaches first, whichever ingress repl
 # next heartbeat, within a second; 16 samples of 400 tokens can finish sooner on the tiny model)
 
 
+def wait_for_idle_engines(service: str) -> None:
+    """Until no replica runs or holds a rollout: the tests before may leave parts still winding down (a cancelled
+    part frees its rows at the next decode step; a part waiting for a weight version, at its deadline)."""
+    wait_until(
+        lambda: all(s["rollouts_running"] == s["rollouts_waiting"] == 0 for s in replicas(service)),
+        "the engine replicas idle (a rollout part never ended)",
+        timeout_s=60,
+    )
+
+
 def cancel_when_running(client: FarmClient, request_id: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not client.cancel(request_id).cancelled:
@@ -141,7 +152,7 @@ def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
         request_id="stream-to-cancel",
         sampling_params=P.SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True),
     )
-    # c waits out a 429 (the engines freeing the rows the test before cancelled); the stream starts once admitted
+    wait_for_idle_engines(service)  # its 4 parts fill both replicas' slots: a part left over would get it a 429
     with FarmClient(service, TOKEN, retries=5) as c, FarmClient(service, TOKEN, retries=0) as other:
         canceller = threading.Thread(target=cancel_when_running, args=(other, "stream-to-cancel"))
         canceller.start()
