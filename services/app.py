@@ -57,8 +57,12 @@ def build_app(settings: ServiceSettings):
             "only `farm serve` starts an embedded one"
         )
     engine_class(settings)
+    pinned = {"resources": {settings.control_resource: 1}} if settings.control_resource else {}
     store = DeploymentActorConfig(
-        name="weights", actor_class=WeightStore, init_args=(settings.redis_url, prefix(settings.app_name))
+        name="weights",
+        actor_class=WeightStore,
+        init_args=(settings.redis_url, prefix(settings.app_name), settings.uploads_dir),
+        actor_options={"num_cpus": 0, **pinned},
     )
     engine = serve.deployment(
         EngineServer,
@@ -74,6 +78,6 @@ def build_app(settings: ServiceSettings):
         name="ingress",
         num_replicas=settings.ingress_replicas,
         max_ongoing_requests=settings.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **pinned},
     )
     return ingress.bind(engine.bind(settings), settings)

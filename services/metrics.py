@@ -181,7 +181,7 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
     busy = Gauge(
         "farm_replica_busy_seconds",
         "Seconds each replica's engine had at least one sample generating, since it started (read at scrape time; "
-        "rollout idle ratio: 1 - rate(farm_replica_busy_seconds[5m]))",
+        "rollout idle ratio: 1 - deriv(farm_replica_busy_seconds[5m]), a gauge)",
         ["replica"],
         registry=scrape,
     )

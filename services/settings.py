@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAKE_TOKEN = "export FARM_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -20,6 +20,11 @@ class ServiceSettings(BaseSettings):
 
     model: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny' for the embedded default.")
     api_token: SecretStr = Field(..., min_length=8, description="Bearer token for mutating endpoints (FARM_API_TOKEN).")
+    require_token_for_generation: bool = Field(
+        False,
+        description="The routes that generate (rollouts, OpenAI, SGLang's /generate, sessions, episodes) need the "
+        "bearer token too: for a shared cluster (the Helm chart turns it on). Off: open, as for local use.",
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
     http_proxy: Literal["serve", "haproxy"] = Field(
@@ -79,6 +84,12 @@ class ServiceSettings(BaseSettings):
         "used first out); a session routed elsewhere re-prefills once.",
     )
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
+    control_resource: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="A custom Ray resource that each ingress replica and the weight store ask one unit of, to keep "
+        "them on the nodes that offer it (the Helm chart's head offers farm_head), never on a GPU worker.",
+    )
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica.")
     engine_num_gpus: float | None = Field(
         None,
@@ -88,6 +99,20 @@ class ServiceSettings(BaseSettings):
     )
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads per replica; default: all cores / replicas."
+    )
+    sglang_mem_fraction_static: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="SGLang's mem_fraction_static: the share of the GPU memory free at its start that an engine takes "
+        "for weights and KV cache; default: 0.9 x FARM_ENGINE_NUM_GPUS when engines share a GPU (below 1), so "
+        "that the next engine on it still fits; else SGLang's own default.",
+    )
+    sglang_tp_size: int | None = Field(
+        None,
+        ge=1,
+        description="SGLang's tensor parallelism per engine; default: FARM_ENGINE_NUM_GPUS when it is 1 or more "
+        "(a whole number: each engine uses all the GPUs it reserves).",
     )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
     dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
@@ -110,6 +135,12 @@ class ServiceSettings(BaseSettings):
         60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed."
     )
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
+    uploads_dir: str | None = Field(
+        None,
+        description="If set, each weight upload is written under it (one folder per push, the older ones deleted) "
+        "before it is committed, so a new cluster on the same Redis (an upgrade, a restart of Ray) loads the trained "
+        "weights; unset, an upload lives in Ray's object store only. Put it on storage every node shares.",
+    )
     log_level: Annotated[str, BeforeValidator(str.upper)] = Field(
         "INFO",
         pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
@@ -139,6 +170,37 @@ class ServiceSettings(BaseSettings):
     idempotency_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished rollout's result is kept for request_id replays."
     )
+
+    @model_validator(mode="after")
+    def _gpu_share_fits_sglang(self) -> ServiceSettings:
+        if self.engine != "sglang":
+            return self
+        share = self.gpus_per_engine
+        if share > 1 and share != int(share):
+            raise ValueError(
+                f"FARM_ENGINE_NUM_GPUS={share}: an SGLang engine above one GPU shards the model over whole GPUs "
+                f"(tensor parallelism): set it to {int(share)} or {int(share) + 1}"
+            )
+        if self.sglang_tp_size is not None and share >= 1 and self.sglang_tp_size != share:
+            raise ValueError(
+                f"FARM_SGLANG_TP_SIZE={self.sglang_tp_size} differs from FARM_ENGINE_NUM_GPUS={share}: each engine "
+                f"reserves {share} GPUs from Ray; set both to the same number"
+            )
+        if self.sglang_tp_size not in (None, 1) and share < 1:
+            raise ValueError(
+                f"FARM_SGLANG_TP_SIZE={self.sglang_tp_size} needs that many whole GPUs per engine, but "
+                f"FARM_ENGINE_NUM_GPUS={share}: set FARM_ENGINE_NUM_GPUS={self.sglang_tp_size}"
+            )
+        return self
+
+    @property
+    def sglang_parallelism(self) -> tuple[float | None, int]:
+        """(mem_fraction_static, tp_size) for each SGLang engine, from the GPU share unless set."""
+        share = self.gpus_per_engine
+        fraction = self.sglang_mem_fraction_static
+        if fraction is None and share < 1:
+            fraction = round(0.9 * share, 3)
+        return fraction, self.sglang_tp_size or max(1, int(share))
 
     @property
     def gpus_per_engine(self) -> float:

@@ -9,26 +9,56 @@ The body is always `{"error": "...", "detail": [{"field": "...", "message": "...
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from services import protocol as P
 from services.errors import (
     SERVE_ERRORS,
     STATE_ERRORS,
+    ClientGone,
     EngineVerbMissing,
+    NotSupported,
     ServiceError,
     Unavailable,
     as_service_error,
+    described,
 )
 from services.replica.overload import RateLimitedWarning
 
 log = logging.getLogger("farm.service")
-unavailable = RateLimitedWarning(log)  # a 503 (not ready, a replica restarting) is a state, polled: one line per path
+# a 503 (not ready, a replica restarting) is a state, polled, and a 501 a lasting answer: one line per path and 5 s
+unavailable = RateLimitedWarning(log)
+
+
+@contextlib.contextmanager
+def refusal_logged(transport: str, version: int | str | None):
+    """Around a weight push: a refusal (4xx: weights the model or an engine refuses, a cut or oversized upload, a
+    stale version) logs one WARNING line, with the reasons; the replicas return theirs without a traceback
+    (EngineServer.stage). Anything else goes on to the handlers."""
+    try:
+        yield
+    except ServiceError as e:
+        if e.status < 500:
+            reasons = [f"{d.get('field')}: {d.get('message')}" for d in e.detail]
+            log.warning(
+                "weight_push_refused",
+                extra={
+                    "transport": transport,
+                    "version": version,
+                    "status": e.status,
+                    "error": e.message,
+                    "reasons": reasons,
+                },
+            )
+        raise
 
 
 def response(error: ServiceError) -> JSONResponse:
@@ -38,19 +68,30 @@ def response(error: ServiceError) -> JSONResponse:
 
 
 def install(api: FastAPI) -> None:
-    """Register the handlers. Expected errors are handled without a traceback (a 503 logs a rate-limited warning);
-    anything else is a logged 500."""
+    """Register the handlers. Expected errors are handled without a traceback (a 503 or a 501 logs a rate-limited
+    warning; a cut request body and a request model's missing check one warning line each); anything else is a logged
+    500."""
 
     async def expected(request: Request, exc: Exception) -> JSONResponse:
-        error = as_service_error(exc)
+        error, path = as_service_error(exc), request.url.path
         if isinstance(error, Unavailable):
-            path = request.url.path
             unavailable("request_unavailable", path, path=path, status=error.status, error=error.message)
+        elif isinstance(error, NotSupported):  # documented (the torch engine's NCCL verbs): a line, not an error
+            unavailable("request_not_supported", f"501 {path}", path=path, status=error.status, error=error.message)
+        elif isinstance(error, ClientGone):  # a cut upload: the client went away, nothing was changed
+            log.warning("request_cut", extra={"path": path, "error": error.message})
+        elif isinstance(exc, ValidationError) and error.status == 422:  # a check missing from a request model
+            log.warning("request_model_gap", extra={"path": path, "model": exc.title, "error": described(exc)})
         elif error.status >= 500:
-            log.error("request_failed", extra={"path": request.url.path, "status": error.status, "error": repr(exc)})
+            log.error(
+                "request_failed",
+                extra={"path": path, "status": error.status, "error": repr(exc)},
+                exc_info=exc if isinstance(exc, ValidationError) else None,  # a server bug: where it was raised
+            )
         return response(error)  # without Starlette's Allow on a 405: it names the first matching route's methods only
 
-    for kind in (ServiceError, EngineVerbMissing, RequestValidationError, HTTPException, *SERVE_ERRORS, *STATE_ERRORS):
+    kinds = (ServiceError, EngineVerbMissing, RequestValidationError, ValidationError, ClientDisconnect, HTTPException)
+    for kind in (*kinds, *SERVE_ERRORS, *STATE_ERRORS):
         api.add_exception_handler(kind, expected)
 
     @api.exception_handler(Exception)

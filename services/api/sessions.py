@@ -70,6 +70,6 @@ async def list_sessions(farm=Depends(ingress)):
     return await farm.sessions.list()
 
 
-@admin.delete("/v1/sessions/{session_id}")
+@admin.delete("/v1/sessions/{session_id}", responses={404: {"model": P.ErrorResponse}})
 async def delete_session(session_id: str, farm=Depends(ingress)) -> dict:
     return await farm.sessions.delete(session_id)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
 from services.api.deps import ingress
+from services.api.errors import refusal_logged
 from services.compat.sglang_native import sse
 from services.protocol import ErrorResponse
 from services.protocol import sglang_native as S
@@ -14,10 +15,11 @@ from services.protocol import sglang_native as S
 ERRORS = {code: {"model": ErrorResponse} for code in (409, 422, 429)}
 WEIGHT_ERRORS = {code: {"model": ErrorResponse} for code in (409, 422, 501)}
 router = APIRouter(tags=["sglang"])
+generation = APIRouter(tags=["sglang"])  # needs the token where FARM_REQUIRE_TOKEN_FOR_GENERATION is on
 admin = APIRouter(tags=["sglang"])  # needs the token
 
 
-@router.api_route("/generate", methods=["POST", "PUT"], responses=ERRORS)
+@generation.api_route("/generate", methods=["POST", "PUT"], responses=ERRORS)
 async def generate(req: S.GenerateRequest, farm=Depends(ingress)):
     """SGLang's /generate: text or input_ids, single or batch; `stream` answers SGLang's SSE (whole-answer chunks)."""
     out = await farm.sglang_native.generate(req)
@@ -52,7 +54,8 @@ async def health(farm=Depends(ingress)):
 @admin.post("/update_weights_from_disk", responses=WEIGHT_ERRORS)
 async def update_weights_from_disk(req: S.UpdateWeightsFromDiskRequest, farm=Depends(ingress)):
     """A folder of safetensors files as the next weight version (the farm's path push, two phases)."""
-    return await farm.sglang_native.update_from_disk(req)
+    with refusal_logged("path", req.weight_version):
+        return await farm.sglang_native.update_from_disk(req)
 
 
 @admin.post("/init_weights_update_group", responses=WEIGHT_ERRORS)

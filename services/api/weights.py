@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 
 from services import protocol as P
 from services.api.deps import ingress
+from services.api.errors import refusal_logged
 
 PUSH_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 413, 422)}
 NCCL_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 501)}
@@ -20,14 +21,32 @@ async def weights_version(farm=Depends(ingress)):
     return await farm.replicas.served(farm.settings.replicas)
 
 
-@admin.post("/v1/weights", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)
+SAFETENSORS_BODY = {  # the route streams the body itself: the schema says what it reads
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/octet-stream": {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "One safetensors file, or several back to back (buckets of whole tensors).",
+                }
+            }
+        },
+    }
+}
+
+
+@admin.post("/v1/weights", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS, openapi_extra=SAFETENSORS_BODY)
 async def push_weights(
     request: Request,
-    version: int = Query(..., ge=1, description="The new version; higher than the served one."),
+    version: int = Query(..., ge=1, le=P.INT64_MAX, description="The new version; higher than the served one."),
     policy: P.InFlightPolicy = Query(
         "finish", description="In-flight samples: finish on the old weights, abort and rerun, or go on (partial)."
     ),
-    x_content_sha256: str | None = Header(None, description="Hex SHA-256 of the body; a mismatch is refused."),
+    x_content_sha256: str | None = Header(
+        None, pattern="^[0-9A-Fa-f]{64}$", description="Hex SHA-256 of the body; a mismatch is refused."
+    ),
     farm=Depends(ingress),
 ):
     """Upload a safetensors state dict (raw body, streamed) as `version`: one safetensors file, or several back to
@@ -37,14 +56,16 @@ async def push_weights(
     Returns once all serve it. 409 with field `base`: the push does not apply to the served weights; send a full
     push."""
     declared = int(request.headers.get("content-length") or 0)
-    return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256)
+    with refusal_logged("upload", version):
+        return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256)
 
 
 @admin.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)
 async def push_weights_path(body: P.WeightsFromPath, farm=Depends(ingress)):
     """Load a folder of safetensors files from storage every replica can read (no upload), in the same two phases.
     Keep the folder until a newer version is committed: replicas that start later load it from there."""
-    return await farm.weights.from_path(body)
+    with refusal_logged("path", body.version):
+        return await farm.weights.from_path(body)
 
 
 @admin.post("/v1/weights/distributed/init", responses=NCCL_ERRORS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -52,6 +53,11 @@ class OpenAICompat:
             raise Invalid(
                 [{"field": "messages", "message": "no chat template"}],
                 "the served model has no chat template: use /v1/completions",
+            )
+        if not text:  # e.g. the built-in models' template renders one empty message to nothing
+            raise Invalid(
+                [{"field": "messages", "message": "the messages render to an empty prompt: give some text"}],
+                "the messages render to an empty prompt through the model's chat template",
             )
         if req.top_logprobs and not req.logprobs:
             raise Invalid([{"field": "top_logprobs", "message": "needs logprobs=true"}])
@@ -125,8 +131,8 @@ def cut_at_stop(text: str, stop: str | list[str] | None) -> tuple[str, bool]:
 def logprobs(pieces: list[str], lps: list[float | None], text: str, chat: bool, tops: list[dict] | None) -> dict:
     """Logprobs in OpenAI's shape for the tokens inside `text` (a stop string may have cut it): each token's piece
     and logprob and, with `tops`, its position's alternatives ({piece: logprob})."""
-    offsets = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
-    cut = sum(map(len, pieces)) > len(text)
+    offsets = [0, *itertools.accumulate(map(len, pieces))]  # each piece's start (once: 4096 pieces summed in O(n))
+    cut = offsets.pop() > len(text)
     keep = [i for i, o in enumerate(offsets) if o < len(text) or not cut]
     if chat:
         return {

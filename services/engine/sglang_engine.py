@@ -47,6 +47,7 @@ import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -55,6 +56,9 @@ from services.engine.base import ADMIT_POLL_S, ENGINES, Engine, EngineOutput
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weights.checks import WeightsError, WeightsRejected, check_state_dict, non_finite, read_header_file
 from services.weights.state_dict import spec_of
+
+if TYPE_CHECKING:
+    from services.settings import ServiceSettings
 
 TORCH_DTYPE_NAMES = {
     "BF16": "bfloat16",
@@ -90,7 +94,22 @@ class _LoopThread:
 class SGLangEngine(Engine):
     keeps_sessions = True  # agenerate takes a cache_key; the radix cache keeps the turns (see the module docstring)
 
-    def __init__(self, model_path: str, device: str = "cuda", dtype: str = "bfloat16", threads: int | None = None):
+    @classmethod
+    def from_settings(cls, model_path: str, settings: ServiceSettings, threads: int | None) -> SGLangEngine:
+        """Memory fraction and tensor parallelism from the GPU share (ServiceSettings.sglang_parallelism): engines
+        that share a GPU each take their part of it; an engine with several GPUs shards over all of them."""
+        fraction, tp = settings.sglang_parallelism
+        return cls(model_path, settings.device, settings.dtype, threads, mem_fraction_static=fraction, tp_size=tp)
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cuda",
+        dtype: str = "bfloat16",
+        threads: int | None = None,
+        mem_fraction_static: float | None = None,
+        tp_size: int = 1,
+    ):
         try:
             import sglang
         except ImportError as e:
@@ -102,7 +121,15 @@ class SGLangEngine(Engine):
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read by the spawned scheduler: logprobs before temperature
         self.model_path, self.dtype = model_path, getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.llm = sglang.Engine(model_path=model_path, device=device, dtype=dtype, disable_radix_cache=False)
+        self.llm = sglang.Engine(
+            model_path=model_path,
+            device=device,
+            dtype=dtype,
+            disable_radix_cache=False,
+            mem_fraction_static=mem_fraction_static,  # None: SGLang's own, for an engine alone on its GPUs
+            tp_size=tp_size,
+        )
+        self.ranks_per_engine = tp_size  # each tensor-parallel rank joins the trainer's NCCL group
         self.llm.loop = self._loop = _LoopThread()
         self.weight_version, self.generated_tokens = 0, 0
         self._cv = threading.Condition()  # guards the two below
@@ -293,7 +320,7 @@ class SGLangEngine(Engine):
                 self._cv.notify_all()
 
     # NCCL transport: the trainer is rank 0 of the group and broadcasts each tensor ----------------
-    ranks_per_engine = 1  # one GPU (tp_size 1) per engine: replica i is rank rank_offset + i
+    # ranks_per_engine (set in __init__): tp_size GPUs per engine; replica i's ranks start at rank_offset + i * tp_size
 
     def init_weights_update_group(
         self,

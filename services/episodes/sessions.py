@@ -91,6 +91,8 @@ class Sessions:
             head.add_context(close, [])
             head.add_context(rendered, new)
             head.add_context(prompt + opened, [])
+            if not head.token_ids:
+                raise invalid("messages", "they render to no tokens through the model's chat template: give some text")
             params = chat_turns.turn_params(session.sampling_params, req)
             if context is not None:
                 params = chat_turns.fitted(params, context - len(head.token_ids))

@@ -7,6 +7,7 @@ import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 API_VERSION = "v1"
 MAX_N = 64  # most samples per prompt in one request
@@ -19,6 +20,19 @@ MIN_TEMPERATURE = 1e-6  # the smallest temperature above 0 (SGLang's greedy thre
 NO_NUL = "^[^\\u0000]*$"  # the JSON Schema pattern of a string without a NUL character
 UNSAFE_CHARS = re.compile("[\x00\ud800-\udfff]")  # NUL, and lone surrogates (JSON can escape one)
 
+
+def decimal_at_most(n: int) -> str:
+    """The JSON Schema pattern of exactly the decimal integers 1..n (ASCII digits, no sign, no leading zero), for an
+    integer sent as a string: a pattern cannot compare numbers, so each digit's bound is spelt out."""
+    digits = str(n)
+    alternatives = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []  # fewer digits than n
+    for i, d in enumerate(digits):  # as many digits: n's first i, then a smaller digit, then any
+        low, rest = (1 if i == 0 else 0), len(digits) - i - 1
+        if int(d) - 1 >= low:
+            alternatives.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^(" + "|".join([*alternatives, digits]) + ")$"
+
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 InFlightPolicy = Literal["finish", "abort", "partial"]
 
@@ -26,6 +40,16 @@ InFlightPolicy = Literal["finish", "abort", "partial"]
 # What every request field is checked for beyond its own range, each a 422 naming the field (docs/api.md, "Input
 # limits"): NaN, infinities and subnormal floats, NUL characters in strings, integers beyond int64. RequestModel checks
 # the floats and strings of every request; the annotated types below say the same in the OpenAPI schema.
+BEYOND_SCHEMA = "beyond_schema"  # the error type of a validator's rule that JSON Schema cannot say
+
+
+def beyond_schema(message: str) -> PydanticCustomError:
+    """Raise this, not ValueError, from a validator whose rule JSON Schema cannot say (a lone surrogate, a regular
+    expression that compiles, an item's relation to its position): its 422 is the service's own refusal, not a
+    mismatch with the published schema (services/errors.py, SCHEMA_MISMATCH; tests/service/test_fuzz.py)."""
+    return PydanticCustomError(BEYOND_SCHEMA, message)
+
+
 def _wire_problem(x) -> str | None:
     if isinstance(x, str) and (bad := UNSAFE_CHARS.search(x)):
         what = "a NUL character" if bad.group() == "\x00" else "a lone surrogate, which is not Unicode text"
@@ -53,6 +77,8 @@ class RequestModel(BaseModel):
     def _wire_safe(cls, v):
         for x in v if isinstance(v, list) else [v]:
             if problem := _wire_problem(x):
+                if isinstance(x, str) and "\x00" not in x:  # a lone surrogate: no pattern excludes it alone
+                    raise beyond_schema(problem)
                 raise ValueError(problem)
         return v
 
@@ -75,6 +101,19 @@ Temperature = Annotated[
     Field(json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}}),
 ]
 """0 (greedy) or at least MIN_TEMPERATURE; give the range on the field (ge=0, le=...), which must not be optional."""
+
+
+def optional_temperature(top: float):
+    """Temperature from 0 to `top`, the range inside the type, for an optional field: given on an optional field,
+    pydantic writes the range into the schema as "ge" and "le", which JSON Schema ignores."""
+    return Annotated[
+        Float,
+        Field(ge=0.0, le=top),
+        AfterValidator(_temperature),
+        Field(json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}}),
+    ]
+
+
 Int64 = Annotated[int, Field(le=INT64_MAX)]
 """An integer up to int64's maximum. Give the lower bound on the field (ge=...), never an le: pydantic lets the
 annotation's own bounds override the field's."""
@@ -147,7 +186,7 @@ class SamplingParams(RequestModel):
             try:
                 regex.compile(v)
             except regex.error as e:
-                raise ValueError(f"not a valid regular expression: {e}") from None
+                raise beyond_schema(f"not a valid regular expression: {e}") from None
         return v
 
 

@@ -42,6 +42,9 @@ class ReplicaState(BaseModel):
     generated_tokens: int = Field(0, description="Tokens this replica has generated since it started.")
     rollouts_running: int = Field(0, description="Rollout calls running (FARM_ENGINE_MAX_ONGOING_REQUESTS at most).")
     rollouts_waiting: int = Field(0, description="Rollout calls waiting for one of those slots.")
+    weights_lost: str | None = Field(
+        None, description="Why the committed weight version cannot be loaded (the replica is then not ready)."
+    )
     busy_seconds: float = Field(
         0.0, description="Seconds the engine had at least one sample generating, since it started (idle: the rest)."
     )

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from services.protocol.common import MAX_N, MAX_PROMPTS, Int64, Prompt, RequestModel, SamplingParams, Text
+from services.protocol.common import MAX_N, MAX_PROMPTS, Float, Int64, Prompt, RequestModel, SamplingParams, Text
 from services.protocol.rollouts import SamplerSpec
 from services.protocol.sessions import MAX_SESSION_TTL_S, SegmentOut
 
@@ -31,7 +31,7 @@ class EpisodeLimits(RequestModel):
     max_total_tokens: int | None = Field(
         None, ge=1, description="Sampled tokens per episode at most (then stop_reason max_tokens); None: no bound."
     )
-    tool_timeout_s: float = Field(
+    tool_timeout_s: Float = Field(
         30.0, gt=0, le=600, description="A reset or step that takes longer gets an error observation, not a hang."
     )
 
@@ -46,7 +46,7 @@ class EpisodeRequest(EpisodeLimits):
     )
     sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each turn is drawn (n=1 samplers).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
-    ttl_s: float = Field(
+    ttl_s: Float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="Each episode's session stays readable this long."
     )
     stream: bool = Field(False, description="NDJSON: an EpisodeGroup per line as each finishes, then an end line.")

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field
 from services.protocol.common import (
     MAX_N,
     MAX_NEW_TOKENS,
+    MAX_PROMPTS,
     MAX_STOPS,
     Float,
     Int64,
@@ -42,10 +43,13 @@ class CompletionRequest(RequestModel):
     model: Text | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
     prompt: (
         NonEmptyText
-        | Annotated[list[NonEmptyText], Field(json_schema_extra={"minItems": 1})]
+        | Annotated[list[NonEmptyText], Field(max_length=MAX_PROMPTS, json_schema_extra={"minItems": 1})]
         | NonEmptyIds
-        | Annotated[list[NonEmptyIds], Field(json_schema_extra={"minItems": 1})]
-    ) = Field(..., description="A text, a list of texts, token ids, or a list of token-id lists.")
+        | Annotated[list[NonEmptyIds], Field(max_length=MAX_PROMPTS, json_schema_extra={"minItems": 1})]
+    ) = Field(
+        ...,
+        description=f"A text, a list of texts, token ids, or a list of token-id lists (at most {MAX_PROMPTS} prompts).",
+    )
     max_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="0 only with echo: score the prompt alone.")
     temperature: Temperature = Field(1.0, ge=0.0, le=2.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)

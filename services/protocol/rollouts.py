@@ -49,10 +49,11 @@ class RolloutRequest(RequestModel):
     min_weight_version: Int64 = Field(
         0, ge=0, description="Run only on replicas serving this weight version or later (waits for it)."
     )
-    routing_key: Text | None = Field(
+    routing_key: str | None = Field(
         None,
         min_length=1,
         max_length=128,
+        pattern="^[ -~]*$",  # printable ASCII: Serve sends it as the multiplexed model id, and cannot encode others
         description="Requests with the same key go to the same engine replica while it is healthy, and the torch "
         "engine keeps the KV cache of the key's last sequence (one prompt, n=1), so a request whose prompt extends it "
         "prefills only its new tokens. Sessions use their id.",

@@ -19,9 +19,10 @@ from services.protocol.common import (
     NonEmptyText,
     RequestModel,
     SamplingParams,
-    Temperature,
     Text,
     TokenId,
+    beyond_schema,
+    optional_temperature,
 )
 from services.protocol.openai import StreamOptions, TextPart
 from services.protocol.rollouts import SamplerSpec
@@ -45,7 +46,7 @@ class SessionCreate(RequestModel):
         "train",
         description="A turn whose tool call did not parse: train on it (its tokens keep loss mask 1) or mask it (0).",
     )
-    ttl_s: float = Field(
+    ttl_s: Float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="The session is forgotten this long after its last turn."
     )
 
@@ -163,7 +164,7 @@ class SessionMessage(RequestModel):
     def calls_numbered_in_order(self) -> SessionMessage:
         for i, call in enumerate(self.tool_calls or []):
             if call.index not in (None, i):
-                raise ValueError(f"tool_calls.{i}.index is {call.index}: a call's index is its position ({i})")
+                raise beyond_schema(f"tool_calls.{i}.index is {call.index}: a call's index is its position ({i})")
         return self
 
     def as_chat(self) -> dict:
@@ -206,7 +207,7 @@ class SessionChatRequest(RequestModel):
     )
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, description="Old name of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: Temperature | None = Field(None, ge=0.0, le=2.0, description="Default: the session's.")
+    temperature: optional_temperature(2.0) | None = Field(None, description="Default: the session's.")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="Default: the session's.")
     n: Literal[1] = Field(1, description="A session samples one turn at a time.")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None

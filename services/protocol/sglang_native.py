@@ -16,6 +16,7 @@ from services.protocol.common import (
     INT64_MAX,
     MAX_N,
     MAX_NEW_TOKENS,
+    MAX_PROMPTS,
     MAX_STOPS,
     Dim,
     Float,
@@ -26,11 +27,12 @@ from services.protocol.common import (
     Temperature,
     Text,
     TokenId,
+    decimal_at_most,
 )
 
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 LogprobStart = Annotated[int, Field(ge=-1, le=INT64_MAX)]
-VERSION = "^[1-9][0-9]{0,18}$"  # SGLang's weight_version as the farm's integer version (at most INT64_MAX)
+VERSION = decimal_at_most(INT64_MAX)  # SGLang's weight_version as the farm's integer version, 1..INT64_MAX
 
 
 class SGLangSamplingParams(RequestModel):
@@ -69,12 +71,16 @@ class GenerateRequest(RequestModel):
         }
     )
 
-    text: NonEmptyText | Annotated[list[NonEmptyText], Field(json_schema_extra={"minItems": 1})] | None = Field(
-        None, description="Prompt text(s); give this or input_ids."
-    )
-    input_ids: NonEmptyIds | Annotated[list[NonEmptyIds], Field(json_schema_extra={"minItems": 1})] | None = Field(
-        None, description="Prompt token ids; or text."
-    )
+    text: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(max_length=MAX_PROMPTS, json_schema_extra={"minItems": 1})]
+        | None
+    ) = Field(None, description=f"Prompt text(s); give this or input_ids. At most {MAX_PROMPTS} prompts.")
+    input_ids: (
+        NonEmptyIds
+        | Annotated[list[NonEmptyIds], Field(max_length=MAX_PROMPTS, json_schema_extra={"minItems": 1})]
+        | None
+    ) = Field(None, description="Prompt token ids; or text.")
     sampling_params: list[SGLangSamplingParams] | None = Field(
         None, description="One dict for every prompt, or one per prompt (a dict is read as a list of one)."
     )

@@ -26,7 +26,7 @@ from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
 from services.engine.base import cancellable
 from services.episodes import chat_delta
-from services.errors import Invalid, Unavailable, VersionNotReached, described
+from services.errors import Conflict, EngineVerbMissing, Invalid, Unavailable, VersionNotReached, described
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
 from services.replica.overload import Full
@@ -79,6 +79,7 @@ class EngineServer:
         self.catch_up_lock = asyncio.Lock()
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
         self.rollouts_running = 0
+        self.weights_lost: str | None = None  # the WeightStore's reason, while the committed version cannot be loaded
         self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
         self.session_route = session_routes(self.engine, settings.sessions_per_replica)
@@ -110,10 +111,11 @@ class EngineServer:
         meta: dict | None = None,
         sampler: P.SamplerSpec | None = None,
         routing_key: str | None = None,
-    ) -> list[P.Group] | Full:
+    ) -> list[P.Group] | Full | VersionNotReached | Unavailable:
         """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
         waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
-        exception (Serve would log each one with a traceback)."""
+        exception (Serve would log each one with a traceback); so are a version not committed in time (409) and one
+        that cannot be loaded (503), which the ingress raises (services/replica/handle.py)."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
             return Full(self.rollouts_waiting)
         self.rollouts_waiting += 1
@@ -124,7 +126,10 @@ class EngineServer:
         self.rollouts_running += 1
         try:
             if self.engine.weight_version < min_version:
-                await self.catch_up(min_version)
+                try:
+                    await self.catch_up(min_version)
+                except (VersionNotReached, Unavailable) as e:  # expected answers: returned, so Serve logs no traceback
+                    return e
             spec = sampler or P.SamplerSpec()
             if routing_key:
                 await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
@@ -182,12 +187,14 @@ class EngineServer:
         while True:
             async with self.catch_up_lock:
                 store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
-                version, source = await store.current.remote()
+                version, source, self.weights_lost = await store.current.remote()
                 if version > self.engine.weight_version:
                     await self.commit(version, None, source)
                     log.info("caught_up", extra={"version": version})
             if self.engine.weight_version >= min_version:
                 return
+            if self.weights_lost:  # no waiting: the version needed cannot be loaded until someone pushes it again
+                raise Unavailable(self.weights_lost)
             if time.monotonic() > deadline:
                 raise VersionNotReached(
                     f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S="
@@ -195,12 +202,20 @@ class EngineServer:
                 )
             await asyncio.sleep(0.05)
 
-    async def stage(self, source: tuple, version: int) -> int:
+    async def stage(self, source: tuple, version: int) -> int | Invalid | Conflict:
         """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
         NaN or inf in a tensor) are Invalid, a 422 naming the tensor; a push with a base version that does not fit
-        the served weights is a Conflict (409) telling the client to send a full push. A catch-up ("chain") first
-        commits the versions before `version` it still lacks."""
-        from services.errors import Conflict
+        the served weights is a Conflict (409) telling the client to send a full push. Both are expected answers,
+        returned, not raised (Serve logs every exception a replica method raises with its traceback): the ingress
+        takes a returned error as this replica's refusal (Replicas.errors) and logs the push's one warning line."""
+        try:
+            return await self._stage(source, version)
+        except (Invalid, Conflict) as e:
+            return e
+
+    async def _stage(self, source: tuple, version: int) -> int:
+        """stage(), raising its refusals. A catch-up ("chain") first commits the versions before `version` it still
+        lacks."""
         from services.weights.stage import BaseMismatch, staged_tensors
 
         kind, where = source
@@ -209,7 +224,7 @@ class EngineServer:
                 *before, (last, source) = where
                 for v, step in before:
                     if step is not None and v > self.engine.weight_version:
-                        await self.stage(step, v)
+                        await self._stage(step, v)
                         await asyncio.to_thread(self.engine.commit_weights, v, None)
                 kind, where = source
             if kind == "path":
@@ -237,7 +252,7 @@ class EngineServer:
             try:
                 await asyncio.to_thread(self.engine.commit_weights, version, policy)
             except WeightsRejected:  # nothing staged here: this replica started after phase one
-                await self.stage(source, version)
+                await self._stage(source, version)
                 await asyncio.to_thread(self.engine.commit_weights, version, policy)
         finally:
             self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
@@ -259,30 +274,43 @@ class EngineServer:
         """(this replica's id, the version it serves)."""
         return replica_id(), self.engine.weight_version
 
-    async def init_weights_update_group(self, group: P.DistributedGroup, replica_ids: list[str]) -> int:
+    async def init_weights_update_group(
+        self, group: P.DistributedGroup, replica_ids: list[str]
+    ) -> int | EngineVerbMissing:
         """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
-        Blocks (off the event loop) until the trainer and every replica have joined."""
+        Blocks (off the event loop) until the trainer and every replica have joined. An engine without the NCCL
+        transport answers EngineVerbMissing (the documented 501), returned, not raised: the ingress raises it
+        (Replicas.all), and Serve does not log a traceback for an expected answer."""
         rank = group.rank_offset + replica_ids.index(replica_id()) * self.engine.ranks_per_engine
-        await asyncio.to_thread(
-            self.engine.init_weights_update_group,
-            group.master_address,
-            group.master_port,
-            rank,
-            group.world_size,
-            group.group_name,
-            group.backend,
-        )
+        try:
+            await asyncio.to_thread(
+                self.engine.init_weights_update_group,
+                group.master_address,
+                group.master_port,
+                rank,
+                group.world_size,
+                group.group_name,
+                group.backend,
+            )
+        except EngineVerbMissing as e:
+            return e
         return rank
 
-    async def update_weights_from_distributed(self, update: P.DistributedUpdate, replica_ids: list[str]) -> int:
-        await asyncio.to_thread(
-            self.engine.update_weights_from_distributed,
-            update.names,
-            update.dtypes,
-            update.shapes,
-            update.version,
-            update.group_name,
-        )
+    async def update_weights_from_distributed(
+        self, update: P.DistributedUpdate, replica_ids: list[str]
+    ) -> int | EngineVerbMissing:
+        """The tensors the trainer broadcasts, as `update.version`; EngineVerbMissing returned as above."""
+        try:
+            await asyncio.to_thread(
+                self.engine.update_weights_from_distributed,
+                update.names,
+                update.dtypes,
+                update.shapes,
+                update.version,
+                update.group_name,
+            )
+        except EngineVerbMissing as e:
+            return e
         return self.engine.weight_version
 
     # control and health ----------------------------------------------------------------------------------
@@ -296,6 +324,7 @@ class EngineServer:
             generated_tokens=e.generated_tokens,
             rollouts_running=self.rollouts_running,
             rollouts_waiting=self.rollouts_waiting,
+            weights_lost=self.weights_lost,
             **e.stats.snapshot(),
         )
 

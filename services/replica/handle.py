@@ -1,7 +1,8 @@
 """The engine replicas as the ingress sees them: one Serve handle, calls to one replica or to every replica.
 
 Overload is a 429 with Retry-After, whichever layer refuses (services/replica/overload.py): a replica with no room
-answers overload.Full, and Serve's own back-pressure (the ingress's queue for the replicas,
+answers overload.Full (and a refusal it expects, such as a weight version not there, as the ServiceError itself,
+raised here), and Serve's own back-pressure (the ingress's queue for the replicas,
 FARM_ENGINE_MAX_QUEUED_REQUESTS) raises BackPressureError at the handle; both become Overloaded here. (Left as
 BackPressureError, Serve's handler on the ingress app would answer a plain-text 503; services/api/errors.py maps any
 that gets past this.) The ingress deployment itself has no queue limit, so Serve's proxy never drops a request: it waits
@@ -88,6 +89,8 @@ class ReplicaCall:
         if isinstance(result, overload.Full):
             overload.rejected("replica_full", self.method)
             raise ReplicaFull()
+        if isinstance(result, ServiceError):  # an expected refusal the replica answered with (e.g. a version not there)
+            raise result
         return result
 
 
@@ -212,10 +215,12 @@ class Replicas:
         return P.ControlResponse(action=action, replicas=states)
 
     async def readiness(self, expected: int) -> P.Readiness:
-        """Ready when every replica answers, none is paused, and all serve one weight version; else 503 naming the
-        replicas that are missing, paused or behind."""
+        """Ready when every replica answers, none is paused, all serve one weight version, and that one is the
+        committed version; else 503 naming the replicas that are missing, paused or behind, or why the committed
+        weights cannot be loaded."""
         found = await self.states(expected=expected)
         problems = found.problems() + [f"replica {s.replica} is paused" for s in found.answers if s.paused]
+        problems += sorted({s.weights_lost for s in found.answers if s.weights_lost})
         if len({s.weight_version for s in found.answers}) > 1:
             problems.append("replicas serve different weight versions")
         if problems:

