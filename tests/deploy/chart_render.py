@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,8 @@ import kubernetes_validate
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "rollout-farm"
+# ROLLOUT_FARM_TEST_CHART: another copy of the chart (e.g. an older commit's, to see a new test fail on it).
+CHART = Path(os.environ.get("ROLLOUT_FARM_TEST_CHART") or ROOT / "helm" / "rollout-farm")
 SCHEMAS = Path(__file__).parent / "schemas"
 NAME, NAMESPACE = "farm", "ml"
 FULLNAME = "farm-rollout-farm"
@@ -101,6 +103,27 @@ def all_containers(doc: dict) -> list[dict]:
 def env(container: dict) -> dict[str, str | dict]:
     """A container's env as {name: value or valueFrom}."""
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def serve_config(rayservice: dict) -> dict:
+    """The RayService's serveConfigV2, parsed."""
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def serve_app(rayservice: dict) -> dict:
+    """The (one) Serve application of serveConfigV2."""
+    (app,) = serve_config(rayservice)["applications"]
+    return app
+
+
+def serve_env(rayservice: dict) -> dict[str, str]:
+    """The Serve application's runtime_env env_vars: the service's non-secret FARM_* settings."""
+    return serve_app(rayservice)["runtime_env"]["env_vars"]
+
+
+def serve_deployments(rayservice: dict) -> dict[str, dict]:
+    """serveConfigV2's deployment options by deployment name, without the name."""
+    return {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in serve_app(rayservice)["deployments"]}
 
 
 def validate_core(doc: dict) -> None:

@@ -31,6 +31,9 @@ from tests.deploy.chart_render import (
     ray_containers,
     render,
     render_error,
+    serve_app,
+    serve_config,
+    serve_env,
     validate_core,
 )
 from tests.deploy.farm_env import assert_known_farm_vars
@@ -50,7 +53,11 @@ README_GPU_INSTALL = {
     "gcsFaultTolerance": {"enabled": True},
     "monitoring": MONITORING,
 }
-DOCS_GPU_INSTALL = README_GPU_INSTALL | {"engine": "sglang", "model": "/data/models/Qwen2.5-0.5B-Instruct"}
+DOCS_GPU_INSTALL = README_GPU_INSTALL | {
+    "engine": "sglang",
+    "model": "/data/models/Qwen2.5-0.5B-Instruct",
+    "settings": {"sglang_mem_fraction_static": 0.4},
+}
 VALUE_SETS = {
     "default": {},
     "gpu-workers": {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5}, "dtype": "bfloat16"},
@@ -59,6 +66,7 @@ VALUE_SETS = {
         "autoscaling": {"enabled": True, "maxReplicas": 8, "targetOngoingRequests": 1.5},
         "worker": {"minReplicas": 1, "maxReplicas": 6},
         "settings": {"max_weights_bytes": 17179869184, "plugins": ["my_pkg.rewards"], "engine_num_cpus": 2},
+        "head": {"resources": {"limits": {"memory": "24Gi"}, "requests": {"memory": "24Gi"}}},
     },
     "existing-secret": {"token": {"value": "", "existingSecret": "farm-api", "key": "api-token"}},
     "created-secret": {"token": {"value": "a-much-longer-token", "key": "tok"}},
@@ -68,6 +76,26 @@ VALUE_SETS = {
     "haproxy": {"serve": {"httpProxy": "haproxy"}},
     "docs-gpu-install": DOCS_GPU_INSTALL,
     "readme-gpu-install": README_GPU_INSTALL,
+    # issue 27's modes together: one GPU node (ReadWriteOnce), SGLang sharing GPUs, the model downloaded, the trainer,
+    # the in-chart Redis with GCS fault tolerance, KubeRay's token auth, a priority class
+    "single-node-hardened": {
+        "gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5},
+        "engine": "sglang",
+        "replicas": 4,
+        "model": "/data/models/qwen",
+        "settings": {"sglang_mem_fraction_static": 0.4},
+        "modelDownload": {
+            "enabled": True,
+            "repo": "Qwen/Qwen2.5-0.5B-Instruct",
+            "tokenSecret": {"name": "hf", "key": "t"},
+        },
+        "storage": {"singleNode": True},
+        "trainer": {"enabled": True, "gpus": 0},
+        "redis": {"url": "", "inChart": {"enabled": True}},
+        "gcsFaultTolerance": {"enabled": True},
+        "rayAuth": {"enabled": True},
+        "priorityClassName": "serving",
+    },
 }
 VALUES = {name: merged(BASE, v) for name, v in VALUE_SETS.items()}
 RENDERED = {name: render(v) for name, v in VALUES.items()}
@@ -139,16 +167,18 @@ def test_default_layout():
     assert cluster["enableInTreeAutoscaling"] is False
     group = cluster["workerGroupSpecs"][0]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
-    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    assert serve["applications"] == [{"name": "farm", "import_path": "services.serve_entry:app", "route_prefix": "/"}]
-    assert serve["http_options"]["port"] == 8000
+    app = serve_app(rs)
+    assert (app["name"], app["import_path"], app["route_prefix"]) == ("farm", "services.serve_entry:app", "/")
+    assert serve_config(rs)["http_options"]["port"] == 8000
     head, worker = containers("default").values()
-    assert env(head) == env(worker), "head and workers get the same settings"
-    assert env(head)["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
+    assert env(head) == env(worker), "head and workers get the same Pod env"
+    settings = serve_env(rs)
+    assert settings["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
     # the HTTP front: Serve's proxy unless serve.httpProxy=haproxy, set on every Ray node (Serve reads it at start)
-    assert (env(head)["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("serve", "0")
+    assert (settings["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("serve", "0")
+    assert serve_env(rayservice("haproxy"))["FARM_HTTP_PROXY"] == "haproxy"
     for c in containers("haproxy").values():
-        assert (env(c)["FARM_HTTP_PROXY"], env(c)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("haproxy", "1")
+        assert env(c)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert all({"name": "serve", "containerPort": 8000} in c["ports"] for c in (head, worker))
     # Probes: Ray's node health for liveness (and the head's readiness: KubeRay deploys Serve once the head is Ready);
     # the node's Serve proxy for a worker's readiness.
@@ -174,8 +204,8 @@ def test_shared_volume_on_head_and_workers():
         assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"], role
         (mount,) = spec["containers"][0]["volumeMounts"]
         assert mount == {"name": volume["name"], "mountPath": "/data"}, role
-        farm = env(spec["containers"][0])
-        assert farm["FARM_WEIGHTS_DIR"].startswith("/data/") and farm["FARM_CACHE"].startswith("/data/"), role
+    farm = serve_env(rayservice("default"))
+    assert farm["FARM_WEIGHTS_DIR"].startswith("/data/") and farm["FARM_CACHE"].startswith("/data/")
     existing = render(merged(BASE, {"storage": {"existingClaim": "weights"}}))
     assert not [d for d in existing if d["kind"] == "PersistentVolumeClaim"]
     assert {
@@ -188,14 +218,15 @@ def test_gpu_workers():
     for part in ("requests", "limits"):
         assert worker["resources"][part]["nvidia.com/gpu"] == 2
         assert "nvidia.com/gpu" not in head["resources"].get(part, {})
-    farm = env(worker)
+    farm = serve_env(rayservice("gpu-workers"))
     assert (farm["FARM_DEVICE"], farm["FARM_ENGINE_NUM_GPUS"], farm["FARM_DTYPE"]) == ("cuda", "0.5", "bfloat16")
-    assert env(head) == farm
+    assert env(head) == env(worker)
+    # the head joins the workers' cluster, and Ray refuses a node on another Python: the same image by default
     assert worker["image"] == head["image"] == "rollout-farm:0.1.0-gpu"
     spec = pod_specs(rayservice("gpu-workers"))["worker"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert rayservice("gpu-workers")["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
-    assert "FARM_ENGINE_NUM_GPUS" not in env(containers("default")["worker"])
+    assert "FARM_ENGINE_NUM_GPUS" not in serve_env(rayservice("default"))
 
 
 def test_autoscaling():
@@ -205,7 +236,7 @@ def test_autoscaling():
     assert cluster["autoscalerOptions"]["version"] == "v2"  # KubeRay >= 1.6 needs it for the group's idle timeout
     group = cluster["workerGroupSpecs"][0]
     assert (group["minReplicas"], group["maxReplicas"]) == (1, 6)
-    farm = env(containers("autoscaling")["worker"])
+    farm = serve_env(rayservice("autoscaling"))
     assert (farm["FARM_REPLICAS"], farm["FARM_MAX_REPLICAS"], farm["FARM_TARGET_ONGOING_REQUESTS"]) == ("2", "8", "1.5")
     # numbers stay integers (helm reads values as floats: no 1.7179869184e+10), lists are JSON
     assert farm["FARM_MAX_WEIGHTS_BYTES"] == "17179869184" and farm["FARM_ENGINE_NUM_CPUS"] == "2"
@@ -216,9 +247,12 @@ def test_every_farm_variable_is_a_setting():
     fields = set(ServiceSettings.model_fields)
     containers = [c for docs in RENDERED.values() for doc in docs for c in all_containers(doc)]
     assert_known_farm_vars({name for c in containers for name in env(c)}, "the chart")
+    assert_known_farm_vars({var for name in VALUES for var in serve_env(rayservice(name))}, "serveConfigV2")
     settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
     own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
-    assert set(settings_schema["properties"]) <= fields - own_values - {"dtype", "redis_url", "weights_dir", "app_name"}
+    own_values |= {"require_token_for_generation", "dtype", "ingress_replicas", "log_level", "http_proxy"}
+    managed = {"redis_url", "weights_dir", "uploads_dir", "app_name", "sglang_tp_size"}
+    assert set(settings_schema["properties"]) <= fields - own_values - managed
 
 
 def test_token_secret_created_or_referenced():
@@ -235,7 +269,8 @@ def test_token_secret_created_or_referenced():
 def test_trainer_job():
     job = one(RENDERED["trainer"], "Job")
     spec = job["spec"]["template"]["spec"]
-    (wait,), (trainer,) = spec["initContainers"], spec["containers"]
+    (check, wait), (trainer,) = spec["initContainers"], spec["containers"]
+    assert check["name"] == "check-volume"
     url = f"http://{FULLNAME}-serve-svc:8000"
     assert wait["command"][-2] == url and "/readyz" in wait["command"][2]
     args = trainer["args"]
@@ -274,9 +309,11 @@ def test_in_chart_redis_and_gcs_fault_tolerance():
     redis = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert redis["image"].startswith("redis:") and "--appendonly" in redis["args"]
     service = one(docs, "Service")
-    assert env(containers("redis-gcs-ft")["head"])["FARM_REDIS_URL"] == f"redis://{service['metadata']['name']}:6379/0"
+    url = env(containers("redis-gcs-ft")["head"])["FARM_REDIS_URL"]
+    assert url == f"redis://:$(ROLLOUT_FARM_REDIS_PASSWORD)@{service['metadata']['name']}:6379/0"
     ft = rayservice("redis-gcs-ft")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
-    assert ft == {"redisAddress": f"{service['metadata']['name']}:6379"}
+    password = {"valueFrom": {"secretKeyRef": {"name": f"{FULLNAME}-redis", "key": "password"}}}
+    assert ft == {"redisAddress": f"{service['metadata']['name']}:6379", "redisPassword": password}
     external = merged(BASE, {"gcsFaultTolerance": {"enabled": True, "redisPasswordSecret": {"name": "r", "key": "pw"}}})
     ft = one(render(external), "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     password = {"valueFrom": {"secretKeyRef": {"name": "r", "key": "pw"}}}

