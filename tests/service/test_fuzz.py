@@ -33,7 +33,7 @@ def fuzz_seed() -> int:
     return int(given) if given else random.SystemRandom().randrange(2**32)
 
 
-FUZZ_EXAMPLES = 20  # hypothesis examples per operation in the fuzzing phase
+FUZZ_EXAMPLES = 15  # hypothesis examples per operation in the fuzzing phase (new seed each run; bench/fuzz.py: more)
 STATEFUL_EXAMPLES = 20  # scenarios of the stateful phase, each up to STATEFUL_STEPS calls
 STATEFUL_STEPS = 6
 REQUEST_TIMEOUT_S = 120  # a request unanswered for this long is a failure (schemathesis' request-timeout)
