@@ -17,21 +17,19 @@ import functools
 import logging
 import os
 import threading
-import time
-
-from ray import serve
 
 from services import logs
 from services import protocol as P
-from services.engine import ENGINES, Engine, EngineOutput, WeightsRejected
+from services.engine import ENGINES, Engine, EngineOutput
 from services.engine.base import cancellable
 from services.episodes import chat_delta
-from services.errors import Conflict, EngineVerbMissing, Invalid, Unavailable, VersionNotReached, described
+from services.errors import Unavailable, VersionNotReached, described
 from services.plugins import load_plugins
 from services.replica.group_sampling import prompt_ids, sample_groups
 from services.replica.overload import Full
 from services.replica.session_routes import session_routes
 from services.replica.token_pieces import alternative, token_pieces
+from services.replica.weight_verbs import ReplicaWeights, replica_id
 from services.samplers import make_sampler
 from services.settings import ServiceSettings
 
@@ -40,10 +38,6 @@ log = logging.getLogger("farm.service")
 CONTROL_SLOTS = 4  # Serve request slots per replica beyond the rollouts' (running and waiting)
 ABORT_RERUNS = 3  # times the samples cut by "abort" commits are run again
 STORE_FOLLOW_S = 2.0  # how often a replica checks the WeightStore for a version it missed
-
-
-def replica_id() -> str:
-    return serve.get_replica_context().replica_id.unique_id
 
 
 def waiting_room(settings: ServiceSettings) -> int:
@@ -65,7 +59,7 @@ def routing_queue(settings: ServiceSettings) -> int:
     return max(settings.replicas, settings.max_replicas) * request_slots(settings) + settings.engine_max_queued_requests
 
 
-class EngineServer:
+class EngineServer(ReplicaWeights):
     async def __init__(self, settings: ServiceSettings):
         from services.models import resolve_model
 
@@ -177,140 +171,6 @@ class EngineServer:
         """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""
         while self.pending_version > self.engine.weight_version:
             await asyncio.sleep(0.01)
-        return self.engine.weight_version
-
-    # weights ---------------------------------------------------------------------------------------------
-    async def catch_up(self, min_version: int) -> None:
-        """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for
-        min_version."""
-        deadline = time.monotonic() + self.settings.min_version_wait_s
-        while True:
-            async with self.catch_up_lock:
-                store = serve.get_deployment_actor("weights")  # looked up each time: Serve may recreate it
-                version, source, self.weights_lost = await store.current.remote()
-                if version > self.engine.weight_version:
-                    await self.commit(version, None, source)
-                    log.info("caught_up", extra={"version": version})
-            if self.engine.weight_version >= min_version:
-                return
-            if self.weights_lost:  # no waiting: the version needed cannot be loaded until someone pushes it again
-                raise Unavailable(self.weights_lost)
-            if time.monotonic() > deadline:
-                raise VersionNotReached(
-                    f"weight version {min_version} was not committed within FARM_MIN_VERSION_WAIT_S="
-                    f"{self.settings.min_version_wait_s}; this replica serves {self.engine.weight_version}"
-                )
-            await asyncio.sleep(0.05)
-
-    async def stage(self, source: tuple, version: int) -> int | Invalid | Conflict:
-        """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
-        NaN or inf in a tensor) are Invalid, a 422 naming the tensor; a push with a base version that does not fit
-        the served weights is a Conflict (409) telling the client to send a full push. Both are expected answers,
-        returned, not raised (Serve logs every exception a replica method raises with its traceback): the ingress
-        takes a returned error as this replica's refusal (Replicas.errors) and logs the push's one warning line."""
-        try:
-            return await self._stage(source, version)
-        except (Invalid, Conflict) as e:
-            return e
-
-    async def _stage(self, source: tuple, version: int) -> int:
-        """stage(), raising its refusals. A catch-up ("chain") first commits the versions before `version` it still
-        lacks."""
-        from services.weights.stage import BaseMismatch, staged_tensors
-
-        kind, where = source
-        try:
-            if kind == "chain":
-                *before, (last, source) = where
-                for v, step in before:
-                    if step is not None and v > self.engine.weight_version:
-                        await self._stage(step, v)
-                        await asyncio.to_thread(self.engine.commit_weights, v, None)
-                kind, where = source
-            if kind == "path":
-                await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
-            else:
-                tensors = await asyncio.to_thread(staged_tensors, source, self.engine)
-                await asyncio.to_thread(self.engine.stage_weights, tensors, version)
-        except WeightsRejected as e:
-            detail = [{"field": "path" if kind == "path" else "body", "message": str(e)}]
-            raise Invalid(detail, "weights refused; the old version keeps serving") from None
-        except BaseMismatch as e:
-            raise Conflict(
-                "the push does not apply to a replica's weights; the old version keeps serving",
-                [{"field": "base", "message": str(e)}],
-            ) from None
-        return version
-
-    async def commit(self, version: int, policy: str | None, source: tuple) -> int:
-        """Phase two: serve the staged version (the ingress has recorded it in the store). A replica that
-        joined after phase one stages from `source` first. A catch-up (policy None) keeps a push's policy."""
-        if version <= self.engine.weight_version:
-            return self.engine.weight_version
-        self.pending_version = max(self.pending_version, version)
-        try:
-            try:
-                await asyncio.to_thread(self.engine.commit_weights, version, policy)
-            except WeightsRejected:  # nothing staged here: this replica started after phase one
-                await self._stage(source, version)
-                await asyncio.to_thread(self.engine.commit_weights, version, policy)
-        finally:
-            self.pending_version = self.engine.weight_version  # also when the commit failed: nothing is pending then
-        return self.engine.weight_version
-
-    async def record(self, version: int, source: tuple, hold: bool = False) -> None:
-        """Make `version` the one a starting replica loads (the store belongs to this deployment). hold=True: the
-        store only takes its own copy of the upload, while the replicas stage (services/weights/store.py)."""
-        store = serve.get_deployment_actor("weights")
-        await (store.hold if hold else store.commit).remote(version, source)
-
-    def discard(self, version: int) -> None:
-        self.engine.discard_weights(version)
-
-    def weight_spec(self) -> dict:
-        return self.engine.weight_spec()
-
-    def weight_version(self) -> tuple[str, int]:
-        """(this replica's id, the version it serves)."""
-        return replica_id(), self.engine.weight_version
-
-    async def init_weights_update_group(
-        self, group: P.DistributedGroup, replica_ids: list[str]
-    ) -> int | EngineVerbMissing:
-        """Join the trainer's group at rank rank_offset + (this replica's place among replica_ids) * ranks per engine.
-        Blocks (off the event loop) until the trainer and every replica have joined. An engine without the NCCL
-        transport answers EngineVerbMissing (the documented 501), returned, not raised: the ingress raises it
-        (Replicas.all), and Serve does not log a traceback for an expected answer."""
-        rank = group.rank_offset + replica_ids.index(replica_id()) * self.engine.ranks_per_engine
-        try:
-            await asyncio.to_thread(
-                self.engine.init_weights_update_group,
-                group.master_address,
-                group.master_port,
-                rank,
-                group.world_size,
-                group.group_name,
-                group.backend,
-            )
-        except EngineVerbMissing as e:
-            return e
-        return rank
-
-    async def update_weights_from_distributed(
-        self, update: P.DistributedUpdate, replica_ids: list[str]
-    ) -> int | EngineVerbMissing:
-        """The tensors the trainer broadcasts, as `update.version`; EngineVerbMissing returned as above."""
-        try:
-            await asyncio.to_thread(
-                self.engine.update_weights_from_distributed,
-                update.names,
-                update.dtypes,
-                update.shapes,
-                update.version,
-                update.group_name,
-            )
-        except EngineVerbMissing as e:
-            return e
         return self.engine.weight_version
 
     # control and health ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import httpx
 import numpy as np
 import pytest
 import ray
+import redis
 
 from services.state.embedded_redis import EmbeddedRedis
 from services.weights.store import Store, weights_key
@@ -32,8 +33,6 @@ def contents(refs: list) -> list[bytes]:
 
 
 def record(url: str, prefix: str = PREFIX) -> dict:
-    import redis
-
     return redis.Redis.from_url(url, decode_responses=True).hgetall(weights_key(prefix))
 
 
@@ -91,8 +90,6 @@ def lost_app(service, tiny_model, tmp_path):
 
     embedded = EmbeddedRedis(tmp_path / "redis")
     url = embedded.start()
-    import redis
-
     redis.Redis.from_url(url).hset(
         weights_key("farm:lost"), mapping={"version": 7, "kind": "bytes", "path": "", "chain_bytes": 0}
     )
