@@ -153,13 +153,24 @@ def test_a_cancelled_stream_raises_farm_error(service, fresh_weights):
         sampling_params=P.SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True),
     )
     wait_for_idle_engines(service)  # its 4 parts fill both replicas' slots: a part left over would get it a 429
+    ended, cancels = threading.Event(), []
+
+    def cancel_until_ended(client: FarmClient) -> None:
+        # Again and again: when Serve routes two parts to one replica the stream gets a 429 and the client sends it
+        # again under the same id; a single cancel would have ended only the first try.
+        while not ended.wait(0.02):
+            cancels.append(client.cancel("stream-to-cancel").cancelled)
+
     with FarmClient(service, TOKEN, retries=5) as c, FarmClient(service, TOKEN, retries=0) as other:
-        canceller = threading.Thread(target=cancel_when_running, args=(other, "stream-to-cancel"))
+        canceller = threading.Thread(target=cancel_until_ended, args=(other,))
         canceller.start()
-        with pytest.raises(FarmError) as e:
-            list(c.rollouts_stream(long))
-        canceller.join()
-    assert e.value.status == 409 and "cancelled" in e.value.body["error"]
+        try:
+            with pytest.raises(FarmError) as e:
+                list(c.rollouts_stream(long))
+        finally:
+            ended.set()
+            canceller.join()
+    assert e.value.status == 409 and "cancelled" in e.value.body["error"] and any(cancels)
 
 
 def test_queue_source_pull_and_ack(service, client, fresh_weights):

@@ -225,7 +225,7 @@ def test_the_replica_returns_an_expected_refusal_instead_of_raising_it(monkeypat
     """Serve logs a traceback for every exception a replica method raises; the ingress takes a returned error as the
     replica's answer (Replicas.errors and Replicas.all raise it there)."""
     from services.engine.bench_engine import BenchEngine
-    from services.replica import engine_server
+    from services.replica import engine_server, weight_verbs
     from services.weights.checks import WeightsRejected
 
     class Refusing(BenchEngine):
@@ -238,7 +238,7 @@ def test_the_replica_returns_an_expected_refusal_instead_of_raising_it(monkeypat
     assert isinstance(refused, Invalid) and refused.detail[0]["field"] == "path"
     with pytest.raises(Invalid):  # inside the replica (a commit that stages first) it still raises
         asyncio.run(server._stage(("path", "/nowhere"), 3))
-    monkeypatch.setattr(engine_server, "replica_id", lambda: "r0")
+    monkeypatch.setattr(weight_verbs, "replica_id", lambda: "r0")
     server.engine = BenchEngine()
     group = P.DistributedGroup(master_address="x", master_port=1, rank_offset=0, world_size=2)
     missing = asyncio.run(server.init_weights_update_group(group, ["r0"]))
