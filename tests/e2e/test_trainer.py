@@ -286,10 +286,15 @@ def test_a_killed_queue_trainer_resumes_and_gets_its_unacked_groups_again(servic
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        while not ((tmp_path / "checkpoints" / "step_2").exists() and (state() or {}).get("leased", 0) > 0):
+        while True:
             assert proc.poll() is None and time.monotonic() < deadline, (
                 "the trainer ended before holding a lease after its second checkpoint"
             )
+            if (tmp_path / "checkpoints" / "step_2").exists() and (state() or {}).get("leased", 0) > 0:
+                proc.send_signal(signal.SIGSTOP)  # frozen, it cannot ack between the look and the kill
+                if state()["leased"] > 0:
+                    break
+                proc.send_signal(signal.SIGCONT)
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -29,7 +29,12 @@ def ingress_actors() -> list:
 
 
 def sources(service) -> dict:
-    r = httpx.get(f"{service}/v1/queue/sources", timeout=30)
+    """The queue's sources; none while no ingress answers (Serve's proxy holds a request until one is back, and
+    may give up first: a timeout here is a "not yet", for wait_until)."""
+    try:
+        r = httpx.get(f"{service}/v1/queue/sources", timeout=30)
+    except httpx.TransportError:
+        return {}
     return {s["name"]: s for s in r.json()} if r.status_code == 200 else {}
 
 
