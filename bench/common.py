@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -168,3 +169,23 @@ def machine() -> dict:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the ratios and its 95% t interval."""
+    from scipy import stats  # the bench extra
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    if low >= target:
+        return "holds"
+    if high < target:
+        return "fails"
+    return "inconclusive"

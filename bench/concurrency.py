@@ -16,10 +16,15 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
 Each of --http-proxy (serve, haproxy) is a pass of its own: the service started with that FARM_HTTP_PROXY, all
 its rounds, stopped (the engine arm runs in the first pass only). The replica's busy share during each arm
 (farm_replica_busy_seconds: time with at least one sample generating) and the most calls that shared one decode
-step are reported too.
+step are reported too, and the CPU each request costs at Serve's HTTP proxy and at the ingress replica (user + system
+CPU time of their processes, psutil, over the arm, divided by its requests): in the many arm that is the cost of one
+one-sample request, in the one arm that of one request of K samples. What the two use with no request in flight
+(health checks, metrics, Serve's polls), measured for IDLE_S before each arm, is taken off pro rata.
 
     .venv/bin/python bench/concurrency.py                            # about 15 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
+    .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 --rounds 1 --chat --http-proxy serve \
+        --max-foreign 1 --quick                                      # a smoke (a few minutes; figures noisy)
 Goal: >= 0.8 at both K.
 """
 
@@ -33,9 +38,27 @@ import time
 
 import httpx
 from common import CpuMeter, log, resolve, start_service, stop_service, table, wait_quiet, write_json
+from overload import processes
 
 PROMPT = "Q: 12+30\nA:"
 PER_ROUND = ("ratio", "many_429", "other_processes_cpu_share")  # kept per round in the JSON
+FRONT = ("proxy", "ingress")  # the processes whose CPU per request is reported
+IDLE_S = 1.0  # before each HTTP arm: the front's CPU with no request in flight, per second, taken off the arm's
+
+
+def front_cpu(procs: dict[str, list]) -> dict[str, float]:
+    """role -> CPU seconds (user + system) its processes have used."""
+    out = {}
+    for role in FRONT:
+        total = 0.0
+        for p in procs[role]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except Exception:  # the process ended (a replica restarted): its time is lost to the figure
+                continue
+        out[role] = total
+    return out
 
 
 def readyz(http: httpx.Client, url: str) -> dict:
@@ -71,6 +94,7 @@ def main() -> None:
     ap.add_argument(
         "--max-foreign", type=float, default=0.25, help="redo a round in which other processes used more of the cores"
     )
+    ap.add_argument("--quick", action="store_true", help="a smoke: no in-process engine arm, a short warm-up")
     args = ap.parse_args()
 
     from services.engine.torch_engine import TorchEngine
@@ -81,8 +105,10 @@ def main() -> None:
     url = ""  # the service of the pass under way
     ids = engine.tokenizer(PROMPT, add_special_tokens=False).input_ids
 
-    def run(kind: str, tokens: int, k: int, arm: str, http: httpx.Client) -> tuple[float, list[int], float]:
-        """(samples/s, status codes, busy share) of one arm."""
+    procs: dict[str, list] = {}  # the front's processes in the pass under way
+
+    def run(kind: str, tokens: int, k: int, arm: str, http: httpx.Client) -> tuple[float, list[int], float, dict]:
+        """(samples/s, status codes, busy share, {role: CPU ms per request}) of one arm."""
         if kind == "engine":
             p = SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
             busy0, t = engine.stats.busy_seconds, time.perf_counter()
@@ -95,7 +121,7 @@ def main() -> None:
 
                 asyncio.run(calls())
             seconds = time.perf_counter() - t
-            return k / seconds, [200] * (1 if arm == "one" else k), (engine.stats.busy_seconds - busy0) / seconds
+            return k / seconds, [200] * (1 if arm == "one" else k), (engine.stats.busy_seconds - busy0) / seconds, {}
         if kind == "rollouts":
             sampling = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True}
             body, route = {"prompts": [{"token_ids": ids}], "sampling_params": sampling}, "/v1/rollouts"
@@ -103,19 +129,28 @@ def main() -> None:
             body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 1.0}
             route = "/v1/chat/completions"
         bodies = [{**body, "n": k}] if arm == "one" else [{**body, "n": 1}] * k
-        busy0, t = readyz(http, url)["busy_seconds"], time.perf_counter()
+        busy0 = readyz(http, url)["busy_seconds"]
+        idle0 = front_cpu(procs)  # what the front uses with no request (health checks, metrics): taken off below
+        time.sleep(IDLE_S)
+        cpu0, t = front_cpu(procs), time.perf_counter()
+        idle = {role: (cpu0[role] - idle0[role]) / IDLE_S for role in FRONT}  # CPU s per s
         codes = asyncio.run(post_all(url, route, bodies))
-        seconds = time.perf_counter() - t
+        seconds, cpu1 = time.perf_counter() - t, front_cpu(procs)
         busy = (readyz(http, url)["busy_seconds"] - busy0) / seconds
-        return k * codes.count(200) / len(codes) / seconds, codes, busy
+        per_request = {
+            role: 1000 * max(0.0, cpu1[role] - cpu0[role] - idle[role] * seconds) / len(bodies) for role in FRONT
+        }
+        return k * codes.count(200) / len(codes) / seconds, codes, busy, per_request
 
     def measure(cases: list[tuple], keys: dict[tuple, tuple]) -> dict:
         """The rounds of one pass, into results[keys[case]]; the replica's state after them."""
         with httpx.Client() as http:
             log("warm-up")
+            procs.clear()
+            procs.update(processes())
             for kind in {case[0] for case in cases}:
                 for arm in ("one", "many"):
-                    run(kind, min(args.max_new_tokens), max(args.ks), arm, http)
+                    run(kind, min(args.max_new_tokens), min(args.ks) if args.quick else max(args.ks), arm, http)
             rounds, redone = 0, 0
             while rounds < args.rounds:
                 wait_quiet(threshold=args.max_foreign, max_wait_s=60)
@@ -128,7 +163,10 @@ def main() -> None:
                     continue
                 rounds += 1
                 for case in cases:
-                    (one, _, busy_one), (many, codes, busy_many) = measured[(*case, "one")], measured[(*case, "many")]
+                    (one, _, busy_one, cpu_one), (many, codes, busy_many, cpu_many) = (
+                        measured[(*case, "one")],
+                        measured[(*case, "many")],
+                    )
                     results[keys[case]].append(
                         {
                             "one_samples_s": one,
@@ -139,6 +177,8 @@ def main() -> None:
                             "busy_share_one": busy_one,
                             "busy_share_many": busy_many,
                             "other_processes_cpu_share": m.foreign,
+                            **{f"{role}_cpu_ms_per_request_one": v for role, v in cpu_one.items()},
+                            **{f"{role}_cpu_ms_per_request_many": v for role, v in cpu_many.items()},
                         }
                     )
                 log(
@@ -151,7 +191,7 @@ def main() -> None:
     results: dict[tuple, list[dict]] = {}
     replica: dict[str, dict] = {}
     for i, proxy in enumerate(args.http_proxy):
-        kinds = served + (["engine"] if i == 0 else [])  # the in-process arm once: no proxy in its way
+        kinds = served + (["engine"] if i == 0 and not args.quick else [])  # in process once: no proxy in its way
         cases = [(kind, tokens, k) for kind in kinds for tokens in args.max_new_tokens for k in args.ks]
         keys = {case: (case[0] if case[0] == "engine" else f"{proxy}:{case[0]}", *case[1:]) for case in cases}
         results |= {keys[case]: [] for case in cases}
@@ -178,6 +218,13 @@ def main() -> None:
             "median_busy_share_many": statistics.median(r["busy_share_many"] for r in rs),
             "per_round": {key: [round(r[key], 3) for r in rs] for key in PER_ROUND},  # in round order
         }
+        if kind != "engine":  # CPU ms per request at the front: one-sample requests (many), a K-sample one (one)
+            s["median_cpu_ms_per_request"] = {
+                f"{role}_{arm}": round(statistics.median(r[f"{role}_cpu_ms_per_request_{arm}"] for r in rs), 2)
+                for arm in ("many", "one")
+                for role in FRONT
+            }
+        cpu = s.get("median_cpu_ms_per_request")
         rows.append(
             [
                 kind,
@@ -189,6 +236,8 @@ def main() -> None:
                 f"{min(ratios):.3f}-{max(ratios):.3f}",
                 s["many_429_total"] if kind != "engine" else "-",
                 f"{s['median_busy_share_one']:.2f}/{s['median_busy_share_many']:.2f}",
+                f"{cpu['proxy_many']:.1f}/{cpu['ingress_many']:.1f}" if cpu else "-",
+                f"{cpu['proxy_one']:.1f}/{cpu['ingress_one']:.1f}" if cpu else "-",
             ]
         )
     met = {
@@ -204,8 +253,12 @@ def main() -> None:
         f"most calls in one decode step on the replica: {most}"
     )
     headers = ["arm", "tokens", "K", "one req samples/s", "K reqs samples/s", "ratio", "range", "429s", "busy one/many"]
+    headers += ["CPU ms/req proxy/ingress, n=1 reqs", "same, the n=K req"]
     print(table(headers, rows))
     print("goal >= 0.8 at every K (rollouts): " + ", ".join(f"{t} {'met' if v else 'NOT met'}" for t, v in met.items()))
+    if args.quick:
+        log("--quick: docs/data/concurrency.json left as it was")
+        return
     write_json(
         "concurrency",
         {

@@ -5,8 +5,9 @@ serves it), and before each one the weights take a step like an optimizer's at t
 element moves by lr * sign(noise), as Adam's first steps do), so bucketed and delta pushes see real changes:
   raw       safetensors.torch.save of the state dict, load, and copy of every tensor into a second model's
             parameters, in this process, with the torch threads of one replica
-  full      services/weights/pusher.py WeightPusher "full": buckets streamed from the tensors' memory with per-tensor
-            xxh3 checksums; the ingress puts each bucket in the object store once, replicas view them in place
+  full      services/weights/pusher.py WeightPusher "full": buckets (--bucket-mib) streamed from the tensors' memory
+            with per-tensor xxh3 checksums; the ingress puts each bucket in the object store once, and the replicas
+            view and check each one in place while the next streams
   bucketed  only the tensors whose checksum changed (at any lr > 0 every trained tensor changes)
   delta     changed tensors as XOR against the last push, byte planes zlib-compressed
   bytes     the old client path: FarmClient.push_weights(safetensors.torch.save(state)) (one bucket, SHA-256)
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--lr", type=float, default=2e-5, help="the step before each push (the demo's lr)")
+    ap.add_argument("--bucket-mib", type=float, default=0, help="WeightPusher's bucket size (0: its default)")
     ap.add_argument("--train-steps", type=int, default=0, help="farm train steps per mode for the step-time share")
     ap.add_argument("--train-modes", default="full,bucketed,delta")
     ap.add_argument("--train-args", default="", help="more farm train overrides, space-separated")
@@ -65,6 +67,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from services.client import FarmClient
+    from services.weights.buckets import BUCKET_BYTES
     from services.weights.pusher import WeightPusher
     from services.weights.state_dict import canonical_state_dict
 
@@ -86,7 +89,8 @@ def main() -> None:
     modes: dict[str, list[str]] = {a: [] for a in arms}  # how each push went (a bucketed push of everything: full)
     try:
         with FarmClient(url, TOKEN, timeout=1800) as client:
-            pusher = WeightPusher(client, "full", keep_copy=True)
+            bucket = int(args.bucket_mib * 2**20) or BUCKET_BYTES
+            pusher = WeightPusher(client, "full", bucket_bytes=bucket, keep_copy=True)
             version = client.weights_version().version
 
             def step() -> None:

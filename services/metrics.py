@@ -210,6 +210,28 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
         ["replica"],
         registry=scrape,
     )
+    shared = Gauge(
+        "farm_replica_prefill_shared_tokens",
+        "Prompt tokens the group cache saved from each replica's prefill since it started: a prompt fed once for all "
+        "the samples that share it, or found in the prompt cache (torch) (read at scrape time)",
+        ["replica"],
+        registry=scrape,
+    )
+    drafts = Gauge(
+        "farm_replica_draft_tokens",
+        "Speculative decoding (torch, FARM_ENGINE_SPECULATIVE_TOKENS): drafted tokens verified (outcome=proposed) "
+        "and accepted (outcome=accepted) by each replica's engine since it started (read at scrape time)",
+        ["replica", "outcome"],
+        registry=scrape,
+    )
+    by_sampler = Gauge(
+        "farm_sampler_draft_tokens",
+        "Speculative decoding: drafted tokens verified (outcome=proposed) and accepted (outcome=accepted) for each "
+        "sampler's rollouts on each replica since it started; acceptance rate per sampler = accepted / proposed "
+        "(read at scrape time)",
+        ["replica", "sampler", "outcome"],
+        registry=scrape,
+    )
     sizes = {
         "batch_rows": HistogramMetricFamily(
             "farm_engine_batch_size", "Samples decoded together, per engine decode step", labels=["replica"]
@@ -229,6 +251,12 @@ def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> 
             waiting.labels(st.replica).set(st.rollouts_waiting)
             prefill.labels(st.replica).set(st.prefill_tokens)
             cache_hits.labels(st.replica).set(st.session_cache_tokens)
+            shared.labels(st.replica).set(st.prefill_shared_tokens)
+            drafts.labels(st.replica, "proposed").set(st.draft_tokens)
+            drafts.labels(st.replica, "accepted").set(st.draft_accepted_tokens)
+            for sampler, counts in st.drafts_by_sampler.items():
+                by_sampler.labels(st.replica, sampler, "proposed").set(counts.drafted)
+                by_sampler.labels(st.replica, sampler, "accepted").set(counts.accepted)
             for field, family in sizes.items():
                 h = getattr(st, field)
                 if h.bounds:

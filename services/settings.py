@@ -77,6 +77,21 @@ class ServiceSettings(BaseSettings):
         description="Bytes of KV cache the torch engine keeps for sessions between their turns (least recently used "
         "first out; 0: none), so a turn prefills only its new tokens.",
     )
+    engine_prompt_cache_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Bytes of KV cache the torch engine keeps for prompts it prefilled (least recently used first out; "
+        "0: none), so that a later call with the same prompt on the same weights (a sampler's next round, a group "
+        "split across calls) prefills only its last token. The rows of one call share a prompt's prefill anyway.",
+    )
+    engine_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Speculative decoding on the torch engine: up to this many tokens drafted per row and step from "
+        "the farm's own history (earlier rollouts of the same prompt, and its group's siblings), verified in one "
+        "forward pass with the exact acceptance rule (samples and logprobs are the plain path's); 0: off.",
+    )
     sessions_per_replica: int = Field(
         4096,
         ge=1,

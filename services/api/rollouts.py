@@ -1,8 +1,9 @@
-"""POST /v1/rollouts (JSON or NDJSON stream) and DELETE /v1/rollouts/{request_id}."""
+"""POST /v1/rollouts (JSON or NDJSON stream) and DELETE /v1/rollouts/{request_id} (?partial=true: with what it
+generated)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
 from services import protocol as P
@@ -27,7 +28,19 @@ async def rollouts(req: P.RolloutRequest, farm=Depends(ingress)):
     return await farm.rollouts.answer(req)
 
 
-@admin.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse)
-async def cancel_rollout(request_id: str, farm=Depends(ingress)):
-    """Cancel a running rollout by its request_id; its engine work stops at the next token."""
-    return await farm.rollouts.cancel(request_id)
+@admin.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse, response_model_exclude_none=True)
+async def cancel_rollout(
+    request_id: str,
+    partial: bool = Query(
+        False,
+        description="Answer with what the rollout generated up to the cut (`groups`), for a trainer to recycle: "
+        "its samples cut short finish 'abort' with their tokens, logprobs and per-token weight versions so far.",
+    ),
+    farm=Depends(ingress),
+):
+    """Cancel a running rollout by its request_id; its engine work stops at the next token. With `partial`, the
+    rollout answers with what it generated (its own caller gets the same answer), and so does this DELETE."""
+    if not partial:
+        return await farm.rollouts.cancel(request_id)
+    cancelled, groups = await farm.rollouts.jobs.cut(request_id, lambda: farm.replicas.all("cut_rollout", request_id))
+    return P.CancelResponse(request_id=request_id, cancelled=cancelled, groups=groups)

@@ -70,10 +70,11 @@ async def update_weights_from_distributed(req: S.UpdateWeightsFromDistributedReq
     return await farm.sglang_native.update_distributed(req)
 
 
-@admin.post("/pause_generation")
+@admin.post("/pause_generation", responses=WEIGHT_ERRORS)
 async def pause_generation(req: S.PauseGenerationRequest | None = None, farm=Depends(ingress)):
-    """Admit nothing new and end what runs at its next token, until /continue_generation."""
-    return await farm.sglang_native.pause()
+    """Admit nothing new until /continue_generation; what runs ends at its next token ('abort', the default) or is
+    held ('in_place': at a step boundary with its KV cache; 'retract': back to the waiting queue)."""
+    return await farm.sglang_native.pause(req or S.PauseGenerationRequest())
 
 
 @admin.post("/continue_generation")
@@ -91,6 +92,7 @@ async def flush_cache():
 
 @admin.post("/abort_request")
 async def abort_request(req: S.AbortRequest, farm=Depends(ingress)):
-    """Cancel the /generate sent with this string rid (its samples finish 'abort'), or all with abort_all."""
+    """End the /generate sent with this string rid at its next token: it answers with its tokens so far, finished
+    'abort'. abort_all: every running generation."""
     await farm.sglang_native.abort(req)
     return Response(status_code=200)

@@ -3,6 +3,7 @@
 openai_api.py     OpenAICompat: /v1/completions and /v1/chat/completions (services/api/openai.py) become rollouts
                   through the Fanout; logprobs from a scoring pass on a replica
 openai_stream.py  the server-sent events of a streamed OpenAI answer
+chat_render.py    ChatRenderer: chat templates rendered in the ingress, with the tokenizer a replica hands it once
 sglang_native.py  SGLangNative: SGLang's own HTTP routes (/generate, the weight, pause and abort routes;
                   services/api/sglang_native.py) translated onto Rollouts, WeightPush and the replicas' control. This is
                   the HTTP surface only; the SGLang engine is services/engine/sglang_engine.py.

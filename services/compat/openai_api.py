@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from services import protocol as P
+from services.compat.chat_render import ChatRenderer
 from services.errors import Invalid, pydantic_fields
 from services.rollout.jobs import Job
 
@@ -24,6 +25,7 @@ class OpenAICompat:
     def __init__(self, fanout: Fanout, replicas: Replicas, checks: RequestChecks, model: str, committed):
         self.fanout, self.replicas, self.checks, self.committed = fanout, replicas, checks, committed
         self.model_name = os.path.basename(model.rstrip("/"))
+        self.chat_render = ChatRenderer(replicas)  # the chat template rendered here, with a replica's tokenizer
 
     async def models(self) -> dict:
         """GET /v1/models: the one served policy, with the committed weight version and the context length."""
@@ -48,7 +50,7 @@ class OpenAICompat:
 
     async def chat(self, req: P.ChatCompletionRequest) -> dict:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        text = await self.replicas.call("render_chat", messages)
+        text = await self.chat_render.render(messages)
         if text is None:
             raise Invalid(
                 [{"field": "messages", "message": "no chat template"}],
@@ -62,7 +64,9 @@ class OpenAICompat:
         if req.top_logprobs and not req.logprobs:
             raise Invalid([{"field": "top_logprobs", "message": "needs logprobs=true"}])
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        await self.checks.fits([P.Prompt(text=text)], max_tokens, "max_completion_tokens", "messages")
+        if await self.checks.context_length() is not None:  # counted here: no Ray call to a replica
+            counted = P.Prompt(token_ids=await self.chat_render.token_ids(text))
+            await self.checks.fits([counted], max_tokens, "max_completion_tokens", "messages")
         groups = await self.generate([P.Prompt(text=text)], req.n, sampling(max_tokens, req, req.stop))
         top_k = req.top_logprobs or 0
         scored = await self.scored(groups, top_k, False) if req.logprobs and top_k else None
@@ -94,7 +98,7 @@ class OpenAICompat:
         return (await self.fanout.produce(Job(len(prompts)), rollout)).groups
 
     async def pieces(self, groups: list[P.Group]) -> list[list[str]]:
-        return await self.replicas.call("token_pieces", [s.token_ids for g in groups for s in g.samples])
+        return await self.chat_render.read("token_pieces", [s.token_ids for g in groups for s in g.samples])
 
     async def scored(self, groups: list[P.Group], top_k: int, echo: bool) -> list[dict]:
         """Each choice's tokens scored in one pass over prompt and completion: logprobs and the top_k alternatives

@@ -8,6 +8,7 @@ n > 1; logprobs as [logprob, token_id, text|null]; meta_info.weight_version a st
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import uuid
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from services.settings import ServiceSettings
     from services.weights.push import WeightPush
 
+log = logging.getLogger("farm.service")
 SGLANG_VERSION = "0.5.14"  # the SGLang release whose HTTP surface this mirrors
 MAX_TOP_LOGPROBS = 20
 
@@ -198,10 +200,15 @@ class SGLangNative:
             raise Invalid([{"field": "weight_version", "message": f"{given!r}: the farm's versions are integers >= 1"}])
         return int(given)
 
-    async def pause(self) -> dict:
-        """mode 'abort': nothing new is admitted, then what runs ends at its next token."""
-        await self.replicas.control("pause")
-        await self.replicas.control("abort")
+    async def pause(self, req: S.PauseGenerationRequest) -> dict:
+        """Nothing new is admitted; then what runs ends at its next token with its tokens so far ('abort'), or is
+        held by the engine ('in_place', 'retract': services/engine/torch_hold.py; 501 from an engine that cannot)."""
+        if req.mode == "abort":
+            await self.replicas.control("pause")
+            await self.replicas.control("abort")
+        else:
+            states = await self.replicas.all("pause", req.mode)
+            log.info("control", extra={"action": f"pause {req.mode}", "replicas": len(states)})
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     async def resume(self) -> dict:
@@ -209,10 +216,19 @@ class SGLangNative:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     async def abort(self, req: S.AbortRequest) -> None:
+        """abort_all: every replica's running generation ends at its next token. A rid: that /generate's engine calls
+        end at their next token, and it answers with their tokens so far, finished 'abort' (as SGLang's do); the cut
+        reaches a /generate still on its way to a replica too (services/replica/cuts.py)."""
         if req.abort_all:
             await self.replicas.control("abort")
         elif req.rid:
-            await self.rollouts.cancel(req.rid)
+
+            async def cut():
+                return await self.replicas.all("cut_rollout", req.rid)
+
+            running, _ = await self.rollouts.jobs.cut(req.rid, cut)
+            if not running:
+                await cut()
         else:
             raise Invalid([{"field": "rid", "message": "give the rid to abort, or abort_all=true"}])
 
@@ -271,7 +287,8 @@ def sglang_field(detail: dict, idx: list[int]) -> dict:
 
 
 def aborted(prompt: list[int], n: int, version: int) -> P.Group:
-    """The group of a rollout cancelled by /abort_request: n empty samples finished by 'abort'."""
+    """The group of a rollout cancelled outright (one that did not answer a cut in time: RolloutJobs.cut): n empty
+    samples finished by 'abort'."""
     sample = P.Sample(token_ids=[], logprobs=[], text="", finish_reason="abort", weight_version=version)
     return P.Group(prompt_token_ids=prompt, samples=[sample] * n, reward_mean=0.0, reward_std=0.0, zero_variance=True)
 
@@ -306,8 +323,22 @@ def answer(rid: str, prompt: list[int], s: P.Sample, params: S.SGLangSamplingPar
             "completion_tokens": len(s.token_ids),
             "cached_tokens": 0,
             "weight_version": str(s.weight_version),
+            "weight_versions": version_spans(s),
         },
     }
+
+
+def version_spans(s: P.Sample) -> list[dict]:
+    """meta_info.weight_versions as SGLang (>= 0.5.19) gives it: [{version, start, end}] over the output tokens, one
+    span per run of tokens sampled on one weight version (several when a commit landed mid-sample)."""
+    versions = s.token_weight_versions or [s.weight_version] * len(s.token_ids)
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
 
 
 def model_config(model: str) -> dict:

@@ -12,7 +12,8 @@ commit_weights   serve the staged weights as the new version; `policy` says what
                    partial  they go on with the new weights from their next token (see token_versions)
 discard_weights  drop what was staged (another replica refused it)
 pause / resume   stop and restart admitting new generate calls (`paused` says which); a generate call that waits
-                 at the gate ends "abort" with no tokens if its `cancel` is set first
+                 at the gate ends "abort" with no tokens if its `cancel` is set first. pause(mode): "in_place" and
+                 "retract" also hold the running rows (SGLang's modes; the torch engine, torch_hold.py)
 abort            end every in-flight generate call at its next token ("abort")
 health           prove the engine can sample one token (temperature 1)
 init_weights_update_group / update_weights_from_distributed
@@ -63,6 +64,8 @@ class EngineOutput:
     token_versions: list[int] = field(default_factory=list)  # one per token; differ only under the "partial" policy
     # per token, under the distribution sampled (temperature, top-k/p; 0 when greedy); None: the engine cannot tell
     sampling_logprobs: list[float] | None = None
+    draft_tokens: int = 0  # speculative decoding: drafted tokens verified for this sample, and those accepted
+    draft_accepted: int = 0
 
 
 @dataclass
@@ -247,8 +250,17 @@ class Engine(abc.ABC):
         )
 
     # lifecycle ------------------------------------------------------------------------------------
-    def pause(self) -> None:
-        """Close the admit gate: new generate calls wait until resume; running ones go on."""
+    def pause(self, mode: str = "wait") -> None:
+        """Close the admit gate: new generate calls wait until resume; running ones go on ("wait"). The modes
+        "in_place" (hold the running rows at a step boundary, keeping their KV cache) and "retract" (put them back
+        in the waiting queue, to continue from prompt + tokens so far) are SGLang's; an engine whose scheduler can
+        hold rows overrides this (torch: torch_hold.py), the others refuse them (501)."""
+        if mode != "wait":
+            raise EngineVerbMissing.of(
+                self,
+                f"pause mode {mode!r} (holding running requests)",
+                "pause with mode 'abort', or use FARM_ENGINE=torch",
+            )
         self._gate().clear()
 
     def resume(self) -> None:

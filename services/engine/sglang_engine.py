@@ -31,6 +31,10 @@ far, finds its earlier turns cached there. A session's requests carry its id in 
 meta_info's prompt_tokens and cached_tokens feed the prefill counters (stats.prefill; on SGLang any prefix hit
 counts, a group's shared prompt too). forget_session has nothing to drop.
 
+Groups. SGLang's radix cache shares a prompt only once a request holding it has been prefilled: n copies sent
+together are each prefilled. So a call that holds a prompt more than once (a GRPO group) first prefills each distinct
+prompt alone, then sends the samples (`_group`), as SGLang's own n > 1 path does.
+
 Concurrency: the replica awaits agenerate, which awaits async_generate's future without holding a thread, so a
 replica keeps every rollout's calls in flight at once and SGLang's scheduler batches them continuously.
 
@@ -167,11 +171,10 @@ class SGLangEngine(Engine):
                 return self._cancelled_before_start(prompts)
             await asyncio.sleep(ADMIT_POLL_S)
         version, rids = self.weight_version, [f"{cache_key or 'call'}-{uuid.uuid4().hex}" for _ in prompts]
-        sampling = self._sampling(params)
+        distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
+        prefix_rids = [f"{rids[0]}-prefix-{i}" for i in range(len(distinct))] if len(distinct) < len(prompts) else []
         try:
-            done = self._loop.submit(
-                self.llm.async_generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids)
-            )
+            done = self._loop.submit(self._group(prompts, distinct, self._sampling(params), rids, prefix_rids))
         except BaseException:
             self._leave()
             raise
@@ -182,16 +185,33 @@ class SGLangEngine(Engine):
             while not result.done():
                 await asyncio.wait([result], timeout=0.05)  # never cancels `result`
                 if cancel.is_set():  # again at each tick: a request still being tokenized ignores its abort
-                    self._abort_requests(rids)
+                    self._abort_requests(prefix_rids + rids)
         except asyncio.CancelledError:
-            self._abort_requests(rids)
+            self._abort_requests(prefix_rids + rids)
             raise
-        results = await result  # done: no wait
+        prefixes, results = await result  # done: no wait
         outs = [self._output(r, params, version) for r in results]
-        for r in results:
+        for r in prefixes + results:
             self.stats.prefill(*self._prefill(r))
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
+
+    async def _group(
+        self, prompts: list[list[int]], distinct: list[list[int]], sampling: dict, rids: list[str], prefix_rids
+    ) -> tuple[list[dict], list[dict]]:
+        """On the engine's loop. When a prompt comes more than once (a group's n samples), each distinct prompt is
+        first prefilled alone (max_new_tokens 0), then all the samples go, and find it in the radix cache: the form
+        of SGLang's own n > 1 path (TokenizerManager._handle_batch_request, "Cache the common prefix"), which would
+        give the samples new rids that abort_request could not name. Returns (the prefills' results, the samples')."""
+        prefixes = []
+        if prefix_rids:
+            prefixes = await self.llm.async_generate(
+                input_ids=distinct, sampling_params={"max_new_tokens": 0}, rid=prefix_rids
+            )
+        results = await self.llm.async_generate(
+            input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids
+        )
+        return prefixes, results
 
     def generate(
         self,

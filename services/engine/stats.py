@@ -3,7 +3,9 @@
 busy seconds   time with at least one sample generating, since the engine started (1 - its rate: the idle ratio)
 batch sizes    per decode step, the rows (samples) in the batch and the generate calls they belong to
 prefill        prompt tokens fed through the model, and those a cache saved: a session's KV cache (torch engine), or
-               any prefix SGLang's radix cache held (its meta_info cached_tokens)
+               any prefix SGLang's radix cache held (its meta_info cached_tokens); and those the group cache saved
+               (torch engine: a prompt fed once for all its rows, or found in the prompt cache)
+drafts         with speculative decoding on (torch engine), the drafted tokens verified and those accepted
 
 The torch and bench engines count every decode step; the SGLang engine counts busy time and prefill only (SGLang's
 own metrics, e.g. sglang:num_running_reqs, report its batches).
@@ -44,7 +46,8 @@ class EngineStats:
         self._busy_since: float | None = None
         self._busy_total = 0.0
         self.rows, self.calls = Histogram(), Histogram()
-        self.prefill_tokens = self.reused_tokens = 0
+        self.prefill_tokens = self.reused_tokens = self.shared_tokens = 0
+        self.draft_tokens = self.accepted_tokens = 0
 
     def busy(self, active: bool) -> None:
         """Whether at least one sample is generating now (call it whenever that may have changed)."""
@@ -62,11 +65,19 @@ class EngineStats:
             self.rows.observe(rows)
             self.calls.observe(calls)
 
-    def prefill(self, fed: int, reused: int) -> None:
-        """A prefill fed `fed` prompt tokens through the model; `reused` more came from a session's KV cache."""
+    def prefill(self, fed: int, reused: int, shared: int = 0) -> None:
+        """A prefill fed `fed` prompt tokens through the model; `reused` more came from a session's KV cache, and
+        `shared` more from the group cache (another row's prefill of the same prompt)."""
         with self._lock:
             self.prefill_tokens += fed
             self.reused_tokens += reused
+            self.shared_tokens += shared
+
+    def drafted(self, proposed: int, accepted: int) -> None:
+        """A speculative step verified `proposed` drafted tokens and accepted `accepted` of them."""
+        with self._lock:
+            self.draft_tokens += proposed
+            self.accepted_tokens += accepted
 
     @property
     def busy_seconds(self) -> float:
@@ -85,4 +96,7 @@ class EngineStats:
                 "batch_calls": self.calls.snapshot(),
                 "prefill_tokens": self.prefill_tokens,
                 "session_cache_tokens": self.reused_tokens,
+                "prefill_shared_tokens": self.shared_tokens,
+                "draft_tokens": self.draft_tokens,
+                "draft_accepted_tokens": self.accepted_tokens,
             }

@@ -5,6 +5,8 @@ Batch   one KV cache, left padded so that every row's next token sits at the sam
         theirs); a finished row leaves (its cache row is dropped), and columns that no row attends to any more are
         trimmed from the left. Positions are per row, so padding never shifts a row's positions, and a padded column
         is masked out: a row decodes as it would alone, up to float rounding.
+        The group cache: a prompt that several new rows share (a GRPO group's n samples) goes through the model
+        once; `fan_out` then copies its cache row and first-token logits to each of them, which decode apart.
 Slots   each row's tokens, logprobs, sampling logprobs (write) and per-token weight versions (record_token_versions)
         so far, written for the whole batch in one operation each per step, read once when the row ends.
 """
@@ -35,8 +37,8 @@ class Batch:
 
     @classmethod
     def prefill(cls, model, prompts: list[list[int]], pad_id: int, rows: dict, calls: list, index: list[int]):
-        """New rows: their prompts in one forward pass (left padded). Returns the batch of them and the logits of
-        their first token (B, V)."""
+        """New rows: their prompts in one forward pass (left padded; give each distinct prompt once and fan_out).
+        Returns the batch of them and the logits of their first token (B, V)."""
         B, L, dev = len(prompts), max(map(len, prompts)), rows["slot"].device
         ids = torch.full((B, L), pad_id, dtype=torch.long)
         mask = torch.zeros((B, L), dtype=torch.long)
@@ -67,9 +69,27 @@ class Batch:
         b.t = {**rows, "pos": torch.tensor([n], device=dev), "last": torch.zeros(1, dtype=torch.long, device=dev)}
         return b, out.logits[:, -1, :].float()
 
-    def row_cache(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row i's keys and values at the columns it attends to, (1, heads, tokens, dim) per layer, copied."""
+    def fan_out(self, logits: torch.Tensor, which: list[int], rows: dict, calls: list, index: list[int]):
+        """Row j of the result is a copy of this batch's row which[j] (its cache, mask and position), with its own
+        `rows` params, call and index: the rows of one prompt share its prefill. Returns their logits
+        (len(which), V)."""
+        if which != list(range(len(self))):
+            idx = torch.tensor(which, dtype=torch.long, device=self.mask.device)
+            self.cache.reorder_cache(idx)  # index_select: each row gets its own copy, so rows leave one by one
+            self.mask, logits, pos = self.mask[idx], logits[idx], self.t["pos"][idx]
+        else:
+            pos = self.t["pos"]
+        self.t = {**rows, "pos": pos, "last": torch.zeros(len(which), dtype=torch.long, device=pos.device)}
+        self.calls, self.index = list(calls), list(index)
+        return logits
+
+    def row_cache(self, i: int, drop_last: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row i's keys and values at the columns it attends to, (1, heads, tokens, dim) per layer, copied (without
+        the last of them with drop_last)."""
         cols = self.mask[i].bool()
+        if drop_last:
+            cols = cols.clone()
+            cols[int(cols.nonzero()[-1])] = False
         return [
             (layer.keys[i : i + 1, :, cols].clone(), layer.values[i : i + 1, :, cols].clone())
             for layer in self.cache.layers
@@ -88,6 +108,35 @@ class Batch:
         )
         self.cache, t["pos"] = out.past_key_values, t["pos"] + 1
         return out.logits[:, -1, :].float()
+
+    def verify(self, model, draft: torch.Tensor, n_draft: torch.Tensor) -> torch.Tensor:
+        """One forward pass of every row's last token and its drafts (B, K), row i's first n_draft[i] real: the logits
+        at those K + 1 positions (B, K + 1, V) (torch_draft_step.py). The K + 1 new columns stay until settle()."""
+        t, K = self.t, draft.shape[1]
+        cols = torch.arange(K + 1, device=draft.device)
+        self.mask = torch.cat([self.mask, (cols[None] <= n_draft[:, None]).to(self.mask.dtype)], dim=1)
+        out = model(
+            input_ids=torch.cat([t["last"][:, None], draft], 1),
+            attention_mask=self.mask,
+            position_ids=t["pos"][:, None] + cols[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        return out.logits.float()
+
+    def settle(self, rows: int, width: int, fed: torch.Tensor) -> None:
+        """After verify(): the first `rows` rows keep the first fed[i] of the `width` columns it added (their last
+        token and the drafts accepted) and mask out the rest; columns no row attends to any more are dropped."""
+        cols = torch.arange(width, device=fed.device)
+        self.mask[:rows, -width:] = (cols[None] < fed[:, None]).to(self.mask.dtype)
+        self.t["pos"][:rows] += fed
+        used = self.mask.any(0)
+        if not bool(used.all()) and self.joinable():
+            idx = used.nonzero().squeeze(-1)
+            self.mask = self.mask[:, idx]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, idx], layer.values[:, :, idx]
 
     def joinable(self) -> bool:
         """Whether rows can join this batch: every cache layer is a plain DynamicLayer (full attention). A model with

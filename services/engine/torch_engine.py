@@ -32,6 +32,7 @@ from services.engine.base import (
 from services.engine.torch_sampling import RegexMask, processed_logits, text_hits_stop  # noqa: F401  (their home)
 from services.engine.torch_scheduler import BatchScheduler
 from services.engine.torch_session_cache import SessionKV
+from services.engine.torch_speculative import History
 from services.protocol import InFlightPolicy, SamplingParams
 from services.weights.checks import WeightsRejected, check_state_dict, non_finite
 from services.weights.state_dict import canonical_state_dict, spec_of
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 MAX_BATCH_SIZE = 256  # rows decoded at once (FARM_ENGINE_MAX_BATCH_SIZE)
 BATCH_WINDOW_S = 0.005  # how long an idle engine waits for more calls after one arrives (FARM_ENGINE_BATCH_WINDOW_S)
 SESSION_CACHE_BYTES = 1 << 30  # KV cache kept for sessions between turns (FARM_ENGINE_SESSION_CACHE_BYTES)
+PROMPT_CACHE_BYTES = 256 << 20  # KV cache kept for prompts' next calls (FARM_ENGINE_PROMPT_CACHE_BYTES)
 
 
 @ENGINES.register("torch")
@@ -57,6 +59,9 @@ class TorchEngine(BatchScheduler, Engine):
         max_batch_size: int = MAX_BATCH_SIZE,
         batch_window_s: float = BATCH_WINDOW_S,
         session_cache_bytes: int = SESSION_CACHE_BYTES,
+        prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
+        share_prompts: bool = True,
+        speculative_tokens: int = 0,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -76,6 +81,10 @@ class TorchEngine(BatchScheduler, Engine):
         self._commit: InFlightPolicy | None = None  # the policy of a commit waiting to be applied
         self.generated_tokens = 0
         self.session_kv = SessionKV(session_cache_bytes)
+        self.prompt_kv = SessionKV(prompt_cache_bytes)  # a prompt's cache for its next call (torch_scheduler.py)
+        self.share_prompts = share_prompts  # False: every row prefills its own prompt (the tests' and bench's baseline)
+        self.speculative_tokens = speculative_tokens  # torch_draft_step.py
+        self.history = History() if speculative_tokens else None
         self._start_scheduler(threads, max_batch_size, batch_window_s)
 
     @classmethod
@@ -88,6 +97,8 @@ class TorchEngine(BatchScheduler, Engine):
             max_batch_size=settings.engine_max_batch_size,
             batch_window_s=settings.engine_batch_window_s,
             session_cache_bytes=settings.engine_session_cache_bytes,
+            prompt_cache_bytes=settings.engine_prompt_cache_bytes,
+            speculative_tokens=settings.engine_speculative_tokens,
         )
 
     # lifecycle -------------------------------------------------------------

@@ -35,6 +35,9 @@ import torch
 
 from services.engine.base import EngineOutput
 from services.engine.torch_batch import Batch, Slots
+from services.engine.torch_draft_step import DraftSteps
+from services.engine.torch_hold import HoldRows
+from services.engine.torch_prefill import PrefillRows
 from services.engine.torch_sampling import Group, RegexMask, draw, text_hits_stop
 from services.engine.torch_session_cache import CachedSequence
 from services.protocol import SamplingParams
@@ -66,9 +69,10 @@ class Call:
         self.live = len(prompts)
 
 
-class BatchScheduler:
+class BatchScheduler(HoldRows, PrefillRows, DraftSteps):
     """Mixed into TorchEngine, which sets model, device, tokenizer, eos_ids, pad_id, weight_version, the locks and
-    the commit state, session_kv, and _apply_staged(); Engine gives `paused`, `stats` and _cancelled_before_start()."""
+    the commit state, session_kv, prompt_kv and _apply_staged(); Engine gives `paused`, `stats` and
+    _cancelled_before_start()."""
 
     def _start_scheduler(self, threads: int | None, max_batch_size: int, window_s: float) -> None:
         self.max_batch_size, self.window_s = max_batch_size, window_s
@@ -120,26 +124,35 @@ class BatchScheduler:
     def _loop_once(self) -> None:
         with self._cv:
             while True:
+                self._settle_retracted()  # torch_hold.py: pause with the running rows held
                 self._drop_cancelled_pending()
+                if self._done or (self._hold is not None and self._held_work()):
+                    admit = []
+                    break
                 if self._commit is not None and (self._commit == "partial" or not self.batch):
                     admit = []
                     break
                 admit, wait_s = self._admissible()
-                if admit or self.batch:
+                if admit or (self.batch and self._hold is None):
                     break
                 self._cv.wait(wait_s)
         with self._lock, torch.inference_mode():
-            applied = self._commit == "partial"
+            hold = self._hold
+            if hold == "retract":
+                self._retract()
+            applied = self._commit == "partial" or (hold is not None and self._commit == "finish")
             if applied:
                 self._apply_staged()
             self._end_cancelled()
             if self._commit is not None and not self.batch:  # "finish" or "abort": in-flight rows are gone
                 self._apply_staged()
                 applied = True
-            self._admitting = admit  # failed with the running calls if the step fails
-            if admit or self.batch:
-                self._step(self._admit_calls(admit))
-            self.stats.busy(bool(self.batch))
+            self._admitting = admit = self._hold_back(admit) if hold is not None else admit
+            if admit or (self.batch and hold is None):  # failed with the running calls if the step fails
+                new = self._admit_calls(admit)
+                self._carry_over(new)
+                self._step(new)
+            self.stats.busy(bool(self.batch) and hold is None)
         if applied:
             self._wake()  # commit_weights waits for it
 
@@ -207,47 +220,21 @@ class BatchScheduler:
             "top_p": torch.tensor(rows["top_p"], dtype=torch.float32, device=dev),
             "gone": torch.zeros(B, dtype=torch.bool, device=dev),
             "stops": torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=dev),
+            "drafted": torch.zeros(B, dtype=torch.long, device=dev),  # per row, for EngineOutput (torch_draft_step.py)
+            "accepted": torch.zeros(B, dtype=torch.long, device=dev),
+            "hist": torch.tensor(  # the row's sequence in the draft history (torch_draft_step.py), -1: off
+                [self.history.open(p) for p in prompts] if self.history is not None else [-1] * B, device=dev
+            ),
         }
         return self._prefill(prompts, t, calls_of, index)
-
-    def _prefill(self, prompts: list[list[int]], t: dict, calls_of: list[Call], index: list[int]):
-        """The new rows prefilled: a row whose session's KV cache this replica holds feeds only its new tokens
-        (torch_session_cache.py), the others go through one padded forward pass together."""
-        cached = {}
-        if self.batch.joinable():
-            for i, call in enumerate(calls_of):
-                if call.cache_key is not None:
-                    hit = self.session_kv.match(call.cache_key, prompts[i], self.weight_version)
-                    if hit is not None:
-                        cached[i] = hit
-        plain = [i for i in range(len(prompts)) if i not in cached]
-        parts = []
-        if plain:
-            rows = {k: v[plain] for k, v in t.items()}
-            parts.append(
-                Batch.prefill(
-                    self.model,
-                    [prompts[i] for i in plain],
-                    self.pad_id,
-                    rows,
-                    [calls_of[i] for i in plain],
-                    [index[i] for i in plain],
-                )
-            )
-        for i, hit in cached.items():
-            rows = {k: v[i : i + 1] for k, v in t.items()}
-            parts.append(Batch.prefill_cached(self.model, hit, prompts[i], rows, [calls_of[i]], [index[i]]))
-        reused = sum(len(hit.tokens) for hit in cached.values())
-        self.stats.prefill(sum(map(len, prompts)) - reused, reused)
-        batch, logits = parts[0]
-        for other, more in parts[1:]:
-            batch.extend(other)
-            logits = torch.cat([logits, more])
-        return batch, logits
 
     def _step(self, new: tuple[Batch, torch.Tensor] | None) -> None:
         """One decode step of the running rows and the first token of the new ones."""
         b = self.batch
+        if self.history is not None and len(b) and b.joinable():
+            drafted = self._drafts()
+            if drafted is not None:  # torch_draft_step.py: some row has a draft
+                return self._step_drafted(new, *drafted)
         parts = [b.decode(self.model)] if len(b) else []
         if new is not None:
             parts.append(new[1])
@@ -257,11 +244,7 @@ class BatchScheduler:
             return
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         t = b.t
-        if self._groups is None:
-            self._regroup()
-        for g in self._groups:
-            if g.regex is not None:
-                g.texts = [self.slots.tokens(int(t["slot"][i]), int(t["step"][i])) for i in g.rows]
+        self._ready_groups()
         d = draw(logits, t["temperature"], t["top_k"], t["top_p"], self._groups, self.pad_id)
         live = ~t["gone"]
         everyone = bool(live.all())
@@ -270,6 +253,10 @@ class BatchScheduler:
         self.slots.write(slot, step, token, logprob, sampling_logprob)
         self.slots.record_token_versions(slot, step, self.weight_version)
         t["last"] = d.token
+        if self.history is not None:
+            for h, token, alive in zip(t["hist"].tolist(), d.token.tolist(), live.tolist()):
+                if alive:
+                    self.history.extend(h, [token])
         hit = (d.token[:, None] == t["stops"]).any(-1)
         if d.dead is not None:
             hit &= ~d.dead
@@ -290,6 +277,15 @@ class BatchScheduler:
                 length = int(n[i]) - int(dead[i])
                 self._finish_row(i, length, "stop" if bool(hit[i]) else "length")
             self._remove(ended)
+
+    def _ready_groups(self) -> None:
+        """The draw groups for this step (rebuilt after the rows changed), regex groups given their rows' tokens."""
+        t = self.batch.t
+        if self._groups is None:
+            self._regroup()
+        for g in self._groups:
+            if g.regex is not None:
+                g.texts = [self.slots.tokens(int(t["slot"][i]), int(t["step"][i])) for i in g.rows]
 
     def _regroup(self) -> None:
         """Which rows draw together, and which check stop strings (after the rows changed)."""
@@ -319,7 +315,11 @@ class BatchScheduler:
         b = self.batch
         call, slot = b.calls[i], int(b.t["slot"][i])
         tok, lp, slp, ver = self.slots.read(slot, length)
-        call.outputs[b.index[i]] = EngineOutput(tok, lp, reason, ver[0] if length else self.weight_version, ver, slp)
+        if self.history is not None:
+            self.history.close(int(b.t["hist"][i]), keep=reason != "abort")
+        drafts = int(b.t["drafted"][i]), int(b.t["accepted"][i])
+        first = ver[0] if length else self.weight_version
+        call.outputs[b.index[i]] = EngineOutput(tok, lp, reason, first, ver, slp, *drafts)
         if call.cache_key is not None and reason != "abort":
             self._keep_session(i, call, tok)
         call.live -= 1
@@ -344,6 +344,7 @@ class BatchScheduler:
         b = self.batch
         keep = self._rows_to_keep(ended | b.t["gone"], torch.arange(len(b), device=ended.device))
         b.t["gone"] |= ended
+        self._forget_drafts(b.t["hist"][~keep])
         if bool(b.t["gone"][keep].all()):  # only rows kept after their end: the batch is over
             keep = torch.zeros_like(keep)
         self.slots.release(b.t["slot"][~keep].tolist())
@@ -371,6 +372,8 @@ class BatchScheduler:
                     call.future.set_exception(error)
             self._active.clear()
             self._admitting = []
+            if len(self.batch):
+                self._forget_drafts(self.batch.t["hist"])
             self.batch, self.slots, self._groups = Batch(), Slots(self.device), None
             self.stats.busy(False)
 

@@ -27,7 +27,7 @@ from services.protocol.common import (
     Text,
     TokenId,
 )
-from services.protocol.control import ControlResponse, Health, Readiness, ReplicaState
+from services.protocol.control import ControlResponse, DraftCounts, Health, Readiness, ReplicaState
 from services.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.protocol.queue import (
     AckRequest,
@@ -107,6 +107,7 @@ __all__ = [
     "WeightsPushResponse",
     "Health",
     "ReplicaState",
+    "DraftCounts",
     "ControlResponse",
     "Readiness",
     "CompletionRequest",

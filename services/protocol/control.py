@@ -34,6 +34,13 @@ class BatchSizes(BaseModel):
     max: int = Field(0, description="The largest value observed.")
 
 
+class DraftCounts(BaseModel):
+    """Speculative decoding's drafted tokens verified, and those accepted (acceptance rate: accepted / drafted)."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
 class ReplicaState(BaseModel):
     replica: str = Field(..., description="Ray Serve replica id.")
     weight_version: int
@@ -60,6 +67,20 @@ class ReplicaState(BaseModel):
         0,
         description="Prompt tokens a cache saved from the prefill since start: a session's KV cache (torch), any "
         "radix-cache prefix hit (SGLang).",
+    )
+    prefill_shared_tokens: int = Field(
+        0,
+        description="Prompt tokens the group cache saved from the prefill since start (torch): a prompt fed once for "
+        "all the rows that share it, or found in the prompt cache (FARM_ENGINE_PROMPT_CACHE_BYTES).",
+    )
+    draft_tokens: int = Field(
+        0, description="Drafted tokens verified since start (torch, FARM_ENGINE_SPECULATIVE_TOKENS > 0)."
+    )
+    draft_accepted_tokens: int = Field(
+        0, description="Drafted tokens accepted since start: the acceptance rate is this / draft_tokens."
+    )
+    drafts_by_sampler: dict[str, DraftCounts] = Field(
+        default_factory=dict, description="The drafted and accepted tokens of rollouts, per sampler, since start."
     )
 
 

@@ -197,3 +197,9 @@ class StreamEnd(BaseModel):
 class CancelResponse(BaseModel):
     request_id: str
     cancelled: bool = Field(..., description="False when no request with this id was running.")
+    groups: list[Group] | None = Field(
+        None,
+        description="With ?partial=true: what the request generated up to the cut, for a trainer to recycle: its "
+        "finished groups whole, and the samples cut short finished 'abort' with their tokens and logprobs so far; "
+        "every sample carries token_weight_versions (one per token). Absent otherwise.",
+    )

@@ -165,12 +165,15 @@ class UpdateWeightsFromDistributedRequest(RequestModel):
 
 
 class PauseGenerationRequest(RequestModel):
-    """POST /pause_generation: abort what runs and admit nothing until /continue_generation."""
+    """POST /pause_generation: admit nothing until /continue_generation; what runs is aborted or held."""
 
-    mode: Literal["abort"] = Field(
+    mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
-        description="Only 'abort': the farm's engines cannot hold a request mid-generation ('retract', 'in_place'); "
-        "POST /v1/pause lets running calls finish instead.",
+        description="'abort': running requests end at their next token, answering with their tokens so far "
+        "(finish_reason abort). 'in_place': they are held at a step boundary with their KV cache. 'retract': they go "
+        "back to the waiting queue, their KV cache dropped, and continue later from prompt + tokens so far. Held "
+        "requests go on after /continue_generation, under the weights served then. The torch engine holds; other "
+        "engines answer 501 to 'in_place' and 'retract'. POST /v1/pause lets running calls finish instead.",
     )
 
 
@@ -193,7 +196,9 @@ class AbortRequest(RequestModel):
         }
     )
 
-    rid: Text = Field("", description="The rid a /generate was sent with.")
+    rid: Text = Field(
+        "", description="The string rid a /generate was sent with: it answers at once with the tokens it generated."
+    )
     abort_all: bool = Field(False, description="End every replica's running generation at its next token.")
 
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import os
 import threading
+from contextlib import nullcontext
 
 from services import logs
 from services import protocol as P
 from services.engine import ENGINES, Engine, EngineOutput
 from services.engine.base import cancellable
-from services.episodes import chat_delta
-from services.errors import Unavailable, VersionNotReached, described
+from services.errors import EngineVerbMissing, Unavailable, VersionNotReached, described
 from services.plugins import load_plugins
+from services.replica.chat_template import chat_turn, render
+from services.replica.cuts import Cut, Cuts
 from services.replica.group_sampling import prompt_ids, sample_groups
 from services.replica.overload import Full
 from services.replica.session_routes import session_routes
@@ -73,10 +76,12 @@ class EngineServer(ReplicaWeights):
         self.catch_up_lock = asyncio.Lock()
         self.rollout_slots, self.rollouts_waiting = asyncio.Semaphore(settings.engine_max_ongoing_requests), 0
         self.rollouts_running = 0
+        self.drafts: dict[str, list[int]] = {}  # sampler -> [drafted, accepted] tokens (speculative decoding)
         self.weights_lost: str | None = None  # the WeightStore's reason, while the committed version cannot be loaded
         self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
         self.session_route = session_routes(self.engine, settings.sessions_per_replica)
+        self.cuts = Cuts()  # the running rollouts by request_id, for cut_rollout (services/replica/cuts.py)
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
 
@@ -105,13 +110,19 @@ class EngineServer(ReplicaWeights):
         meta: dict | None = None,
         sampler: P.SamplerSpec | None = None,
         routing_key: str | None = None,
+        request_id: str | None = None,
     ) -> list[P.Group] | Full | VersionNotReached | Unavailable:
         """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
         waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
         exception (Serve would log each one with a traceback); so are a version not committed in time (409) and one
-        that cannot be loaded (503), which the ingress raises (services/replica/handle.py)."""
+        that cannot be loaded (503), which the ingress raises (services/replica/handle.py). cut_rollout(request_id)
+        ends its engine calls at their next token, and it answers with the tokens they had (finish_reason "abort")."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
             return Full(self.rollouts_waiting)
+        with self.cuts.rollout(request_id) as cut:
+            return await self._rollout(prompts, n, params, reward, min_version, meta, sampler, routing_key, cut)
+
+    async def _rollout(self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None):
         self.rollouts_waiting += 1
         try:
             await self.rollout_slots.acquire()
@@ -129,7 +140,7 @@ class EngineServer(ReplicaWeights):
                 await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
             cache_key = routing_key if routing_key and self.engine.keeps_sessions else None
             return await sample_groups(
-                functools.partial(self._generate_rerun, cache_key=cache_key),
+                functools.partial(self._generate_rerun, cache_key=cache_key, cut=cut, sampler=spec.name),
                 self.engine.tokenizer,
                 prompts,
                 n,
@@ -143,29 +154,49 @@ class EngineServer(ReplicaWeights):
             self.rollout_slots.release()
 
     async def _generate_rerun(
-        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: P.SamplingParams,
+        cache_key: str | None = None,
+        cut: Cut | None = None,
+        sampler: str = "plain",
     ) -> list[EngineOutput]:
-        """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights."""
-        outs = await self._generate(prompts, params, cache_key)
+        """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights (not
+        those of a rollout cut by its request_id: they are its answer). The drafts verified for them (speculative
+        decoding) count for `sampler`."""
+        outs = await self._generate(prompts, params, cache_key, cut)
+        self._count_drafts(sampler, outs)
         for _ in range(ABORT_RERUNS):
+            if cut is not None and cut.done:
+                break
             served = (
                 await self._settled() if any(o.finish_reason == "abort" for o in outs) else self.engine.weight_version
             )
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
-            for i, o in zip(redo, await self._generate([prompts[i] for i in redo], params, cache_key)):
+            again = await self._generate([prompts[i] for i in redo], params, cache_key, cut)
+            self._count_drafts(sampler, again)
+            for i, o in zip(redo, again):
                 outs[i] = o
         return outs
 
     async def _generate(
-        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None
+        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None, cut: Cut | None = None
     ) -> list[EngineOutput]:
         """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
-        (its rows leave the batch at the next step). `cache_key` only for an engine that keeps sessions."""
-        cancel = threading.Event()
+        (its rows leave the batch at the next step). `cache_key` only for an engine that keeps sessions. `cut`: the
+        rollout's Cut, which ends the engine work the same way but keeps its outputs."""
         keyed = {"cache_key": cache_key} if cache_key is not None else {}
-        return await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
+        with cut.call() if cut is not None else nullcontext(threading.Event()) as cancel:
+            return await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
+
+    def _count_drafts(self, sampler: str, outs: list[EngineOutput]) -> None:
+        drafted = sum(o.draft_tokens for o in outs)
+        if drafted:
+            counts = self.drafts.setdefault(sampler, [0, 0])
+            counts[0] += drafted
+            counts[1] += sum(o.draft_accepted for o in outs)
 
     async def _settled(self) -> int:
         """The served version once no commit is pending (an "abort" commit cuts samples before it lands)."""
@@ -185,12 +216,20 @@ class EngineServer(ReplicaWeights):
             rollouts_running=self.rollouts_running,
             rollouts_waiting=self.rollouts_waiting,
             weights_lost=self.weights_lost,
+            drafts_by_sampler={name: P.DraftCounts(drafted=d, accepted=a) for name, (d, a) in self.drafts.items()},
             **e.stats.snapshot(),
         )
 
-    def pause(self) -> P.ReplicaState:
-        """Stop admitting generate calls; calls already running finish."""
-        self.engine.pause()
+    async def pause(self, mode: str = "wait") -> P.ReplicaState:
+        """Stop admitting generate calls; calls already running finish ("wait"), or are held: "in_place" (at a
+        step boundary, with their KV cache) or "retract" (back to the queue), until resume. An engine that cannot
+        hold them raises EngineVerbMissing (501)."""
+        if mode == "wait":
+            self.engine.pause()
+        elif "mode" not in inspect.signature(self.engine.pause).parameters:  # a plug-in engine's pause(self)
+            raise EngineVerbMissing.of(self.engine, f"pause mode {mode!r}", "pause with mode 'abort'")
+        else:
+            await asyncio.to_thread(self.engine.pause, mode)  # returns once the engine holds its rows
         return self.state()
 
     def resume(self) -> P.ReplicaState:
@@ -201,6 +240,11 @@ class EngineServer(ReplicaWeights):
         """End the generate calls in flight at their next token."""
         self.engine.abort()
         return self.state()
+
+    def cut_rollout(self, request_id: str) -> int:
+        """End the engine calls of the rollout of `request_id` at their next token; the rollout answers with the
+        tokens they had (services/replica/cuts.py). How many calls were cut here."""
+        return self.cuts.cut(request_id)
 
     async def health(self) -> P.Health:
         """The engine samples one token (temperature 1); a replica that cannot (NaN weights, a broken device) is
@@ -219,24 +263,20 @@ class EngineServer(ReplicaWeights):
     def vocab_size(self) -> int:
         return self.engine.vocab_size()
 
+    def chat_tokenizer(self):
+        """The engine's tokenizer, for the ingress to render chat templates with (services/compat/chat_render.py)."""
+        return self.engine.tokenizer
+
     def render_chat(self, messages: list[dict]) -> str | None:
-        """Messages through the model's chat template, ready for generation; None without a template."""
-        tok = self.engine.tokenizer
-        return (
-            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if tok.chat_template else None
-        )
+        """Messages through the model's chat template, ready for generation; None without a template (the ingress
+        renders chat requests itself: this is the reference its render is tested against)."""
+        return render(self.engine.tokenizer, messages)
 
     def chat_turn(
         self, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
     ) -> dict:
-        """A session turn's context ids as [close, messages, prompt, forced] (services/episodes/chat_delta.py), or
-        {"error": why} when the template has no exact continuation for these messages."""
-        tok = self.engine.tokenizer
-        try:
-            parts = chat_delta.turn_context(tok, held_tail, after_sampled, chat_delta.for_template(new), tools, opens)
-        except Exception as e:  # NotAppendOnly, or the template's own error (a role it refuses)
-            return {"error": str(e) or type(e).__name__}
-        return {"ids": [*parts, tok.encode(forced, add_special_tokens=False) if forced else []]}
+        """A session turn's context ids (services/replica/chat_template.py; the ingress runs it itself)."""
+        return chat_turn(self.engine.tokenizer, held_tail, after_sampled, new, tools, opens, forced)
 
     def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
         return [token_pieces(self.engine.tokenizer, ids) for ids in samples]

@@ -1,11 +1,13 @@
 """The weight verbs of an engine replica (EngineServer inherits them): catch-up to the committed version from the
-WeightStore, the two phases of a push (stage, commit), the record a starting replica loads, and the trainer's NCCL
-transport. Expected refusals (weights refused, a base that does not fit, an engine without NCCL) are returned, not
-raised: Serve logs every exception a replica method raises with its traceback."""
+WeightStore, the two phases of a push (stage, with an upload's buckets staged one by one as they arrive, and
+commit), the record a starting replica loads, and the trainer's NCCL transport. Expected refusals (weights refused,
+a base that does not fit, an engine without NCCL) are returned, not raised: Serve logs every exception a replica
+method raises with its traceback."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -19,6 +21,8 @@ from services.errors import Conflict, EngineVerbMissing, Invalid, Unavailable, V
 if TYPE_CHECKING:
     from services.engine import Engine
     from services.settings import ServiceSettings
+    from services.weights.manifest import Manifest
+    from services.weights.stage import Staging
 
 log = logging.getLogger("farm.service")
 
@@ -35,6 +39,7 @@ class ReplicaWeights:
     catch_up_lock: asyncio.Lock
     pending_version: int  # a commit in progress on this replica
     weights_lost: str | None  # the WeightStore's reason, while the committed version cannot be loaded
+    staging: Staging | None = None  # the upload being staged bucket by bucket (one at a time: the push lock)
 
     async def catch_up(self, min_version: int) -> None:
         """Load the committed version from the store if it is newer; wait up to FARM_MIN_VERSION_WAIT_S for
@@ -69,33 +74,48 @@ class ReplicaWeights:
         except (Invalid, Conflict) as e:
             return e
 
+    async def stage_bucket(
+        self, version: int, index: int, refs: list, manifest: Manifest | None
+    ) -> int | Invalid | Conflict:
+        """Phase one, early: bucket `index` (refs: its ObjectRef) of an upload of `version` that is still streaming,
+        checked (checksums, NaN and inf) and held; stage() then checks the whole push. Refusals are returned, as by
+        stage()."""
+        from services.weights.stage import Staging
+
+        if self.staging is None or self.staging.version != version:
+            self.staging = Staging(version)  # a newer push: the push lock ended the one before
+        staging = self.staging
+        try:
+            with refused("body"):
+                await asyncio.to_thread(staging.add, index, refs[0], manifest, self.engine)
+        except (Invalid, Conflict) as e:
+            return e
+        return index
+
     async def _stage(self, source: tuple, version: int) -> int:
         """stage(), raising its refusals. A catch-up ("chain") first commits the versions before `version` it still
-        lacks."""
-        from services.weights.stage import BaseMismatch, staged_tensors
+        lacks; an upload staged bucket by bucket is finished (services/weights/stage.py Staging.finish)."""
+        from services.weights.stage import Staging
 
         kind, where = source
-        try:
-            if kind == "chain":
-                *before, (last, source) = where
-                for v, step in before:
-                    if step is not None and v > self.engine.weight_version:
-                        await self._stage(step, v)
+        if kind == "chain":
+            *before, (last, source) = where
+            for v, step in before:
+                if step is not None and v > self.engine.weight_version:
+                    await self._stage(step, v)
+                    with refused("body"):
                         await asyncio.to_thread(self.engine.commit_weights, v, None)
-                kind, where = source
+            kind, where = source
+        with refused("path" if kind == "path" else "body"):
             if kind == "path":
                 await asyncio.to_thread(self.engine.stage_weights_from_path, where, version)
             else:
-                tensors = await asyncio.to_thread(staged_tensors, source, self.engine)
+                staging = Staging(version)
+                if self.staging is not None and self.staging.version == version:
+                    staging, self.staging = self.staging, None
+                refs = where if kind == "bytes" else where["refs"]
+                tensors = await asyncio.to_thread(staging.finish, refs, self.engine, kind == "delta")
                 await asyncio.to_thread(self.engine.stage_weights, tensors, version)
-        except WeightsRejected as e:
-            detail = [{"field": "path" if kind == "path" else "body", "message": str(e)}]
-            raise Invalid(detail, "weights refused; the old version keeps serving") from None
-        except BaseMismatch as e:
-            raise Conflict(
-                "the push does not apply to a replica's weights; the old version keeps serving",
-                [{"field": "base", "message": str(e)}],
-            ) from None
         return version
 
     async def commit(self, version: int, policy: str | None, source: tuple) -> int:
@@ -121,6 +141,8 @@ class ReplicaWeights:
         await (store.hold if hold else store.commit).remote(version, source)
 
     def discard(self, version: int) -> None:
+        if self.staging is not None and self.staging.version <= version:
+            self.staging = None
         self.engine.discard_weights(version)
 
     def weight_spec(self) -> dict:
@@ -168,3 +190,19 @@ class ReplicaWeights:
         except EngineVerbMissing as e:
             return e
         return self.engine.weight_version
+
+
+@contextlib.contextmanager
+def refused(field: str):
+    """Weights refused as Invalid (422, naming `field`: body or path); a base that does not fit as Conflict (409)."""
+    from services.weights.stage import BaseMismatch
+
+    try:
+        yield
+    except WeightsRejected as e:
+        raise Invalid([{"field": field, "message": str(e)}], "weights refused; the old version keeps serving") from None
+    except BaseMismatch as e:
+        raise Conflict(
+            "the push does not apply to a replica's weights; the old version keeps serving",
+            [{"field": "base", "message": str(e)}],
+        ) from None

@@ -58,6 +58,7 @@ class Fanout:
             meta,
             spec,
             req.routing_key,
+            req.request_id,  # what cut_rollout cuts (/abort_request, DELETE ?partial=true)
             key=req.routing_key,
         )
 

@@ -36,6 +36,7 @@ log = logging.getLogger("farm.service")
 
 HEARTBEAT_S = 1.0
 POLL_S = 0.05
+CUT_WAIT_S = 10.0  # how long a cut rollout may take to answer with what it had, before it is cancelled outright
 
 
 class Job:
@@ -213,6 +214,38 @@ class RolloutJobs:
         await self.r.set(f"{key}:cancel", 1, px=60_000)
         return await self._cancelled_remotely(key)
 
+    async def cut(self, request_id: str, cut: Callable[[], Awaitable]) -> tuple[bool, list[P.Group] | None]:
+        """Cut a running job short, keeping what it generated: cut() ends its engine calls at their next token on
+        every replica (services/replica/cuts.py), and the job answers with them, here or on the ingress replica
+        that runs it; its record keeps that answer for replays. Returns whether one was running, and its groups:
+        finished ones whole, the others' samples finished 'abort' with their tokens so far, every sample with its
+        token_weight_versions. One that has not answered within CUT_WAIT_S is cancelled outright: its finished
+        groups only."""
+        job = self.jobs.get(request_id)
+        if job is not None and not job.task.done():
+            await cut()
+            await asyncio.wait({job.task}, timeout=CUT_WAIT_S)
+            if job.task.done() and not job.task.cancelled() and job.task.exception() is None:
+                return True, versioned(job.task.result().groups)
+            self.cancel_here(request_id)
+            return True, versioned(list(job.groups.values()))
+        key = self.key(request_id)
+        if await self.r.hget(key, "state") != "running" or not await self.r.exists(f"{key}:owner"):
+            return False, None
+        await cut()
+        deadline = asyncio.get_running_loop().time() + CUT_WAIT_S
+        while asyncio.get_running_loop().time() < deadline:
+            record = await self.r.hmget(key, "state", "result")
+            if record[0] == "done":
+                return True, versioned(P.RolloutResponse.model_validate_json(record[1]).groups)
+            if record[0] != "running":
+                break
+            await asyncio.sleep(POLL_S)
+        else:
+            await self.r.set(f"{key}:cancel", 1, px=60_000)
+        lines = await self.r.lrange(f"{key}:groups", 0, -1)
+        return True, versioned([P.GroupEvent.model_validate_json(x).group for x in lines])
+
     async def _cancelled_remotely(self, key: str) -> bool:
         """Wait for the owner's next heartbeat to act on the cancel: False if the job finished first."""
         deadline = asyncio.get_running_loop().time() + 3 * HEARTBEAT_S
@@ -317,3 +350,14 @@ class RolloutJobs:
                 await asyncio.sleep(HEARTBEAT_S)
 
         self.spawn(after_grace())
+
+
+def versioned(groups: list[P.Group]) -> list[P.Group]:
+    """The groups with every sample's token_weight_versions filled in (one per token, even when they agree), for a
+    trainer that recycles cut samples."""
+    out = [g.model_copy(deep=True) for g in groups]  # the job's own stay as they are, for its record
+    for g in out:
+        for s in g.samples:
+            if s.token_weight_versions is None:
+                s.token_weight_versions = [s.weight_version] * len(s.token_ids)
+    return out

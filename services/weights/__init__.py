@@ -6,9 +6,10 @@ The path of `POST /v1/weights` (services/api/weights.py) through this package:
                  of per-tensor checksums (manifest.py): full, bucketed, or delta (delta.py)
   stream.py      ingress side: the body read bucket by bucket into the object store, each header checked (checks.py)
                  against the model as it arrives; the body's SHA-256
+  early.py       ingress side: each bucket sent to every replica to stage while the next one streams
   push.py        WeightPush: stage on every replica, record, commit on every replica; any refusal, all discard
-  stage.py       replica side: the full new state dict from the buckets (views, no copy), every checksum verified,
-                 deltas applied to the served tensors
+  stage.py       replica side: each bucket staged as it arrives (views, no copy; checksums verified, deltas applied
+                 to the served tensors, NaN and inf refused), then the whole push checked
   store.py       WeightStore, the engine deployment's actor: the committed version and its source, for replicas that
                  start later
   checks.py      every check on pushed weights: safetensors headers (no torch, no unpickling), NaN and inf tensors

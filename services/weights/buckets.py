@@ -23,7 +23,7 @@ from services.weights.manifest import META_KEY, Manifest, tensor_bytes
 from services.weights.state_dict import ST_DTYPES
 
 TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()} | {"U8": torch.uint8, "I16": torch.int16, "I8": torch.int8}
-BUCKET_BYTES = 256 << 20  # the client's default bucket size
+BUCKET_BYTES = 64 << 20  # the client's default bucket size: the replicas stage one while the next streams
 
 
 def header(entries: list[tuple[str, str, list[int], int]], manifest: Manifest | None = None) -> bytes:

@@ -1,5 +1,6 @@
 """Every check on pushed weights. Headers: safetensors header JSON against the model's tensors, before any replica
-sees a byte of them (no torch, no unpickling). Tensors: NaN and inf, on the replica that stages them."""
+sees a byte of them (no torch, no unpickling). Tensors: NaN and inf, on the replica that stages them (an upload's
+bucket by bucket as they arrive: services/weights/stage.py hands the engine a FiniteTensors, checked already)."""
 
 from __future__ import annotations
 
@@ -110,9 +111,16 @@ def check_state_dict(expected: dict[str, tuple[list[int], str]], got: dict[str, 
     return sorted(problems)[:20]
 
 
+class FiniteTensors(dict):
+    """A state dict whose every floating-point tensor services/weights/stage.py has checked with non_finite (an
+    upload's bucket by bucket, while the next one streamed), held read-only: non_finite does not look again."""
+
+
 def non_finite(tensors: dict, limit: int = 20) -> list[str]:
     """A sentence for each floating-point tensor holding NaN or +-inf (at most `limit`): such weights would make
-    every sampled token fail."""
+    every sampled token fail. [] at once for a FiniteTensors, checked as it was staged."""
+    if isinstance(tensors, FiniteTensors):
+        return []
     out = []
     for name, t in tensors.items():
         # the sum is finite when every element is (NaN and inf propagate); only then is the exact check skipped

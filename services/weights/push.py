@@ -1,11 +1,14 @@
 """Weight pushes at the ingress: checked before any replica sees them, then two phases over every replica.
 
-  stage   every replica checks the tensors and holds them next to the served ones; any refusal: all discard
+  stage   every replica checks the tensors and holds them next to the served ones; any refusal: all discard.
+          An upload's buckets are staged as they arrive, while the next one streams (services/weights/early.py);
+          the stage phase then checks the whole push on every replica
   record  the WeightStore keeps the version and its source, so a replica that starts from now on loads it
   commit  every replica serves the new version (its in-flight samples follow the push's policy)
 
-A push runs to its end even if its caller goes away: a push cut between its phases would not be atomic.
-One push at a time across every ingress replica (a lock in Redis). The committed version is read from Redis
+A push runs to its end even if its caller goes away: a push cut between its phases would not be atomic; an upload
+cut while it streams is discarded on every replica. One push at a time across every ingress replica (a lock in
+Redis, held by an upload from its first byte, and renewed with each bucket). The committed version is read from Redis
 (services/weights/store.py writes it), so every ingress replica floors rollouts at the same version.
 The NCCL transport (SGLang) has no staging phase: the tensors go straight into the engines.
 """
@@ -28,6 +31,7 @@ from services import protocol as P
 from services.errors import Conflict, Invalid, ReplicasFailed, TooLarge, replica_gone
 from services.settings import ServiceSettings
 from services.weights.checks import DTYPE_BYTES, WeightsError, check_state_dict, read_header_file
+from services.weights.early import EarlyStage
 from services.weights.stage import FULL_PUSH
 from services.weights.store import weights_key
 from services.weights.stream import Body, check_sha256, receive
@@ -87,21 +91,38 @@ class WeightPush:
     @contextlib.asynccontextmanager
     async def _locked(self):
         """The push lock, or 409 when another push holds it past FARM_WEIGHT_SYNC_TIMEOUT_S."""
-        if not await self.lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
-            raise Conflict(f"another weight push is running for longer than {SYNC_TIMEOUT}: retry later")
+        await self._acquire()
         try:
             yield
         finally:
-            try:
-                await self.lock.release()
-            except LockError:  # it expired: nothing to release
-                pass
+            await self._release()
+
+    async def _acquire(self) -> None:
+        if not await self.lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
+            raise Conflict(f"another weight push is running for longer than {SYNC_TIMEOUT}: retry later")
+
+    async def _release(self) -> None:
+        try:
+            await self.lock.release()
+        except LockError:  # it expired: nothing to release
+            pass
+
+    async def _renew(self) -> None:
+        """The lock's full time again (an upload renews it with each bucket); 409 if it expired meanwhile."""
+        try:
+            await self.lock.reacquire()
+        except LockError:
+            raise Conflict(
+                f"the upload streamed for longer than the push lock lasts (twice {SYNC_TIMEOUT}, plus a minute) "
+                "without a bucket: send it faster, or in smaller buckets"
+            ) from None
 
     async def upload(
         self, chunks: AsyncIterator[bytes], declared: int, version: int, policy: P.InFlightPolicy, sha256: str | None
     ) -> P.WeightsPushResponse:
         """A streamed upload (one or more safetensors buckets, services/weights/buckets.py), checked bucket by bucket
-        against the model as it arrives and put in the object store once, as `version`."""
+        against the model as it arrives, put in the object store once and staged on every replica while the next
+        bucket streams, as `version`. The push lock is held from the start: the replicas stage one push at a time."""
         limit = self.settings.max_weights_bytes
         too_large = TooLarge(
             f"upload larger than FARM_MAX_WEIGHTS_BYTES={limit}: raise it, or push a folder by path "
@@ -111,28 +132,71 @@ class WeightPush:
             raise too_large
         if self.spec is None:
             self.spec = await self.replicas.call("weight_spec")
-
-        async def early(manifest):  # a push with a base that cannot apply: 409 before its tensors stream in
-            if manifest is not None and manifest.base is not None:
-                await self._check_base(manifest.base, await self.replicas.versions(), declared)
-
+        await self._acquire()
+        early = None
         try:
-            got = await receive(Body(chunks, limit, too_large, hashed=bool(sha256)), self.spec, early)
-        except WeightsError as e:
-            raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
-        if sha256:
-            check_sha256(sha256, got.sha256)
+            served = await self.replicas.versions()
+            current = newer_than_served(version, served, "push")
+            early = self._early(version, current, declared)
+
+            async def on_manifest(manifest):  # a push with a base that cannot apply: 409 before its tensors stream in
+                if manifest is not None and manifest.base is not None:
+                    await self._check_base(manifest.base, served, declared)
+
+            async def on_bucket(*bucket):
+                await self._renew()
+                await early.bucket(*bucket)
+
+            body = Body(chunks, limit, too_large, hashed=bool(sha256))
+            try:
+                got = await receive(body, self.spec, on_manifest, on_bucket)
+            except WeightsError as e:
+                raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
+            start = time.perf_counter()
+            if sha256:
+                check_sha256(sha256, got.sha256)
+            if got.manifest is not None and got.manifest.base is not None and got.bytes > declared:  # chunked
+                await self._check_base(got.manifest.base, served, got.bytes)
+            await early.settle()
+            await self._renew()
+        except BaseException:  # refused, cut, or the caller gone: every replica drops what it staged
+            await run_to_end(self._abandon(early))
+            raise
         base = got.manifest.base if got.manifest else None
         if base is None:
             source = ("bytes", got.refs)
         else:
             source = ("delta", {"base": base, "refs": got.refs, "bytes": got.bytes})
+        push = self._phases(
+            version, policy, source, got.bytes, current, len(self.spec), start, base, len(got.names), early
+        )
+        return await run_to_end(self._unlocking(push, early))
 
-        async def check(spec):
-            return len(spec)
+    def _early(self, version: int, current: int, declared: int) -> EarlyStage:
+        """The upload's buckets to every replica as they arrive; a replica's refusal refuses the push."""
 
-        push = self._push(version, policy, check, lambda: source, got.bytes, base, len(got.names))
-        return await run_to_end(push)
+        def refuse(errors: list[Exception]) -> Exception | None:
+            errors = self._without_lost(errors, "stage", version)
+            return refusal(errors, version, current) if errors else None
+
+        timeout = self.settings.weight_sync_timeout_s
+        return EarlyStage(self.replicas, version, timeout, SYNC_TIMEOUT, refuse, hold=declared > HOLD_ABOVE)
+
+    async def _abandon(self, early: EarlyStage | None) -> None:
+        try:
+            if early is not None:
+                await early.abandon()
+        finally:
+            await self._release()
+
+    async def _unlocking(self, push: Awaitable, early: EarlyStage):
+        try:
+            return await push
+        except BaseException:
+            await early.held()  # the store's copy of a refused push: done before the next push starts
+            raise
+        finally:
+            await self._release()
 
     def from_path(self, body: P.WeightsFromPath) -> Awaitable[P.WeightsPushResponse]:
         """A folder of safetensors files every replica can read (inside FARM_WEIGHTS_DIR when that is set)."""
@@ -163,25 +227,34 @@ class WeightPush:
         return run_to_end(self._push(body.version, body.policy, check, lambda: ("path", str(folder)), size))
 
     async def _push(
-        self,
-        version: int,
-        policy: str,
-        check: Callable,
-        source: Callable[[], tuple],
-        size: int,
-        base: int | None = None,
-        sent: int | None = None,
+        self, version: int, policy: str, check: Callable, source: Callable[[], tuple], size: int
     ) -> P.WeightsPushResponse:
         """The two phases over every replica, under the push lock: admit, stage, record, commit."""
         async with self._locked():
             start = time.perf_counter()
-            current, tensors = await self._admit(version, check, size, base)
-            where = source()
-            await self._stage(version, where, size, current)
-            await self._record(version, where, current)
-            await self._commit(version, policy, where)
-            self.committed = version  # the store wrote it to Redis, for the other ingress replicas
-            seconds = time.perf_counter() - start
+            current, tensors = await self._admit(version, check)
+            return await self._phases(version, policy, source(), size, current, tensors, start)
+
+    async def _phases(
+        self,
+        version: int,
+        policy: str,
+        where: tuple,
+        size: int,
+        current: int,
+        tensors: int,
+        start: float,
+        base: int | None = None,
+        sent: int | None = None,
+        early: EarlyStage | None = None,
+    ) -> P.WeightsPushResponse:
+        """stage, record, commit, the push lock held (`early`: an upload's buckets were staged as they came, and the
+        stage phase checks the whole push)."""
+        await self._stage(version, where, size, current, early)
+        await self._record(version, where, current)
+        await self._commit(version, policy, where)
+        self.committed = version  # the store wrote it to Redis, for the other ingress replicas
+        seconds = time.perf_counter() - start
         metrics.VERSION.set(version)
         metrics.SYNC_SECONDS.observe(seconds)
         metrics.SYNC_BYTES.inc(size)
@@ -192,25 +265,27 @@ class WeightPush:
             version=version, tensors=tensors, bytes=size, seconds=seconds, base=base, sent_tensors=sent
         )
 
-    async def _admit(self, version: int, check: Callable, size: int, base: int | None) -> tuple[int, int]:
-        """(the newest served version, the number of tensors): 409 unless `version` is newer and `base` applies,
-        422 unless the weights fit the model."""
-        served = await self.replicas.versions()
-        current = newer_than_served(version, served, "push")
+    async def _admit(self, version: int, check: Callable) -> tuple[int, int]:
+        """(the newest served version, the number of tensors): 409 unless `version` is newer, 422 unless the weights
+        fit the model."""
+        current = newer_than_served(version, await self.replicas.versions(), "push")
         if self.spec is None:
             self.spec = await self.replicas.call("weight_spec")
-        if base is not None:
-            await self._check_base(base, served, size)
         try:
             return current, await check(self.spec)
         except WeightsError as e:
             raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
 
-    async def _stage(self, version: int, source: tuple, size: int, current: int) -> None:
-        """Phase one: every replica stages; any refusal and every replica discards. A large upload is copied by the
-        store meanwhile (services/weights/store.py); a small one at the commit."""
+    async def _stage(self, version: int, source: tuple, size: int, current: int, early: EarlyStage | None) -> None:
+        """Phase one: every replica stages, or (an upload's buckets staged as they came) checks the whole push; any
+        refusal and every replica discards. A large upload is copied by the store meanwhile (services/weights/
+        store.py; the buckets it has not copied yet as they came), a small one at the commit."""
         big = source[0] != "path" and size > HOLD_ABOVE
-        hold = asyncio.ensure_future(self.replicas.call("record", version, source, True)) if big else None
+        hold = None
+        if big and early is not None:
+            hold = early.hold_rest(source)
+        elif big:
+            hold = asyncio.ensure_future(self.replicas.call("record", version, source, True))
         errors = await self.replicas.errors(
             "stage", source, version, timeout_s=self.settings.weight_sync_timeout_s, setting=SYNC_TIMEOUT
         )

@@ -6,11 +6,11 @@ A deployment-scoped actor of the engine deployment (Serve recreates it with the 
   ("path", folder)                       a push from shared storage
 The store owns its own copy of an upload's buckets: Ray removed ray.put's `_owner` in 2.56, so an object lives only
 as long as the process that put it, and the ingress that did may die. It takes that copy while the replicas stage
-(`hold`: one memcpy per bucket, since ray.get of a numpy array is a view), off the push's critical path. After a push
-with a base version the source is ("chain", [(version, source), ...]): the last full version (source None for the
-model folder, version 0), then each delta, which a starting replica applies in order. The chain's delta bytes go to
-Redis, and the ingress asks for a full push once they would pass the model's size (the store holds at most about
-two models).
+(`hold`: one memcpy per bucket as it arrives, since ray.get of a numpy array is a view), off the push's critical
+path. After a push with a base version the source is ("chain", [(version, source), ...]): the last full version
+(source None for the model folder, version 0), then each delta, which a starting replica applies in order. The
+chain's delta bytes go to Redis, and the ingress asks for a full push once they would pass the model's size (the
+store holds at most about two models).
 
 The record is also written to Redis (farm:<app>:weights: version, kind, path, chain_bytes, steps), where every
 ingress replica reads the committed version, and from where a store of another cluster sharing the Redis (a
@@ -102,10 +102,15 @@ class Store:
             )
 
     def hold(self, version: int, source: tuple) -> None:
-        """Copy an upload's buckets into objects this store owns, while the replicas stage them."""
+        """Copy an upload's buckets into objects this store owns, while the replicas stage them. The ingress calls
+        it as the buckets arrive, with the buckets so far: only those not copied yet are copied."""
         if source[0] in ("bytes", "delta"):
-            refs = _refs(source)
-            self.held = (version, refs, [ray.put(ray.get(ref)) for ref in refs])
+            refs = list(_refs(source))
+            _, had, copies = self.held if self.held and self.held[0] == version else (version, [], [])
+            if had[: len(refs)] != refs[: len(had)]:  # another upload of this version: start again
+                had, copies = [], []
+            if len(refs) > len(had):
+                self.held = (version, refs, copies + [ray.put(ray.get(ref)) for ref in refs[len(had) :]])
 
     def _owned(self, version: int, refs: list) -> list:
         held, self.held = self.held, None

@@ -2,9 +2,10 @@
 
 Each bucket (services/weights/buckets.py) is read straight into one numpy array of its exact size (its header says
 it), checked against the model (names, shapes, dtypes, byte ranges; the manifest's encodings) and `ray.put` once;
-the array is dropped then, so the ingress holds at most one bucket. The replicas map the object read-only (a numpy
-array crosses the object store without a copy) and view its tensors in place. Only JSON headers are parsed here:
-nothing from the network is unpickled.
+the array is dropped then, so the ingress holds at most one bucket. Each bucket is handed on (`on_bucket`) as soon
+as it is in the store, so the replicas stage it while the next one streams. The replicas map the object read-only (a
+numpy array crosses the object store without a copy) and view its tensors in place. Only JSON headers are parsed
+here: nothing from the network is unpickled.
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ def check_complete(spec: dict, received: Received) -> list[str]:
 
 
 OnManifest = Callable[[Manifest | None], Awaitable] | None
+OnBucket = Callable[[int, object, set[str], Manifest | None], Awaitable] | None
 
 
-async def receive(body: Body, spec: dict, on_manifest: OnManifest = None) -> Received:
+async def receive(body: Body, spec: dict, on_manifest: OnManifest = None, on_bucket: OnBucket = None) -> Received:
     """Every bucket of the body into the object store; WeightsError (a 422) on the first problem. `on_manifest` sees
-    the manifest as soon as the first header has come (before any tensor bytes), and may refuse the push."""
+    the manifest as soon as the first header has come (before any tensor bytes), and may refuse the push;
+    `on_bucket` sees each bucket once it is in the store (its index, ObjectRef, tensor names and the manifest)."""
     out = Received()
     while not await body.at_end():
         first = not out.refs
@@ -133,6 +136,8 @@ async def receive(body: Body, spec: dict, on_manifest: OnManifest = None) -> Rec
         out.refs.append(ray.put(buf))
         out.names |= got.keys()
         del buf
+        if on_bucket is not None:
+            await on_bucket(len(out.refs) - 1, out.refs[-1], set(got), out.manifest)
     if not out.refs:
         raise WeightsError(["the body is empty: send a safetensors file"])
     if problems := check_complete(spec, out):

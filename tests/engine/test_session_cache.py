@@ -15,7 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_model):
-    return TorchEngine(str(tiny_model), threads=1)
+    # without the prompt cache (test_group_cache.py): a repeated first turn would otherwise be its hit
+    return TorchEngine(str(tiny_model), threads=1, prompt_cache_bytes=0)
 
 
 def prefilled(engine) -> tuple[int, int]:

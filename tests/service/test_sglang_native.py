@@ -3,12 +3,14 @@ io_struct.py / http_server.py): /generate, the reads, and the control routes ove
 
 import json
 import shutil
+import time
+import uuid
 
 import httpx
 import pytest
 import torch
 
-from tests.service.helpers import AUTH, greedy, rollout, versions
+from tests.service.helpers import AUTH, LONG_TOKENS, any_busy, greedy, in_thread, rollout, versions, wait_until
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -202,8 +204,8 @@ def test_pause_and_continue_generation(service):
         assert ok(r) == {"message": "Generation paused successfully.", "status": "ok"}
         assert all(s["paused"] for s in ok(httpx.get(f"{service}/get_server_info", timeout=30))["internal_states"])
         assert httpx.get(f"{service}/health_generate", timeout=60).status_code == 503
-        r = httpx.post(f"{service}/pause_generation", json={"mode": "in_place"}, headers=AUTH, timeout=60)
-        assert r.status_code == 422 and "mode" in r.text
+        r = httpx.post(f"{service}/pause_generation", json={"mode": "sideways"}, headers=AUTH, timeout=60)
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "mode"
     finally:
         r = httpx.post(f"{service}/continue_generation", json={}, headers=AUTH, timeout=60)
     assert ok(r)["status"] == "ok"
@@ -216,3 +218,89 @@ def test_flush_cache_and_abort_request(service):
     assert httpx.post(f"{service}/abort_request", json={"rid": "nobody"}, headers=AUTH, timeout=30).status_code == 200
     r = httpx.post(f"{service}/abort_request", json={"abort_all": True}, headers=AUTH, timeout=30)
     assert r.status_code == 200
+
+
+# partial rollouts (slime's partial rollout, APRIL): abort keeps the tokens, pause holds the running requests ---------
+SEEDED = {"temperature": 1.0, "max_new_tokens": LONG_TOKENS, "ignore_eos": True, "sampling_seed": 11}
+
+
+def control(service: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{service}{path}", json=body, headers=AUTH, timeout=120)
+
+
+def running_generate(service: str, body: dict):
+    """A /generate sent from a thread, once a replica decodes it: (thread, [response])."""
+    wait_until(lambda: not any_busy(service), "replicas idle before the test")
+    t, out = in_thread(lambda: generate(service, body))
+    wait_until(lambda: any_busy(service), "a replica decoding the /generate")
+    time.sleep(0.3)  # some tokens
+    return t, out
+
+
+def test_abort_request_answers_with_the_tokens_so_far_the_prefix_of_an_unaborted_run(service):
+    rid = f"sg-abort-{uuid.uuid4().hex}"
+    body = {"input_ids": [40, 41, 42], "sampling_params": SEEDED, "return_logprob": True, "rid": rid}
+    t, out = running_generate(service, body)
+    assert control(service, "/abort_request", {"rid": rid}).status_code == 200
+    t.join(120)
+    cut = ok(out[0])
+    meta = cut["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["id"] == rid
+    k = len(cut["output_ids"])
+    assert 0 < k < LONG_TOKENS and meta["completion_tokens"] == k and len(meta["output_token_logprobs"]) == k
+    whole = {"input_ids": [40, 41, 42], "sampling_params": {**SEEDED, "max_new_tokens": k}, "return_logprob": True}
+    plain = ok(generate(service, whole))  # the same seed, not aborted, as long as the cut one got
+    assert plain["meta_info"]["finish_reason"]["type"] == "length" and plain["output_ids"] == cut["output_ids"]
+    lps = [e[0] for e in meta["output_token_logprobs"]]
+    assert lps == pytest.approx([e[0] for e in plain["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": k}]
+    again = ok(generate(service, body))  # the rid's record holds the cut answer: a repeat replays it
+    assert again["output_ids"] == cut["output_ids"]
+
+
+def test_in_place_pause_weight_push_and_continue_switch_versions_at_the_pause(service, tiny_model, tmp_path):
+    """An SGLang client's weight sync: pause in place, push by path, continue; the held request finishes under the
+    new version, and meta_info.weight_versions says where it switched."""
+    folder = tmp_path / "held-push"
+    folder.mkdir()
+    shutil.copy(tiny_model / "model.safetensors", folder / "model.safetensors")
+    body = {"input_ids": [44, 45], "sampling_params": {**SEEDED, "max_new_tokens": 1200}, "return_logprob": True}
+    t, out = running_generate(service, body)
+    try:
+        assert ok(control(service, "/pause_generation", {"mode": "in_place"}))["status"] == "ok"
+        states = ok(httpx.get(f"{service}/get_server_info", timeout=30))["internal_states"]
+        assert all(s["paused"] for s in states) and any(s["busy"] for s in states)  # held, not ended
+        pushed = ok(control(service, "/update_weights_from_disk", {"model_path": str(folder)}))
+        assert pushed["success"] and not out  # the held request waits
+    finally:
+        assert ok(control(service, "/continue_generation", {}))["status"] == "ok"
+    t.join(300)
+    meta = ok(out[0])["meta_info"]
+    new = ok(httpx.get(f"{service}/get_model_info", timeout=30))["weight_version"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 1200
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == [str(int(new) - 1), new], spans
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 1200
+
+
+def test_retract_pause_and_continue_finish_the_request(service):
+    body = {"input_ids": [46, 47], "sampling_params": {**SEEDED, "max_new_tokens": 800}}
+    t, out = running_generate(service, body)
+    try:
+        assert ok(control(service, "/pause_generation", {"mode": "retract"}))["status"] == "ok"
+        states = ok(httpx.get(f"{service}/get_server_info", timeout=30))["internal_states"]
+        assert all(s["paused"] and not s["busy"] for s in states)  # back in the queue, out of the batch
+    finally:
+        ok(control(service, "/continue_generation", {}))
+    t.join(300)
+    alone = ok(generate(service, body))
+    cut = ok(out[0])
+    assert cut["meta_info"]["finish_reason"]["type"] == "length" and cut["output_ids"] == alone["output_ids"]
+
+
+def test_pause_modes_that_hold_are_501_on_an_engine_that_cannot(bench_service):
+    try:
+        r = control(bench_service, "/pause_generation", {"mode": "in_place"})
+        assert r.status_code == 501 and "in_place" in r.text, r.text
+    finally:
+        control(bench_service, "/continue_generation", {})

@@ -40,6 +40,7 @@ from services.errors import (
     as_service_error,
     request_models,
 )
+from services.models import byte_tokenizer
 from services.protocol.common import INT64_MAX, SUBNORMAL, decimal_at_most
 from services.protocol.sessions import SessionChatRequest
 from services.protocol.sglang_native import VERSION
@@ -132,9 +133,9 @@ def test_models_that_are_not_request_models_are_not_taken_for_them():
 
 def test_chat_messages_that_render_to_nothing_are_a_422_naming_messages():
     class Replicas:  # the built-in models' template renders a single empty message to ""
-        async def call(self, method, *args):
-            assert method == "render_chat"
-            return ""
+        async def read(self, method, *args):
+            assert method == "chat_tokenizer"
+            return byte_tokenizer()
 
     compat = OpenAICompat(fanout=None, replicas=Replicas(), checks=None, model="m", committed=None)
     req = P.ChatCompletionRequest(messages=[{"role": "user", "content": ""}])

@@ -7,6 +7,7 @@ drift in SGLang's API fails here, without a GPU. Bumping the pin re-checks the c
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import re
 import subprocess
@@ -91,7 +92,13 @@ def test_the_checker_finds_the_adapters_uses():
         (".".join(chain), k): v for _, chain, call in adapter.engine_uses if call for k, v in call.keywords.items()
     }
     assert ("tokenizer_manager.abort_request", "abort_all") in keywords  # passed through _LoopThread.call
-    sampling = adapter.dict_keys(keywords["async_generate", "sampling_params"])
+    sampling = set().union(
+        *(
+            adapter.dict_keys(call.keywords["sampling_params"])
+            for _, chain, call in adapter.engine_uses
+            if call and ".".join(chain) == "async_generate"
+        )
+    )
     assert {"temperature", "max_new_tokens", "sampling_seed", "regex"} <= sampling
     assert {key for _, key in adapter.keys_read_in("_output")} >= {"meta_info", "output_token_logprobs"}
     assert [name for _, name in adapter.environment_variables] == ["SGLANG_RETURN_ORIGINAL_LOGPROB"]
@@ -103,15 +110,45 @@ def test_the_adapter_keeps_many_requests_in_flight_without_a_thread_each():
     continuous batching needs the requests in flight together). The synchronous generate runs agenerate."""
     tree = ast.parse(ADAPTER.read_text())
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    agenerate = methods["agenerate"]
-    assert isinstance(agenerate, ast.AsyncFunctionDef)
+    agenerate, group = methods["agenerate"], methods["_group"]
+    assert isinstance(agenerate, ast.AsyncFunctionDef) and isinstance(group, ast.AsyncFunctionDef)
     calls = {ast.unparse(n.func) for n in ast.walk(agenerate) if isinstance(n, ast.Call)}
-    assert "self.llm.async_generate" in calls and "self._loop.submit" in calls
+    assert "self._group" in calls and "self._loop.submit" in calls
+    awaited = {ast.unparse(n.value.func) for n in ast.walk(group) if isinstance(n, ast.Await)}
+    assert awaited == {"self.llm.async_generate"}
     blocking = {c for c in calls if c.rsplit(".", 1)[-1] in {"result", "run_until_complete"} or c == "time.sleep"}
     assert not blocking, blocking
     assert any(isinstance(n, ast.Await) for n in ast.walk(agenerate))
     generate = {ast.unparse(n) for n in ast.walk(methods["generate"]) if isinstance(n, ast.Call)}
     assert any("self.agenerate(" in c for c in generate), generate
+
+
+def test_a_group_is_sent_in_the_form_the_pinned_sglang_caches(wheel):
+    """SGLang's own n > 1 path prefills each distinct prompt alone (max_new_tokens 0) before the copies, so that they
+    find it in the radix cache; the adapter does the same for a call that holds a prompt more than once, with its own
+    rids (so abort_request still names them). The SGLang engine needs a GPU: its async_generate is recorded here."""
+    manager = wheel.zip.read(wheel.path("sglang.srt.managers.tokenizer_manager")).decode()
+    common = manager[manager.index("Cache the common prefix for parallel sampling") :]
+    assert "sampling_params.max_new_tokens = 0" in common[: common.index("Expand requests")]
+    from services.engine.sglang_engine import SGLangEngine
+
+    sent = []
+
+    class Recorder:
+        async def async_generate(self, input_ids, sampling_params, rid, return_logprob=False):
+            sent.append((input_ids, sampling_params["max_new_tokens"], rid))
+            return [{"rid": r} for r in rid]
+
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine.llm = Recorder()
+    group, other = [1, 2, 3], [4, 5]
+    prompts, params = [group] * 3 + [other] * 2, {"max_new_tokens": 8}
+    rids = [f"r{i}" for i in range(5)]
+    prefixes, results = asyncio.run(engine._group(prompts, [group, other], params, rids, ["p0", "p1"]))
+    assert sent == [([group, other], 0, ["p0", "p1"]), (prompts, 8, rids)] and len(results) == 5
+    sent.clear()
+    asyncio.run(engine._group([group, other], [group, other], params, rids[:2], []))  # no prompt twice: one request
+    assert sent == [([group, other], 8, rids[:2])]
 
 
 def test_a_drift_in_the_real_adapter_is_reported(wheel):
