@@ -9,10 +9,12 @@ whatever its constructor takes.
 
 from __future__ import annotations
 
+import asyncio
+
 import redis
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -189,6 +191,12 @@ def described(e: BaseException) -> str:
 def replica_gone(e: BaseException) -> bool:
     """Whether `e` says the replica itself is gone (dead, unreachable, none running), not that its method failed."""
     return isinstance(e, (RayActorError, DeploymentUnavailableError)) and not isinstance(e, RayTaskError)
+
+
+def call_cancelled(e: BaseException) -> bool:
+    """Whether a replica call ended because it was cancelled: Serve cancels a request's calls to the replicas when
+    its client goes away (Ray's TaskCancelledError, Serve's RequestCancelledError, or the asyncio future's own)."""
+    return isinstance(e, (TaskCancelledError, asyncio.CancelledError))
 
 
 def request_models() -> set[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from services.protocol.common import (
     MAX_N,
@@ -203,3 +203,11 @@ class CancelResponse(BaseModel):
         "finished groups whole, and the samples cut short finished 'abort' with their tokens and logprobs so far; "
         "every sample carries token_weight_versions (one per token). Absent otherwise.",
     )
+
+    @model_serializer(mode="wrap")
+    def _absent_groups(self, dump):
+        """`groups` is absent, not null, without ?partial=true: on the wire and in `farm cancel` alike."""
+        out = dump(self)
+        if out.get("groups") is None:
+            out.pop("groups", None)
+        return out

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from services.errors import ClientGone, call_cancelled
 from services.weights.manifest import Manifest
 
 
@@ -26,6 +27,15 @@ def entries(manifest: Manifest | None, names: set[str]) -> Manifest | None:
     if manifest is None:
         return None
     return Manifest(manifest.hash, manifest.base, {n: manifest.tensors[n] for n in names if n in manifest.tensors})
+
+
+def outcome(call: asyncio.Future) -> list[BaseException]:
+    """A finished bucket call's errors: the replicas' ([] when all staged it), or the call's own (cancelled)."""
+    if call.cancelled():
+        return [asyncio.CancelledError()]
+    if (e := call.exception()) is not None:
+        return [e]
+    return call.result()
 
 
 class EarlyStage:
@@ -49,7 +59,7 @@ class EarlyStage:
 
     async def bucket(self, index: int, ref, names: set[str], manifest: Manifest | None) -> None:
         """Send bucket `index` to every replica to stage (after raising a refusal that came meanwhile)."""
-        self._raise_refused([c.result() for c in self.calls if c.done()])
+        self._raise_refused([outcome(c) for c in self.calls if c.done()])
         self.refs.append(ref)
         call = self.replicas.errors(
             "stage_bucket",
@@ -78,7 +88,9 @@ class EarlyStage:
 
     async def settle(self) -> None:
         """Every bucket staged on every replica; the push's refusal if any replica refused one."""
-        self._raise_refused(await asyncio.gather(*self.calls))
+        if self.calls:
+            await asyncio.wait(self.calls)
+        self._raise_refused([outcome(c) for c in self.calls])
 
     async def held(self) -> None:
         """The store's copy done (a failed copy is taken again at the commit)."""
@@ -94,7 +106,9 @@ class EarlyStage:
             with contextlib.suppress(Exception):
                 await self.replicas.each("discard", self.version)
 
-    def _raise_refused(self, results: list[list[Exception]]) -> None:
+    def _raise_refused(self, results: list[list[BaseException]]) -> None:
         errors = [e for errors in results for e in errors]
+        if any(call_cancelled(e) for e in errors):  # Serve cancelled the request's calls: its client went away
+            raise ClientGone()
         if errors and (refusal := self.refuse(errors)) is not None:
             raise refusal

@@ -130,3 +130,43 @@ def test_a_bucketed_push_checks_its_base_and_its_same_tensors():
     drifted = {**served, "t4.weight": served["t4.weight"] * 2}
     with pytest.raises(BaseMismatch, match="t4.weight"):
         Staging(8).finish([r for r, _ in got], Engine(drifted, version=7), delta=True)
+
+
+class Replicas:
+    """The ingress's handle, as EarlyStage calls it; a stage call either returns the replicas' errors or is cancelled,
+    as Serve cancels a request's calls when its client goes away (a fake: no Serve app in a unit test)."""
+
+    def __init__(self, cancel: bool):
+        self.cancel, self.discarded = cancel, []
+
+    async def errors(self, method, version, index, refs, manifest, timeout_s, setting):
+        if self.cancel:
+            raise ray.exceptions.TaskCancelledError()
+        return []
+
+    async def each(self, method, version):
+        self.discarded.append((method, version))
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_bucket_call_cancelled_by_the_client_going_is_a_cut_upload_not_a_failure(cancel):
+    import asyncio
+
+    from services.errors import ClientGone
+    from services.weights.early import EarlyStage
+
+    async def push():
+        replicas = Replicas(cancel)
+        early = EarlyStage(replicas, 3, 10.0, "FARM_WEIGHT_SYNC_TIMEOUT_S", lambda errors: errors[0], hold=False)
+        try:  # the cancelled call is seen at the next bucket, or at the end
+            for i in range(2):
+                await early.bucket(i, object(), {"t0.weight"}, None)
+                await asyncio.sleep(0)
+            await early.settle()
+        except ClientGone:
+            await early.abandon()
+            return "cut", replicas.discarded
+        return "staged", replicas.discarded
+
+    outcome, discarded = asyncio.run(push())
+    assert (outcome, discarded) == (("cut", [("discard", 3)]) if cancel else ("staged", []))
