@@ -22,10 +22,12 @@ CLAIMS = {
 RULE = (
     "Each comparison's effect is computed per seed, from the two runs with that seed, and signed so that the "
     "claimed direction is positive. Over the seeds: its mean, a 95% t interval, and the p-value of a paired "
-    "t-test against no effect (`scipy.stats.ttest_rel`). A comparison **holds** if the mean effect is at least "
-    "the claimed size and p < 0.05; it **fails** if the whole 95% interval lies below the claimed size (an effect "
-    "of the wrong sign with p < 0.05 is such a case); otherwise it is **inconclusive**. A claim's verdict is its "
-    "first comparison's; the others are further readings."
+    "t-test against no effect (`scipy.stats.ttest_rel`). When every seed gives the same effect there is no spread "
+    "for a t-test or an interval: p is then an exact sign test's (`scipy.stats.binomtest` on the seeds whose effect "
+    "is not zero), and no interval is given. Fewer than 3 seeds are **inconclusive**, with no p. A comparison "
+    "**holds** if the mean effect is at least the claimed size and p < 0.05; it **fails** if the whole 95% "
+    "interval lies below the claimed size, or the effect has the wrong sign with p < 0.05; otherwise it is "
+    "**inconclusive**. A claim's verdict is its first comparison's; the others are further readings."
 )
 
 
@@ -102,6 +104,9 @@ class Comparison:
     percent: bool  # the effect is relative
 
 
+MIN_SEEDS = 3  # fewer seeds are inconclusive, with no p
+
+
 @dataclass
 class Judged:
     n: int
@@ -113,17 +118,19 @@ class Judged:
 
 
 def judge(effects: list[float], claimed: float | None) -> Judged:
-    """Mean, 95% t interval and paired t-test p of the per-seed effects, and the verdict by RULE."""
+    """Mean, 95% t interval and paired t-test p of the per-seed effects (an exact sign test's p and no interval when
+    they do not vary), and the verdict by RULE. No p without a test: fewer than MIN_SEEDS seeds have none."""
     from scipy import stats
 
     d = [x for x in effects if finite(x)]
     n = len(d)
-    if n < 2:
+    if n < MIN_SEEDS:
         return Judged(n, mean(d), NAN, NAN, NAN, "inconclusive" if claimed is not None else "")
     m, sd = statistics.fmean(d), statistics.stdev(d)
-    if sd == 0:  # identical effects (steps to target moves in whole evaluation steps): no spread to test
-        lo = hi = m
-        p = 1.0 if m == 0 else 0.0
+    if sd == 0:  # identical effects (steps to target moves in whole evaluation steps): no spread for a t-test
+        lo = hi = NAN
+        moved = [x for x in d if x != 0]
+        p = float(stats.binomtest(sum(x > 0 for x in moved), len(moved)).pvalue) if moved else 1.0
     else:
         half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
         lo, hi = m - half, m + half

@@ -273,9 +273,10 @@ def report(data_dir: Path) -> str:
         ),
         "",
         "Paired by seed: the effect is `episodes`' figure minus `single_turn`'s after the same steps on the same "
-        "prompts; over the seeds, its mean, 95% t interval and paired t-test p (bench/claims_stats.py `judge`). It "
-        "**holds** if the mean is at least the claimed size and p < 0.05, **fails** if the whole interval lies below "
-        "it, else it is **inconclusive**.",
+        "prompts; over the seeds, its mean, 95% t interval and paired t-test p (bench/claims_stats.py `judge`; when "
+        "every seed gives the same effect, no interval and an exact sign test's p, which cannot go below 0.25 with 3 "
+        "seeds). It **holds** if the mean is at least the claimed size and p < 0.05, **fails** if the whole interval "
+        "lies below it, else it is **inconclusive**.",
         "",
         "| figure after training | claimed | effect: mean [95% CI] | p | verdict |",
         "| --- | --- | --- | --- | --- |",
@@ -284,9 +285,10 @@ def report(data_dir: Path) -> str:
         effects = [runs["episodes"][k]["after"][key] - runs["single_turn"][k]["after"][key] for k in seeds]
         j = judge(effects, claimed)
         p = "—" if j.p != j.p else ("< 0.001" if j.p < 0.001 else f"{j.p:.3f}")
+        ci = f" [{j.lo:+.3f}, {j.hi:+.3f}]" if j.lo == j.lo else ""  # none when the seeds agree exactly
         lines.append(
             f"| {key.replace('_', ' ')} | {'+%.2f' % claimed if claimed is not None else '(reported)'} | "
-            f"{j.mean:+.3f} [{j.lo:+.3f}, {j.hi:+.3f}] | {p} | {j.verdict and f'**{j.verdict}**' or '—'} |"
+            f"{j.mean:+.3f}{ci} | {p} | {j.verdict and f'**{j.verdict}**' or '—'} |"
         )
     return "\n".join(lines)
 

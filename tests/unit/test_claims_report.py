@@ -9,7 +9,7 @@ import pytest
 from bench import claims_report as report
 from bench import claims_stats as stats
 
-STEPS, TEST_FREQ = 30, 2
+STEPS, TEST_FREQ = 30, 1  # evaluation every step, as the claims run: steps to target vary by seed
 SETTINGS = {"steps": STEPS, "test_freq": TEST_FREQ, "eval_size": 1000}
 # Per seed, the recipe's effect on every claimed figure: the claimed direction positive
 EFFECTS = {
@@ -78,10 +78,18 @@ def test_the_verdict_rule_on_a_clear_effect_its_opposite_and_noise(tmp_path, cas
     assert stats.claim_verdicts(runs, target=0.3) == {1: verdict, 2: verdict, 3: verdict, 4: verdict}
 
 
-def test_no_spread_is_judged_by_the_mean_and_too_few_seeds_are_inconclusive():
-    assert stats.judge([0.2, 0.2, 0.2], 0.2).verdict == "holds"  # every seed 1.2x faster, in whole eval steps
-    assert stats.judge([0.0, 0.0, 0.0], 0.2).verdict == "fails"
-    assert stats.judge([0.5], 0.2).verdict == "inconclusive"
+def test_no_spread_gets_a_sign_test_and_no_interval_and_too_few_seeds_get_no_p():
+    """Identical effects (steps to target moves in whole evaluation steps) have no spread for a t-test: their p is an
+    exact sign test's, never 0, and they have no interval, not a zero-width one. Under 3 seeds there is no test."""
+    three = stats.judge([0.2, 0.2, 0.2], 0.2)  # every seed 1.2x faster: a sign test's p is 0.25 at 3 seeds
+    assert (three.verdict, three.p) == ("inconclusive", 0.25) and math.isnan(three.lo) and math.isnan(three.hi)
+    six = stats.judge([0.2] * 6, 0.2)  # 6 seeds alike: p = 2 / 64
+    assert (six.verdict, six.p) == ("holds", 2 / 64)
+    assert stats.judge([-0.263] * 6, 0.2).verdict == "fails"  # the wrong sign, all 6 seeds
+    assert stats.judge([0.0, 0.0, 0.0], 0.2).p == 1.0  # no seed moved: nothing to test
+    assert stats.judge([0.0, 0.0, 0.0], 0.2).verdict == "inconclusive"
+    two = stats.judge([-0.263, -0.263], 0.2)  # two seeds: no test, no p, whatever their agreement
+    assert two.verdict == "inconclusive" and math.isnan(two.p) and math.isnan(two.lo)
     assert stats.judge([0.5, 0.6], None).verdict == ""  # reported, not judged
 
 
@@ -102,7 +110,7 @@ def test_the_section_is_rebuilt_between_the_markers_byte_for_byte(tmp_path):
     assert md.read_text() == first
     assert first.startswith(f"# Results\n\n{report.BEGIN}\n## The design's claims")
     assert first.endswith(f"{report.END}\n\n## Next section\n") and "old text" not in first
-    assert "bench/claims.py --steps 30 --seeds 5 --test-freq 2 --arms grpo grpo_adaptive_kl design_recipe" in first
+    assert "bench/claims.py --steps 30 --seeds 5 --test-freq 1 --arms grpo grpo_adaptive_kl design_recipe" in first
     assert "**holds**" in first and "commit 0123456789ab".lower() in first.lower()
 
 
