@@ -91,11 +91,12 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     corr |= staleness_metrics.offpolicy_correction(
         b, run.version, old_lp, weights, mask, run.cfg.algorithm.rollout_correction
     )
+    policy_lp = old_lp  # pi_T's own: the KL in the reward reads these, never the nucleus q (it would add -log Z)
     if a.old_logprobs == "rollout":  # verl's bypass mode: the ratio is against the distribution that sampled
         old_lp = torch.where(b.sampling_known.bool()[:, None], b.sampling_logprobs, old_lp)
         weights = b.importance_weights[:, None] * b.response_mask
     kl_before = metrics["kl_ref_before"]
-    adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, old_lp, ref_lp, values, kl_before)
+    adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, policy_lp, ref_lp, values, kl_before)
     metrics |= corr | adv_metrics
     metrics |= ppo_update(run, replace(b, response_mask=mask.long()), adv, old_lp, ref_lp, weights, values, returns)
     metrics["kl_ref"] = updated_kl(run, b)
