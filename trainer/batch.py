@@ -96,7 +96,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         mask,
         raw,
         sampled,
-        sampling_known=torch.tensor([s.sampling_logprobs is not None for s in samples], dtype=torch.long),
+        sampling_known=torch.tensor([sampling_q_known(s) for s in samples], dtype=torch.long),
         temperatures=torch.tensor([sample_temperature(s) for s in samples]),
         importance_weights=torch.tensor([float(s.sampler_meta.get("importance_weight", 1.0)) for s in samples]),
         rewards=torch.tensor([s.reward for s in samples]),
@@ -104,6 +104,18 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         weight_versions=torch.tensor([s.weight_version for s in samples]),
         token_versions=versions,
     )
+
+
+def raw_is_q(s) -> bool:
+    """Whether the sample's raw logprobs are those of the distribution it was drawn from: temperature 1, no top-p and
+    no top-k (then an engine that reports no sampling logprobs, SGLang, still gives the trainer q)."""
+    w = s.sampled_with
+    return w is not None and w.temperature == 1.0 and w.top_p >= 1.0 and w.top_k <= 0
+
+
+def sampling_q_known(s) -> bool:
+    """Whether the batch knows the logprobs the sample was drawn with: reported, or equal to the raw ones."""
+    return s.sampling_logprobs is not None or raw_is_q(s)
 
 
 def sample_temperature(s) -> float:

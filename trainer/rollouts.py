@@ -53,6 +53,15 @@ def pull(run: TrainingRun) -> Batch | None:
         return None
     batch = make_batch(groups, run.pad_id)
     stale = [v for v in batch.weight_versions.tolist() if v != run.version]
+    unknown = int((batch.sampling_known == 0).sum())
+    if unknown and (run.cfg.async_training.staleness_threshold or run.cfg.trainer.queue_max_staleness):
+        raise RuntimeError(
+            f"{unknown} samples came without the logprobs they were drawn with (the engine reports none, e.g. SGLang) "
+            "and with a temperature, top_p or top_k that makes their raw logprobs differ: async training cannot "
+            "correct them for staleness. Sample at temperature 1, top_p 1 and top_k -1, use an engine that reports "
+            "sampling_logprobs (FARM_ENGINE=torch), or set async_training.staleness_threshold and "
+            "trainer.queue_max_staleness to 0"
+        )
     if stale and run.cfg.actor_rollout_ref.actor.old_logprobs == "rollout":
         raise RuntimeError(
             f"{len(stale)} samples came from weight versions {sorted(set(stale))}, expected {run.version}: "

@@ -193,3 +193,38 @@ def test_async_gauges_are_set_by_the_steps_that_have_them_and_the_histogram_coun
     step_metrics.record(None, {"step": 3})  # a step without them leaves them as they were
     assert gauges["trainer_idle_ratio"]._value.get() == 0.25
     assert step_metrics.pull_metrics({"rollout_wait_s": 1.0}, 4.0)["trainer_idle_ratio"] == 0.25
+
+
+def unreported(temperature: float, top_p: float = 1.0, top_k: int = -1) -> P.Sample:
+    """A sample from an engine that reports no sampling logprobs (SGLang), drawn with these params."""
+    return P.Sample(
+        token_ids=[5, 5],
+        logprobs=[-1.0, -1.0],
+        text="x",
+        finish_reason="length",
+        weight_version=9,  # the current version: a sync run takes them as they are
+        sampled_with=P.SampledWith(temperature=temperature, top_p=top_p, top_k=top_k),
+    )
+
+
+@pytest.mark.parametrize(
+    "params, known", [((1.0,), True), ((0.7,), False), ((1.0, 0.9), False), ((1.0, 1.0, 20), False)]
+)
+def test_raw_logprobs_stand_for_q_only_when_the_sampling_did_not_change_the_distribution(params, known):
+    b = make_batch([group(unreported(*params))], pad_id=0)
+    assert b.sampling_known.tolist() == [int(known)]
+
+
+@pytest.mark.parametrize("s, params, refused", [(1, (0.7,), True), (1, (1.0,), False), (0, (0.7,), False)])
+def test_async_training_refuses_samples_it_cannot_correct(s, params, refused):
+    """Async training needs each sample's q for its staleness correction: from the engine, or equal to the raw
+    logprobs. Without either, every weight would silently be 1 (the negative controls: raw sampling, or sync)."""
+    items = [item(f"i{j}", group(unreported(*params), unreported(*params))) for j in range(2)]
+    q = FakeQueue([P.PullResponse(lease_id="l", lease_expires_s=1, current_version=9, items=items)])
+    run = fake_run(q, s)
+    run.pad_id = 0
+    if refused:
+        with pytest.raises(RuntimeError, match="top_p 1 and top_k -1"):
+            rollouts.pull(run)
+    else:
+        assert len(rollouts.pull(run)) == 4
