@@ -228,3 +228,19 @@ def test_async_training_refuses_samples_it_cannot_correct(s, params, refused):
             rollouts.pull(run)
     else:
         assert len(rollouts.pull(run)) == 4
+
+
+def test_a_spanning_sample_is_weighted_with_each_tokens_own_q():
+    """A partial sample (drawn by versions 7, 8, 8) whose tokens were drawn with different q: token-level truncated
+    IS weighs each token by its own ratio. A mutant that gives every token the first token's q weighs all three 2.0
+    (the async tests above use one q for every token, so they cannot tell)."""
+    drawn = [-1.2, -0.4, -0.9]
+    s = sample(7, [7, 8, 8]).model_copy(update={"sampling_logprobs": drawn})
+    b = make_batch([group(s)], pad_id=0)
+    assert b.sampling_logprobs[0].tolist() == pytest.approx(drawn)
+    old = torch.full((1, 3), -0.5)
+    weights, _, _ = rollout_correction.correction(
+        old, b, RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0)
+    )
+    expected = [min(2.0, math.exp(-0.5 - q)) for q in drawn]  # 2.0 (capped), 0.905, 1.49
+    assert weights[0].tolist() == pytest.approx(expected, rel=1e-5)
