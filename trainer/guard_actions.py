@@ -1,12 +1,12 @@
 """What the trainer does when a guard trips (trainer/guards.py decides): raise the mini-batch size, or roll back
-to the last checkpoint. Each action is logged as a guard_action event."""
+to the last good step (or the last checkpoint). Each action is logged as a guard_action event."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from trainer import checkpoint
+from trainer import checkpoint, last_good
 
 if TYPE_CHECKING:
     from trainer.run import TrainingRun
@@ -30,21 +30,33 @@ def raise_mini_batch(run: TrainingRun) -> None:
 
 
 def rollback(run: TrainingRun) -> None:
-    """Pause sampling, restore the last checkpoint (not its RNG states: the same draws could lead to the same
-    blow-up), push its weights as a new version, resume sampling."""
-    ckpt = checkpoint.latest(run.out) if run.out else None
-    if ckpt is None:
+    """Pause sampling, restore the last good step (trainer/last_good.py) or, with guards.rollback_to=checkpoint,
+    the last checkpoint (not its RNG states: the same draws could lead to the same blow-up), push its weights as a
+    new version, resume sampling."""
+    good = run.last_good if last_good.wanted(run) else None
+    ckpt = checkpoint.latest(run.out) if good is None and run.out else None
+    if good is None and ckpt is None:
         raise RuntimeError("KL guard: no checkpoint to roll back to; set trainer.default_local_dir")
     if run.rank == 0:
         run.client.control("pause")
     try:
         bad_step, generated = run.step, run.generated_tokens
-        run.restore(ckpt, rngs=False)
+        if good is not None:
+            last_good.restore(run, good)
+        else:
+            run.restore(ckpt, rngs=False)
         run.generated_tokens = generated  # work done is done: the counter does not roll back
         run.push()
     finally:
         if run.rank == 0:
             run.client.control("resume")
     log.warning(
-        "guard_action", extra={"action": "rollback", "step": bad_step, "to_step": run.step, "version": run.version}
+        "guard_action",
+        extra={
+            "action": "rollback",
+            "step": bad_step,
+            "to_step": run.step,
+            "from": "last_good" if good is not None else "checkpoint",
+            "version": run.version,
+        },
     )

@@ -1,8 +1,8 @@
 """Guards: watch each step's KL to the reference and a variance statistic, and say what to do when a threshold is
 crossed. Off unless `guards.enable` (the design preset turns them on, with its adaptive KL controller aiming at 0.01).
 
-    KL > kl_rollback (0.05)               rollback: pause sampling, restore the last checkpoint, push its
-                                          weights as a new version, resume
+    KL > kl_rollback (0.05)               rollback: pause sampling, restore the last good step (rollback_to;
+                                          trainer/last_good.py), push its weights as a new version, resume
     variance statistic > variance_raise   raise ppo_mini_batch_size to raised_mini_batch_size (both in groups,
       (0.3)                               as verl counts them): fewer, bigger mini-batches, so fewer optimizer
                                           steps per epoch, each averaging the noisier gradient over more samples
@@ -39,7 +39,12 @@ class GuardConfig(BaseModel):
         "(farm demo passes 0.1)",
     )
     kl_target: float = Field(0.02, gt=0, description="reported as over target above this")
-    kl_rollback: float = Field(0.05, gt=0, description="roll back to the last checkpoint above this")
+    kl_rollback: float = Field(0.05, gt=0, description="roll back above this (to what rollback_to says)")
+    rollback_to: Literal["last_good", "checkpoint"] = Field(
+        "last_good",
+        description="last_good: the last step the guards did not roll back, kept in CPU memory (about three times "
+        "the policy's size with AdamW); checkpoint: the last checkpoint (with save_freq=-1, step 0)",
+    )
     reward_std_target: float = Field(0.2, gt=0)
     variance_statistic: Literal["reward_std", "reward_var", "adv_var", "grad_noise_scale"] = Field(
         "reward_std",

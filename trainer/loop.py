@@ -20,7 +20,16 @@ import torch
 from tqdm import tqdm
 
 from services import protocol as P
-from trainer import distributed, guard_actions, losses, rollout_correction, rollouts, staleness_metrics, step_metrics
+from trainer import (
+    distributed,
+    guard_actions,
+    last_good,
+    losses,
+    rollout_correction,
+    rollouts,
+    staleness_metrics,
+    step_metrics,
+)
 from trainer.actor import ActorInputs, update_actor
 from trainer.advantages import compute_advantages
 from trainer.batch import Batch, broadcast_batch
@@ -44,6 +53,8 @@ def train(run: TrainingRun) -> dict:
     if t.eval_size and run.step == 0 and run.rank == 0:
         summary["before"] = held_out_accuracy(run)
     bar, accuracy = progress_bar(run), None
+    if last_good.wanted(run):
+        run.last_good = last_good.keep(run)  # the step the run starts from
     began = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
@@ -68,6 +79,8 @@ def train(run: TrainingRun) -> dict:
             guard_actions.carry_out(run, action)
         if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
             run.save()
+        if "rollback" not in actions and last_good.wanted(run):
+            run.last_good = last_good.keep(run)
         rollouts.ack(run)  # after the checkpoint: killed before it, a trainer gets these groups again; after, not
         accuracy = metrics.get("val_accuracy", accuracy)  # held-out, every trainer.test_freq steps
         shown = {"acc": f"{accuracy:.3f}"} if accuracy is not None else {}

@@ -57,6 +57,7 @@ class TrainingRun:
         self.batches = 0  # prompt batches fed to the queue; a resume goes back to the checkpoint's, a rollback not
         self.redelivered = 0  # queue groups that came back from an earlier (killed) trainer's lease
         self.pulls = 0  # steps' rollouts pulled; with async training the queue is fed this + staleness_threshold
+        self.last_good = None  # what a rollback returns to (trainer/last_good.py), kept after each good step
         self.pull_stats: dict = {}  # the last pull's wait and drops (trainer/rollouts.py)
         self.queue_clock: tuple[float, float] | None = None  # the queue source's generation busy/idle s, last pull
         self.out = Path(t.default_local_dir) if t.default_local_dir else None
