@@ -17,6 +17,8 @@ log = logging.getLogger("farm.trainer")
 def carry_out(run: TrainingRun, action: str) -> None:
     if action == "raise_mini_batch":
         raise_mini_batch(run)
+    elif action == "lower_mini_batch":
+        lower_mini_batch(run)
     elif action == "rollback":
         rollback(run)
 
@@ -26,6 +28,14 @@ def raise_mini_batch(run: TrainingRun) -> None:
     was, run.mini_batch_size = run.mini_batch_size, run.cfg.guards.raised_mini_batch_size
     log.warning(
         "guard_action", extra={"action": "raise_mini_batch", "step": run.step, "from": was, "to": run.mini_batch_size}
+    )
+
+
+def lower_mini_batch(run: TrainingRun) -> None:
+    """Back to ppo_mini_batch_size once the variance statistic has stayed low (guards.variance_lower, lower_after)."""
+    was, run.mini_batch_size = run.mini_batch_size, run.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    log.warning(
+        "guard_action", extra={"action": "lower_mini_batch", "step": run.step, "from": was, "to": run.mini_batch_size}
     )
 
 

@@ -6,6 +6,8 @@ crossed. Off unless `guards.enable` (the design preset turns them on, with its a
     variance statistic > variance_raise   raise ppo_mini_batch_size to raised_mini_batch_size (both in groups,
       (0.3)                               as verl counts them): fewer, bigger mini-batches, so fewer optimizer
                                           steps per epoch, each averaging the noisier gradient over more samples
+    ... below variance_lower, lower_after  lower it back to ppo_mini_batch_size (hysteresis: variance_lower is
+      steps in a row                      below variance_raise, half of it by default)
 The KL is the exact one (trainer/forward.py). The variance statistic (`variance_statistic`) is the batch's reward
 std (the default: on 0/1 rewards it passes 0.3 whenever the mean reward is between 0.1 and 0.9), reward variance
 (at most 0.25 on 0/1 rewards, so 0.3 never trips it there), advantage variance, or the gradient noise scale
@@ -22,9 +24,9 @@ from __future__ import annotations
 from typing import Literal
 
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-GUARD_ACTIONS = ("rollback", "raise_mini_batch")  # what Guard.check may ask for
+GUARD_ACTIONS = ("rollback", "raise_mini_batch", "lower_mini_batch")  # what Guard.check may ask for
 ACTIONS = Counter("farm_trainer_guard_actions_total", "Guard actions the trainer took", ["action"])
 for _action in GUARD_ACTIONS:  # exported at 0 from the start, so increase() sees the first one
     ACTIONS.labels(_action)
@@ -55,15 +57,39 @@ class GuardConfig(BaseModel):
     raised_mini_batch_size: int = Field(
         16, ge=1, description="in groups, like ppo_mini_batch_size (16 groups of 8 samples: 128 samples)"
     )
+    variance_lower: float | None = Field(
+        None,
+        gt=0,
+        description="once raised, lower the mini-batch back to ppo_mini_batch_size after lower_after steps in a row "
+        "with the variance statistic below this (hysteresis: below variance_raise); None: half of variance_raise",
+    )
+    lower_after: int = Field(3, ge=1, description="steps in a row below variance_lower before the size is lowered")
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "GuardConfig":
+        if self.variance_lower is not None and self.variance_lower >= self.variance_raise:
+            raise ValueError(
+                f"guards.variance_lower: {self.variance_lower} is not below variance_raise={self.variance_raise}, so "
+                "the size would go up and down on the same readings: set it lower (or leave it out: half of it)"
+            )
+        return self
+
     max_rollbacks: int = Field(
         3, ge=0, description="stop with an error after this many rollbacks in a row without progress"
     )
 
 
 class Guard:
-    def __init__(self, cfg: GuardConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: GuardConfig, base_mini_batch_size: int | None = None):
+        """`base_mini_batch_size`: ppo_mini_batch_size, what a raised size is lowered back to (None: never)."""
+        self.cfg, self.base = cfg, base_mini_batch_size
         self.rollbacks_in_a_row = 0
+        self.calm_steps = 0  # steps in a row with the variance statistic below variance_lower
+
+    @property
+    def lower_below(self) -> float:
+        c = self.cfg
+        return c.variance_lower if c.variance_lower is not None else c.variance_raise / 2
 
     def check(self, kl: float, stats: dict[str, float], mini_batch_size: int) -> tuple[list[str], dict]:
         """The actions for this step's KL and variance statistics (reward_std, reward_var, adv_var and, when
@@ -90,6 +116,10 @@ class Guard:
             self.rollbacks_in_a_row = 0
         if variance > c.variance_raise and mini_batch_size < c.raised_mini_batch_size:
             actions.append("raise_mini_batch")
+        self.calm_steps = self.calm_steps + 1 if variance < self.lower_below else 0
+        if self.base is not None and mini_batch_size > self.base and self.calm_steps >= c.lower_after:
+            actions.append("lower_mini_batch")
+            self.calm_steps = 0
         for a in actions:
             ACTIONS.labels(a).inc()
         return actions, flags

@@ -44,7 +44,7 @@ class TrainingRun:
         self._load_models(resolve_model(cfg.actor_rollout_ref.model.path))
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size  # the guard may raise it
-        self.guard = Guard(cfg.guards)
+        self.guard = Guard(cfg.guards, self.mini_batch_size)
         if t.metrics_port and self.rank == 0:
             step_metrics.serve(t.metrics_port)
         self.task = TASKS.get(t.task)()

@@ -43,6 +43,25 @@ def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated
     assert Guard(GuardConfig()).check(kl=1.0, stats=stats(0.5), mini_batch_size=8)[0] == []  # off by default
 
 
+def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
+    """Raised at a reward std above 0.3; lowered back to ppo_mini_batch_size (8) only after 3 steps in a row below
+    half of it (0.15): a std between the two bounds keeps the raised size, and one noisy step restarts the count.
+    Without the base size (the negative control) it is never lowered, as before."""
+    from trainer.guards import Guard, GuardConfig
+
+    guard = Guard(GuardConfig(enable=True), base_mini_batch_size=8)
+    noisy, between, calm = stats(0.5), stats(0.03), stats(0.01)  # reward std 0.5, ~0.17, ~0.1
+    assert guard.check(0.0, noisy, 8)[0] == ["raise_mini_batch"]
+    assert [guard.check(0.0, between, 16)[0] for _ in range(5)] == [[]] * 5  # inside the band: stays raised
+    assert [guard.check(0.0, calm, 16)[0] for _ in range(2)] == [[], []]
+    assert guard.check(0.0, noisy, 16)[0] == []  # one noisy step: the count starts again
+    assert [guard.check(0.0, calm, 16)[0] for _ in range(3)] == [[], [], ["lower_mini_batch"]]
+    never = Guard(GuardConfig(enable=True))
+    assert all(never.check(0.0, calm, 16)[0] == [] for _ in range(6))
+    with pytest.raises(ValueError, match="variance_lower"):
+        GuardConfig(variance_lower=0.4)  # above variance_raise 0.3: it would flap
+
+
 @pytest.mark.parametrize("p", [0.15, 0.3, 0.5, 0.7, 0.85])
 def test_the_default_variance_statistic_can_cross_the_threshold_on_0_1_rewards_and_reward_variance_cannot(p):
     """With 0/1 rewards the variance is p(1 - p) <= 0.25: compared with 0.3 it never trips. The reward std does,
