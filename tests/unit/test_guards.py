@@ -19,6 +19,27 @@ def test_the_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
     assert ctrl.value < high
 
 
+def test_the_design_presets_controller_moves_beta_within_a_short_run_and_verls_default_horizon_does_not():
+    """verl's adaptive controller moves beta by at most 0.2 * samples / horizon a step. At the preset's horizon (one
+    step's 512 samples) 5 steps with the KL at twice the target multiply it by 1.2^5 = 2.5, and 5 at half the target
+    by 0.8^5 = 0.33; at verl's default 10000 (the claims runs' setting, the negative control) it moves by about 5%."""
+    from verl.trainer.ppo import core_algos
+
+    from trainer.config import PRESETS
+
+    def beta_after(horizon: int, kl: float) -> float:
+        cfg = load(PRESETS / "design.yaml", [f"algorithm.kl_ctrl.horizon={horizon}"])
+        ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+        for _ in range(5):
+            ctrl.update(current_kl=kl, n_steps=cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n)
+        return ctrl.value / cfg.algorithm.kl_ctrl.kl_coef
+
+    preset = load(PRESETS / "design.yaml").algorithm.kl_ctrl
+    assert beta_after(preset.horizon, 2 * preset.target_kl) == pytest.approx(1.2**5)
+    assert beta_after(preset.horizon, preset.target_kl / 2) == pytest.approx(0.8**5)
+    assert 1.0 < beta_after(10000, 2 * preset.target_kl) < 1.06
+
+
 def stats(p: float) -> dict:
     """The variance statistics of a batch of 0/1 rewards with mean p (and some advantage variance)."""
     return {"reward_std": (p * (1 - p)) ** 0.5, "reward_var": p * (1 - p), "adv_var": 0.1}
