@@ -9,6 +9,7 @@ The body is always `{"error": "...", "detail": [{"field": "...", "message": "...
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -42,9 +43,22 @@ unavailable = RateLimitedWarning(log)
 def refusal_logged(transport: str, version: int | str | None):
     """Around a weight push: a refusal (4xx: weights the model or an engine refuses, a cut or oversized upload, a
     stale version) logs one WARNING line, with the reasons; the replicas return theirs without a traceback
-    (EngineServer.stage). Anything else goes on to the handlers."""
+    (EngineServer.stage). A push that Serve cancels because its client went away (while it waits for the push lock
+    or for a bucket's staging, where no body read sees the disconnect) logs one request_cut line, as a cut body
+    does. Anything else goes on to the handlers."""
     try:
         yield
+    except asyncio.CancelledError:  # Serve cancelled the request (its client went away): no handler sees it
+        log.warning(
+            "request_cut",
+            extra={
+                "transport": transport,
+                "version": version,
+                "error": "the client went away mid-push: Serve cancelled the request; the push is abandoned "
+                "unless it had reached its commit",
+            },
+        )
+        raise
     except ServiceError as e:
         if e.status < 500:
             reasons = [f"{d.get('field')}: {d.get('message')}" for d in e.detail]

@@ -170,3 +170,25 @@ def test_a_bucket_call_cancelled_by_the_client_going_is_a_cut_upload_not_a_failu
 
     outcome, discarded = asyncio.run(push())
     assert (outcome, discarded) == (("cut", [("discard", 3)]) if cancel else ("staged", []))
+
+
+def test_a_push_cancelled_by_serve_logs_one_request_cut_line(caplog):
+    """Serve cancels a request whose client went away; while the push waits for the lock or a bucket's staging no
+    body read sees the disconnect, so services/api/errors.py refusal_logged logs the cut itself (and lets the
+    cancellation through). A refusal logs weight_push_refused instead (the control)."""
+    import asyncio
+    import logging
+
+    from services.api.errors import refusal_logged
+    from services.errors import Conflict
+
+    async def push(error: BaseException):
+        with refusal_logged("upload", 4):
+            raise error
+
+    with caplog.at_level(logging.WARNING, logger="farm.service"):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(push(asyncio.CancelledError()))
+        with pytest.raises(Conflict):
+            asyncio.run(push(Conflict("version 4 is not newer")))
+    assert [r.getMessage() for r in caplog.records] == ["request_cut", "weight_push_refused"]
