@@ -5,7 +5,7 @@ trainer.seed=k, so the step's prompts and sampling seeds are the same across arm
   grpo                 plain GRPO, the plain sampler at temperature 1 (the baseline; what `farm demo` runs)
   rloo                 the same with RLOO advantages
   reinforce_plus_plus  the same with REINFORCE++ advantages
-  grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller aiming at 0.01 (horizon 1000)
+  grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller aiming at 0.01 (horizon 256: one step's samples)
   design_recipe        trainer/presets/design.yaml (its own response length aside) with the kl_adaptive_temperature
                        sampler, the control_variate estimator (a critic + leave-one-out baseline), the raised
                        mini-batch at 16 groups (128 samples) from 8 (64 samples), and 32 prompts a step
@@ -40,14 +40,15 @@ from trainer.config import PRESETS  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "claims"
 # k1 KL in the reward, adaptive controller. verl updates the coefficient by
-# 1 + clip(kl/target - 1, +-0.2) * samples/horizon per step: with 256 samples a step, horizon 1000 moves it
-# up to 5% a step (100 made it grow 1.5x a step and blow up)
+# 1 + clip(kl/target - 1, +-0.2) * samples/horizon per step: with 256 samples a step, horizon 256 moves it
+# up to 20% a step, so beta can move 38x either way in 20 steps (100 made it grow 1.5x a step and blow up; at
+# 1000, 5% a step, it stayed within 0.00085-0.0021 in the issue-13 runs: a controller that did nothing)
 ADAPTIVE_KL = [
     "algorithm.use_kl_in_reward=true",
     "algorithm.kl_penalty=k1",
     "algorithm.kl_ctrl.type=adaptive",
     "algorithm.kl_ctrl.target_kl=0.01",
-    "algorithm.kl_ctrl.horizon=1000",
+    "algorithm.kl_ctrl.horizon=256",
 ]
 SHARED = ["actor_rollout_ref.model.path=arith-tiny", "data.train_batch_size=32", "actor_rollout_ref.rollout.n=8"]
 # What the report reads from each step of metrics.jsonl; kl_k1, adv_var_rloo and the accuracies may be absent
