@@ -5,7 +5,7 @@ trainer.seed=k, so the step's prompts and sampling seeds are the same across arm
   grpo                 plain GRPO, the plain sampler at temperature 1 (the baseline; what `farm demo` runs)
   rloo                 the same with RLOO advantages
   reinforce_plus_plus  the same with REINFORCE++ advantages
-  grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller aiming at 0.01 (horizon 256: one step's samples)
+  grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller at 0.01 (horizon 256: one step's samples)
   design_recipe        trainer/presets/design.yaml (its own response length aside) with the kl_adaptive_temperature
                        sampler, the control_variate estimator (a critic + leave-one-out baseline), the raised
                        mini-batch at 16 groups (128 samples) from 8 (64 samples), and 32 prompts a step
@@ -51,13 +51,15 @@ ADAPTIVE_KL = [
     "algorithm.kl_ctrl.horizon=256",
 ]
 SHARED = ["actor_rollout_ref.model.path=arith-tiny", "data.train_batch_size=32", "actor_rollout_ref.rollout.n=8"]
-# What the report reads from each step of metrics.jsonl; kl_k1, adv_var_rloo and the accuracies may be absent
+# What the report reads from each step of metrics.jsonl; kl_ref_sampled, kl_k1, adv_var_rloo and the accuracies may be
+# absent
 KEYS = (
     "step",
     "reward_mean",
     "reward_std",
     "kl_ref",
     "kl_ref_before",
+    "kl_ref_sampled",
     "kl_k1",
     "kl_k3",
     "adv_var",

@@ -152,6 +152,13 @@ class Algorithm(_Strict):
     use_kl_in_reward: bool = False
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
     kl_ctrl: KLCtrl = Field(default_factory=KLCtrl)
+    kl_temperature: float | None = Field(
+        1.0,
+        gt=0,
+        description="the one temperature at which the trainer reads the KL to the reference that the adaptive "
+        "controller, the guards and the samplers' policy stats use (kl_ref, kl_ref_before); the reading at each "
+        "sample's own temperature is logged beside it (kl_ref_sampled). null: read at each sample's temperature",
+    )
     variance_threshold: float = Field(
         0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95"
     )
@@ -271,6 +278,7 @@ class Config(_Strict):
                 "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
             )
         self._async_consistent()
+        self._stale_samples_corrected_by_sequence()
         g, groups = self.guards, self.data.train_batch_size
         mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
         if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):
@@ -313,12 +321,27 @@ class Config(_Strict):
                 "async mode; leave queue_max_staleness at 0 (or set it to the same value)"
             )
 
+    def _stale_samples_corrected_by_sequence(self) -> None:
+        """Samples from older weights (async training, or a queue that delivers them) are corrected at the sequence
+        level unless the config says otherwise: token-level weights leave the prefixes' distribution uncorrected,
+        which biases a stale or spanning sample's gradient (docs/trainer.md, "Stale samples")."""
+        if not (self.async_training.enabled or self.trainer.queue_max_staleness > 0):
+            return
+        rc = self.algorithm.rollout_correction
+        if "rollout_is" not in rc.model_fields_set:
+            rc.rollout_is = "sequence"
+            if "rollout_is_threshold" not in rc.model_fields_set:
+                rc.rollout_is_threshold = STALE_SEQUENCE_CAP
+
     @property
     def critic_enabled(self) -> bool:
         return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator in NEEDS_CRITIC
 
 
 NEEDS_CRITIC = {"gae", "adaptive_gae", "control_variate"}
+# the sequence-level weights' cap for stale samples: on the enumeration toy (bench/rollout_correction.py) the
+# lowest error over a 256-sample batch at a drift of 1.0 a version, where 2.0 biases the update by 0.3
+STALE_SEQUENCE_CAP = 5.0
 
 
 class ConfigError(ValueError):

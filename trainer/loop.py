@@ -98,8 +98,8 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     """KL, advantages and the rollout correction of the batch, then the PPO epochs, then the updated policy's KL;
     the step's metrics."""
     a = run.cfg.actor_rollout_ref.actor
-    old_lp, ref_lp, kl_exact, values = no_grad_passes(run, b)
-    metrics = kl_readings(b, old_lp, ref_lp, kl_exact) | staleness_metrics.staleness_metrics(b, run.version)
+    old_lp, ref_lp, kl_exact, kl_fixed, values = no_grad_passes(run, b)
+    metrics = kl_readings(b, old_lp, ref_lp, kl_fixed, kl_exact) | staleness_metrics.staleness_metrics(b, run.version)
     weights, mask, corr = rollout_correction.correction(old_lp, b, run.cfg.algorithm.rollout_correction)
     corr |= staleness_metrics.offpolicy_correction(
         b, run.version, old_lp, weights, mask, run.cfg.algorithm.rollout_correction
@@ -112,14 +112,14 @@ def train_step(run: TrainingRun, b: Batch) -> dict:
     adv, returns, adv_metrics = compute_advantages(run.cfg, run.kl_ctrl, b, policy_lp, ref_lp, values, kl_before)
     metrics |= corr | adv_metrics
     metrics |= ppo_update(run, replace(b, response_mask=mask.long()), adv, old_lp, ref_lp, weights, values, returns)
-    metrics["kl_ref"] = updated_kl(run, b)
+    metrics["kl_ref"], metrics["kl_ref_sampled"] = updated_kl(run, b)
     return metrics
 
 
-def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The policy's and the reference's logprobs, the exact per-position KL between them (all (B, R)) and the
-    critic's values."""
-    old_lp, ref_lp, kl = policy_and_reference_pass(run, b)
+def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, ...]:
+    """The policy's and the reference's logprobs, the exact per-position KL between them at each sample's
+    temperature and at algorithm.kl_temperature (all (B, R)), and the critic's values (or None)."""
+    old_lp, ref_lp, kl, kl_fixed = policy_and_reference_pass(run, b)
     values = None
     if run.critic is not None:
         critic_micro = (
@@ -127,36 +127,44 @@ def no_grad_passes(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tens
         )
         with torch.no_grad():
             values = in_micro_batches(lambda mb: response_values(run.critic, mb), b, critic_micro)
-    return old_lp, ref_lp, kl, values
+    return old_lp, ref_lp, kl, kl_fixed, values
 
 
-def policy_and_reference_pass(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_and_reference_pass(run: TrainingRun, b: Batch) -> tuple[torch.Tensor, ...]:
     """forward.policy_and_reference over the batch, without gradients, in the actor's micro-batches, the logits
-    divided by each sample's temperature."""
-    a = run.cfg.actor_rollout_ref.actor
+    divided by each sample's temperature; the KL also at algorithm.kl_temperature."""
+    a, kl_t = run.cfg.actor_rollout_ref.actor, run.cfg.algorithm.kl_temperature
     with torch.no_grad():
         return in_micro_batches(
-            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a)),
+            lambda mb: policy_and_reference(run.policy, run.ref, mb, temperatures(mb, a), kl_t),
             b,
             a.ppo_micro_batch_size_per_gpu,
         )
 
 
-def kl_readings(b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_exact: torch.Tensor) -> dict:
-    """The KL to the reference of the policy that sampled the batch: kl_ref_before, exact per response token
-    (the adaptive controller's), and the one-token estimates k1 and k3 beside it, for comparison."""
+def kl_readings(
+    b: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor, kl_fixed: torch.Tensor, kl_sampled: torch.Tensor | None = None
+) -> dict:
+    """The KL to the reference of the policy that sampled the batch: kl_ref_before, exact per response token at
+    algorithm.kl_temperature (the adaptive controller's); the same at each sample's own temperature
+    (kl_ref_before_sampled), and the one-token estimates k1 and k3 beside them, for comparison."""
     mask = b.response_mask
+    kl_sampled = kl_fixed if kl_sampled is None else kl_sampled
     return {
-        "kl_ref_before": losses.masked_mean(kl_exact, mask).item(),
+        "kl_ref_before": losses.masked_mean(kl_fixed, mask).item(),
+        "kl_ref_before_sampled": losses.masked_mean(kl_sampled, mask).item(),
         "kl_k1": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "kl"), mask).item(),
         "kl_k3": losses.masked_mean(losses.kl_penalty(old_lp, ref_lp, "low_var_kl"), mask).item(),
     }
 
 
-def updated_kl(run: TrainingRun, b: Batch) -> float:
+def updated_kl(run: TrainingRun, b: Batch) -> tuple[float, float]:
     """kl_ref: the exact KL to the reference of the policy after the step's update, the one pushed next, on the
-    step's prefixes (what the rollback guard and the samplers' policy stats read)."""
-    return losses.masked_mean(policy_and_reference_pass(run, b)[2], b.response_mask).item()
+    step's prefixes, at algorithm.kl_temperature (what the guards and the samplers' policy stats read); and the
+    same at each sample's own temperature (kl_ref_sampled, logged beside it)."""
+    _, _, sampled, fixed = policy_and_reference_pass(run, b)
+    mask = b.response_mask
+    return losses.masked_mean(fixed, mask).item(), losses.masked_mean(sampled, mask).item()
 
 
 def ppo_update(

@@ -14,7 +14,8 @@ from trainer.batch import Batch
 log = logging.getLogger("farm.trainer")
 GAUGE_HELP = {
     "step": "Last finished training step",
-    "kl_ref": "KL of the policy to the reference, last step",
+    "kl_ref": "KL of the policy to the reference at algorithm.kl_temperature (what the guards read), last step",
+    "kl_ref_sampled": "KL of the policy to the reference at each sample's own temperature, last step",
     "reward_mean": "Batch reward mean, last step",
     "reward_std": "Batch reward std, last step",
     "kl_coef": "KL coefficient (the controller's value)",

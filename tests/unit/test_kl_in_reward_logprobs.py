@@ -48,7 +48,8 @@ def run_step(monkeypatch, old_logprobs: str) -> tuple[dict, torch.Tensor]:
 
     def passes(run, b):
         shape = b.response_mask.shape
-        return torch.full(shape, POLICY), torch.full(shape, REFERENCE), torch.full(shape, POLICY - REFERENCE), None
+        kl = torch.full(shape, POLICY - REFERENCE)
+        return torch.full(shape, POLICY), torch.full(shape, REFERENCE), kl, kl, None
 
     def ppo_update(run, b, adv, old_lp, ref_lp, weights, values, returns):
         seen["old_lp"] = old_lp
@@ -56,7 +57,7 @@ def run_step(monkeypatch, old_logprobs: str) -> tuple[dict, torch.Tensor]:
 
     monkeypatch.setattr(loop, "no_grad_passes", passes)
     monkeypatch.setattr(loop, "ppo_update", ppo_update)
-    monkeypatch.setattr(loop, "updated_kl", lambda run, b: 0.0)
+    monkeypatch.setattr(loop, "updated_kl", lambda run, b: (0.0, 0.0))
     return loop.train_step(run, b), seen["old_lp"]
 
 

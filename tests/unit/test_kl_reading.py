@@ -4,30 +4,14 @@ one: per response position, summed over the vocabulary (trainer/forward.py: poli
 import torch
 
 from services.protocol import SamplingParams
-from tests.unit.test_rollout_correction import BOS, Bigram, sequences, token_logprobs
+from tests.unit.enumeration import Bigram, every_sequence_batch, sequences, token_logprobs
 from trainer.batch import Batch
 from trainer.forward import policy_and_reference
 from trainer.loop import kl_readings
 
 
 def every_sequence(xs: torch.Tensor, T: float) -> Batch:
-    B, L = xs.shape
-    ids = torch.cat([torch.full((B, 1), BOS), xs], 1)
-    return Batch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        response_pos=torch.arange(L).repeat(B, 1),
-        response_ids=xs,
-        response_mask=torch.ones(B, L, dtype=torch.long),
-        rollout_logprobs=torch.zeros(B, L),
-        sampling_logprobs=torch.zeros(B, L),
-        sampling_known=torch.zeros(B, dtype=torch.long),
-        temperatures=torch.full((B,), T),
-        importance_weights=torch.ones(B),
-        rewards=torch.zeros(B),
-        group_ids=torch.zeros(B, dtype=torch.long),
-        weight_versions=torch.zeros(B, dtype=torch.long),
-    )
+    return every_sequence_batch(xs, torch.zeros(xs.shape), torch.zeros(len(xs)), T)
 
 
 def expected_readings(policy, ref, xs, T, q) -> dict:
@@ -37,7 +21,7 @@ def expected_readings(policy, ref, xs, T, q) -> dict:
     for i in range(len(xs)):
         b = every_sequence(xs[i : i + 1], T)
         with torch.no_grad():
-            old, ref_lp, kl = policy_and_reference(policy, ref, b, b.temperatures)
+            old, ref_lp, kl, _ = policy_and_reference(policy, ref, b, b.temperatures)
         for k, v in kl_readings(b, old, ref_lp, kl).items():
             out[k] = out.get(k, 0.0) + q[i].item() * v
     return out

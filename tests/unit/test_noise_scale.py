@@ -4,8 +4,8 @@ measures each micro-batch's own mean gradient, and the guard can act on it."""
 import pytest
 import torch
 
+from tests.unit.enumeration import Bigram, sequences
 from tests.unit.test_kl_reading import every_sequence
-from tests.unit.test_rollout_correction import Bigram, sequences
 from trainer.actor import ActorInputs, update_actor
 from trainer.config import ConfigError, load
 from trainer.forward import response_logprobs

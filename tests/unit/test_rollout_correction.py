@@ -4,59 +4,21 @@ Every sequence of a tiny bigram "model" (V tokens, L steps) is enumerated, so J(
 gradient are exact, and so is the expected update: the trainer's own loss (trainer/forward.py, rollout_correction.py,
 losses.ppo_loss at ratio 1) on a batch holding every sequence the sampler can draw, each advantage weighted by the
 sequence's probability q(x) under the sampler (the engine's own processed_logits: temperature, top-p).
-"""
 
-import itertools
-import types
+Mutations tried, each failing a test here: no importance weights at all (`correction` returning the mask: caught
+by the first test's errors, which its cosines alone missed at 0.9987); the weights dropped from the loss
+(`losses.ppo_loss` passing none to verl). No division by the temperature in training is caught by
+test_tempered_logprobs.py; the stale-sample defaults by test_async_correction.py.
+"""
 
 import torch
 
-from services.engine.torch_engine import processed_logits
 from services.protocol import SamplingParams
+from tests.unit.enumeration import Bigram, cosine, every_sequence_batch, exact_gradient, sequences, token_logprobs
 from trainer import losses, rollout_correction
 from trainer.batch import Batch
 from trainer.config import RolloutCorrection
 from trainer.forward import response_logprobs
-
-BOS = 0
-
-
-class Bigram(torch.nn.Module):
-    """next-token logits = table[previous token]: an HF-style causal LM with V tokens."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = torch.nn.Parameter(table.clone())
-
-    def forward(self, input_ids, attention_mask=None):
-        return types.SimpleNamespace(logits=self.table[input_ids])
-
-
-def sequences(V: int, L: int) -> torch.Tensor:
-    return torch.tensor(list(itertools.product(range(V), repeat=L)))
-
-
-def token_logprobs(table: torch.Tensor, xs: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:
-    """(N, L) logprob of each token of each sequence under softmax(table / T) (params None: T = 1), or under the
-    engine's processed distribution (params: temperature, top-p; -inf outside the nucleus)."""
-    prev = torch.cat([torch.full((len(xs), 1), BOS), xs[:, :-1]], 1)
-    logits = table[prev]  # (N, L, V)
-    if params is not None:
-        logits = processed_logits(logits.reshape(-1, logits.shape[-1]), params).reshape(logits.shape)
-    return torch.log_softmax(logits, -1).gather(-1, xs[..., None]).squeeze(-1)
-
-
-def exact_gradient(
-    table: torch.Tensor, xs: torch.Tensor, r: torch.Tensor, T: float, support=None, baseline=None
-) -> torch.Tensor:
-    """sum_x pi_T(x) (r(x) - b) grad log pi_T(x) over the sequences in `support` (default all; over all of them it
-    is grad J(pi_T)), b = `baseline` or E_pi[r]."""
-    th = table.clone().requires_grad_()
-    p = token_logprobs(th / T, xs, None).sum(-1).exp()
-    b = (p * r).sum().detach() if baseline is None else baseline
-    keep = torch.ones(len(xs), dtype=torch.bool) if support is None else support
-    (grad,) = torch.autograd.grad((p * (r - b))[keep].sum(), th)
-    return grad
 
 
 def expected_update(
@@ -74,22 +36,7 @@ def expected_update(
     drawn = torch.nonzero(q > 0).squeeze(-1)
     xs, q_tok, q, r = xs[drawn], q_tok[drawn], q[drawn], r[drawn]
     B, L = xs.shape
-    ids = torch.cat([torch.full((B, 1), BOS), xs], 1)
-    b = Batch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        response_pos=torch.arange(L).repeat(B, 1),
-        response_ids=xs,
-        response_mask=torch.ones(B, L, dtype=torch.long),
-        rollout_logprobs=torch.zeros(B, L),  # raw logprobs: not used by the update
-        sampling_logprobs=q_tok,  # what the service reports: logprobs under the distribution that sampled
-        sampling_known=torch.ones(B, dtype=torch.long),
-        temperatures=torch.full((B,), T),
-        importance_weights=torch.ones(B),
-        rewards=r,
-        group_ids=torch.zeros(B, dtype=torch.long),
-        weight_versions=torch.zeros(B, dtype=torch.long),
-    )
+    b = every_sequence_batch(xs, q_tok, r, T)  # q_tok: what the service reports for each token
     model = Bigram(table)
     temps = b.temperatures if scale_logits else None
     with torch.no_grad():
@@ -102,8 +49,8 @@ def expected_update(
     return grad
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
+def error(update: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((update - truth).norm() / truth.norm()).item()
 
 
 def test_at_temperature_0_5_and_top_p_0_9_the_update_follows_the_policy_gradient_and_raw_logits_do_not():
@@ -122,6 +69,12 @@ def test_at_temperature_0_5_and_top_p_0_9_the_update_follows_the_policy_gradient
         assert cosine(expected_update(table, xs, r, T, q_tok, True, level), truth) >= 0.99
     off = expected_update(table, xs, r, T, q_tok, scale_logits=False, rollout_is=None)
     assert cosine(off, truth) < 0.96
+    # the cosine alone cannot tell the weights' part: with the logits divided by T and no weights it is 0.9987 too.
+    # The error can: the sequence ratio takes it from 0.166 to 0.049; the token ratios from 0.1660 to 0.1654
+    # (they correct each token's truncation, not the prefixes')
+    unweighted = error(expected_update(table, xs, r, T, q_tok, True, None), truth)
+    assert error(expected_update(table, xs, r, T, q_tok, True, "sequence"), truth) < 0.5 * unweighted
+    assert error(expected_update(table, xs, r, T, q_tok, True, "token"), truth) < unweighted
 
 
 def test_sequence_importance_weights_make_the_update_exact_on_the_samplers_support_under_top_p_truncation():

@@ -44,7 +44,7 @@ def test_the_step_reads_each_samples_tempered_logprobs(tiny_model, mode):
     group = P.Group(
         prompt_token_ids=PROMPT, samples=[sample(0.5), sample(1.0)], reward_mean=0, reward_std=0, zero_variance=True
     )
-    old_lp, ref_lp, _ = loop.policy_and_reference_pass(run, make_batch([group], pad_id=0))
+    old_lp, ref_lp, *_ = loop.policy_and_reference_pass(run, make_batch([group], pad_id=0))
     for row, t in enumerate([0.5, 1.0]):
         expected = by_hand(model, t if mode == "sampled" else 1.0)
         assert torch.allclose(old_lp[row, :3], expected, atol=1e-5), (row, old_lp[row], expected)
