@@ -9,6 +9,7 @@ A `regex` constrains the text token by token (RegexMask); such rows are picked o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,28 @@ class RegexMask:
                 break
         return None
 
+    def log_allowed_mass(self, ids: list[int], proc: torch.Tensor) -> float:
+        """log Z: the log of the probability the processed distribution (V,) gives the allowed tokens, so that a
+        constrained draw's logprob is the processed one minus log Z. Tokens are checked from the most likely down
+        until the unchecked mass cannot move log Z by more than MASS_TOLERANCE; NaN (q unknown: the sample gets no
+        sampling logprobs) when that takes more than MASS_CHECKS checks, or no token is allowed."""
+        probs, order = torch.softmax(proc.float(), -1).sort(descending=True)
+        allowed, left = 0.0, 1.0
+        for p, token in zip(probs[:MASS_CHECKS].tolist(), order[:MASS_CHECKS].tolist()):
+            if left <= MASS_TOLERANCE * allowed or p == 0.0:
+                break
+            left -= p
+            if self.allowed(ids, token):
+                allowed += p
+        else:
+            if left > MASS_TOLERANCE * allowed:
+                return math.nan
+        return math.log(allowed) if allowed > 0 else math.nan
+
+
+# the constrained q's normaliser: checked down to a relative error of 1e-4 in Z, at most 1024 regex checks a token
+MASS_TOLERANCE, MASS_CHECKS = 1e-4, 1024
+
 
 def text_hits_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
     """Whether the text of `ids` now holds a stop string. Only the tail is decoded: a character takes at most 4 tokens
@@ -137,7 +160,7 @@ def draw(
     sampled = not bool(greedy.all())
     proc = processed_rows(logits, torch.where(greedy, 1.0, temperature), top_k, top_p) if sampled else None
     token = logits.argmax(-1)
-    dead = None
+    dead = log_z = None
     if sampled:
         probs = torch.softmax(proc, -1)
     for g in groups:
@@ -150,10 +173,13 @@ def draw(
             if pick is None:  # a dead end: the row ends before this token
                 dead = torch.zeros_like(greedy) if dead is None else dead
                 dead[i] = True
+            elif not bool(greedy[i]):  # drawn from the processed distribution restricted to the allowed tokens
+                log_z = torch.zeros_like(logits[:, 0]) if log_z is None else log_z
+                log_z[i] = g.regex.log_allowed_mass(ids, proc[i])
             token[i] = pad_id if pick is None else pick
     logprob = torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     sampling_logprob = torch.zeros_like(logprob)
     if sampled:
         slp = torch.log_softmax(proc, -1).gather(-1, token[:, None]).squeeze(-1)
-        sampling_logprob = torch.where(greedy, sampling_logprob, slp)
+        sampling_logprob = torch.where(greedy, sampling_logprob, slp if log_z is None else slp - log_z)
     return Draw(token, logprob, sampling_logprob, dead)
