@@ -62,6 +62,9 @@ class ActorConfig(_Strict):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm's constant divisor (verl's); None: the response length limit"
+    )
     entropy_coeff: float = Field(0.0, ge=0)
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)

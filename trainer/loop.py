@@ -184,8 +184,9 @@ def ppo_update(
     run.policy.train()
     stats: dict[str, list[float]] = {}
     actor = ActorInputs(run.policy, b, adv, old_lp, ref_lp, weights, a)
+    scale = a.loss_scale_factor or rollouts.max_new_tokens(run)
     for _ in range(a.ppo_epochs):
-        for mb in mini_batches(b, run.mini_batch_size, run.rank, run.world):
+        for mb in mini_batches(b, run.mini_batch_size, run.rank, run.world, scale):
             row = update_actor(actor, run.opt["actor"], mb, measure_noise)
             if run.critic is not None:
                 row.update(update_critic(run.critic, run.opt["critic"], b, mb, values, returns, run.cfg))

@@ -84,12 +84,16 @@ def episode_limits(run: TrainingRun) -> E.EpisodeLimits | None:
     return E.EpisodeLimits(env=E.EnvSpec(name=d.env, params=d.env_params), max_turns=d.max_turns) if d.env else None
 
 
+def max_new_tokens(run: TrainingRun) -> int:
+    """The response length limit: data.max_response_length, or the task's."""
+    return run.cfg.data.max_response_length or run.task.max_new_tokens
+
+
 def sampling(run: TrainingRun) -> tuple[P.SamplingParams, P.SamplerSpec]:
     """The step's sampling params (a fresh seed from the run's RNG) and the configured sampler."""
-    d, r = run.cfg.data, run.cfg.actor_rollout_ref.rollout
-    max_new_tokens = d.max_response_length or run.task.max_new_tokens
+    r = run.cfg.actor_rollout_ref.rollout
     params = P.SamplingParams(
-        temperature=r.temperature, top_p=r.top_p, seed=run.rng.getrandbits(31), max_new_tokens=max_new_tokens
+        temperature=r.temperature, top_p=r.top_p, seed=run.rng.getrandbits(31), max_new_tokens=max_new_tokens(run)
     )
     return params, P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
 
