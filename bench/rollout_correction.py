@@ -31,7 +31,8 @@ from tests.unit.enumeration import (  # noqa: E402
     sequences,
     spanning_q,
 )
-from trainer.config import STALE_SEQUENCE_CAP, RolloutCorrection  # noqa: E402
+from trainer.config import RolloutCorrection  # noqa: E402
+from trainer.stale_samples import STALE_SEQUENCE_CAP  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "rollout_correction.json"
 DOC = ROOT / "docs" / "trainer.md"

@@ -107,10 +107,11 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
 
 
 def raw_is_q(s) -> bool:
-    """Whether the sample's raw logprobs are those of the distribution it was drawn from: temperature 1, no top-p and
-    no top-k (then an engine that reports no sampling logprobs, SGLang, still gives the trainer q)."""
+    """Whether the sample's raw logprobs are those of the distribution it was drawn from: temperature 1, no top-p,
+    no top-k and no regex constraint (then an engine that reports no sampling logprobs, SGLang, still gives the
+    trainer q)."""
     w = s.sampled_with
-    return w is not None and w.temperature == 1.0 and w.top_p >= 1.0 and w.top_k <= 0
+    return w is not None and w.temperature == 1.0 and w.top_p >= 1.0 and w.top_k <= 0 and not w.regex
 
 
 def sampling_q_known(s) -> bool:

@@ -268,6 +268,7 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
+        from trainer import stale_samples
         from trainer.estimators import ESTIMATORS
 
         estimator = self.algorithm.adv_estimator
@@ -280,8 +281,7 @@ class Config(_Strict):
                 "trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
                 "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
             )
-        self._async_consistent()
-        self._stale_samples_corrected_by_sequence()
+        stale_samples.check(self)
         g, groups = self.guards, self.data.train_batch_size
         mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
         if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):
@@ -304,47 +304,12 @@ class Config(_Strict):
             raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
         return self
 
-    def _async_consistent(self) -> None:
-        s = self.async_training.staleness_threshold
-        if not s:
-            return
-        if self.trainer.rollout_source != "queue":
-            raise ValueError(
-                f"async_training.staleness_threshold: {s} needs the service's queue to generate ahead; "
-                "set trainer.rollout_source=queue (or the threshold to 0)"
-            )
-        if self.actor_rollout_ref.actor.old_logprobs == "rollout":
-            raise ValueError(
-                f"async_training.staleness_threshold: {s} trains on samples up to {s} versions old; set "
-                "actor_rollout_ref.actor.old_logprobs=recompute, so the rollout correction weights them"
-            )
-        if self.trainer.queue_max_staleness not in (0, s):
-            raise ValueError(
-                f"trainer.queue_max_staleness: async_training.staleness_threshold={s} sets the queue's bound in "
-                "async mode; leave queue_max_staleness at 0 (or set it to the same value)"
-            )
-
-    def _stale_samples_corrected_by_sequence(self) -> None:
-        """Samples from older weights (async training, or a queue that delivers them) are corrected at the sequence
-        level unless the config says otherwise: token-level weights leave the prefixes' distribution uncorrected,
-        which biases a stale or spanning sample's gradient (docs/trainer.md, "Stale samples")."""
-        if not (self.async_training.enabled or self.trainer.queue_max_staleness > 0):
-            return
-        rc = self.algorithm.rollout_correction
-        if "rollout_is" not in rc.model_fields_set:
-            rc.rollout_is = "sequence"
-            if "rollout_is_threshold" not in rc.model_fields_set:
-                rc.rollout_is_threshold = STALE_SEQUENCE_CAP
-
     @property
     def critic_enabled(self) -> bool:
         return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator in NEEDS_CRITIC
 
 
 NEEDS_CRITIC = {"gae", "adaptive_gae", "control_variate"}
-# the sequence-level weights' cap for stale samples: on the enumeration toy (bench/rollout_correction.py) the
-# lowest error over a 256-sample batch at a drift of 1.0 a version, where 2.0 biases the update by 0.3
-STALE_SEQUENCE_CAP = 5.0
 
 
 class ConfigError(ValueError):

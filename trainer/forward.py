@@ -63,14 +63,19 @@ def policy_and_reference(
     The second reading does not move with the sampler: the same weights read 1.4-1.9x higher at T = 0.5 than at
     T = 0.7, so thresholds on the first would shift whenever a sampler changes its temperature."""
     logits, ref_logits = response_logits(policy, b), response_logits(ref, b)
+    kl_fixed = None  # read at the samples' temperature when it is kl_temperature already: no second softmax
+    if kl_temperature is not None and not at_temperature(temperatures, kl_temperature):
+        kl_fixed = exact_kl(*(tempered_log_softmax(x, kl_temperature) for x in (logits, ref_logits)))
     logp, ref_logp = tempered_log_softmax(logits, temperatures), tempered_log_softmax(ref_logits, temperatures)
+    del logits, ref_logits
     kl = exact_kl(logp, ref_logp) * b.response_mask
-    if kl_temperature is not None:
-        fixed = tempered_log_softmax(logits, kl_temperature), tempered_log_softmax(ref_logits, kl_temperature)
-        kl_fixed = exact_kl(*fixed) * b.response_mask
-    else:
-        kl_fixed = kl
-    return _token_logprobs(logp, b), _token_logprobs(ref_logp, b), kl, kl_fixed
+    fixed = kl if kl_fixed is None else kl_fixed * b.response_mask
+    return _token_logprobs(logp, b), _token_logprobs(ref_logp, b), kl, fixed
+
+
+def at_temperature(temperatures: torch.Tensor | None, t: float) -> bool:
+    """Whether every sample's logits are divided by t already (None: raw logits, temperature 1)."""
+    return t == 1.0 if temperatures is None else bool((temperatures == t).all())
 
 
 def _token_logprobs(logp: torch.Tensor, b: Batch) -> torch.Tensor:

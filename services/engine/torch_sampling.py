@@ -96,19 +96,21 @@ class RegexMask:
     def log_allowed_mass(self, ids: list[int], proc: torch.Tensor) -> float:
         """log Z: the log of the probability the processed distribution (V,) gives the allowed tokens, so that a
         constrained draw's logprob is the processed one minus log Z. Tokens are checked from the most likely down
-        until the unchecked mass cannot move log Z by more than MASS_TOLERANCE; NaN (q unknown: the sample gets no
-        sampling logprobs) when that takes more than MASS_CHECKS checks, or no token is allowed."""
-        probs, order = torch.softmax(proc.float(), -1).sort(descending=True)
-        allowed, left = 0.0, 1.0
-        for p, token in zip(probs[:MASS_CHECKS].tolist(), order[:MASS_CHECKS].tolist()):
-            if left <= MASS_TOLERANCE * allowed or p == 0.0:
+        until the unchecked mass cannot move Z by more than MASS_TOLERANCE of it (exact once every token the
+        distribution can draw is checked); NaN (q unknown: the sample gets no sampling logprobs) when that takes
+        more than MASS_CHECKS checks, or no token is allowed."""
+        probs, order = torch.softmax(proc.double(), -1).sort(descending=True)
+        drawable = min(int((probs > 0).sum()), MASS_CHECKS + 1)
+        head = probs[:drawable]
+        unchecked = (probs.sum() - (head.cumsum(0) - head)).tolist()  # unchecked[i]: mass of token i and after
+        allowed = 0.0
+        for i, (p, token) in enumerate(zip(head.tolist(), order[:drawable].tolist())):
+            if unchecked[i] <= MASS_TOLERANCE * allowed:
                 break
-            left -= p
+            if i == MASS_CHECKS:
+                return math.nan
             if self.allowed(ids, token):
                 allowed += p
-        else:
-            if left > MASS_TOLERANCE * allowed:
-                return math.nan
         return math.log(allowed) if allowed > 0 else math.nan
 
 

@@ -254,7 +254,7 @@ def verify(
     accepted = (ok & valid).to(torch.long).cumprod(-1).sum(-1) if K else torch.zeros(B, dtype=torch.long, device=dev)
     at = accepted[:, None, None].expand(B, 1, V)
     token = logits.gather(1, at).squeeze(1).argmax(-1)  # the last token of greedy rows
-    dead = None
+    dead = log_z = None
     if sampled:
         rejected = accepted < n_draft
         x = drafted.gather(-1, accepted.clamp(max=max(K - 1, 0))[:, None]).squeeze(-1) if K else accepted
@@ -268,6 +268,9 @@ def verify(
             if pick is None:  # a dead end: the row ends before this token
                 dead = torch.zeros_like(greedy) if dead is None else dead
                 dead[i] = True
+            elif not bool(greedy[i]):  # the constrained q, as torch_sampling.draw reports it (no drafts: column 0)
+                log_z = torch.zeros_like(logits[:, 0, 0]) if log_z is None else log_z
+                log_z[i] = g.regex.log_allowed_mass(ids, proc[i, 0])
             token[i] = pad_id if pick is None else pick
     tokens = torch.cat([drafted, torch.zeros((B, 1), dtype=torch.long, device=dev)], 1)
     tokens.scatter_(1, accepted[:, None], token[:, None])
@@ -280,5 +283,7 @@ def verify(
     sampling_logprob = torch.zeros_like(logprob)
     if sampled:
         slp = proc.gather(-1, picked).squeeze(-1) - proc_lse
+        if log_z is not None:
+            slp[:, 0] -= log_z
         sampling_logprob = torch.where(kept & ~greedy[:, None], slp, 0.0)
     return Verified(tokens, n, accepted, logprob, sampling_logprob, dead)

@@ -50,7 +50,9 @@ def as_sample(ep: E.EpisodeOut, head, cut: int, params: P.SamplingParams) -> P.S
         token_ids=head.token_ids[cut:],
         logprobs=head.logprobs[cut:],
         sampling_logprobs=None if greedy else head.sampling_logprobs[cut:],
-        sampled_with=P.SampledWith(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k),
+        sampled_with=P.SampledWith(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, regex=params.regex is not None
+        ),
         text="",
         finish_reason=FINISH.get(ep.stop_reason, "error"),
         reward=ep.reward,

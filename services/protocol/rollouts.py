@@ -78,6 +78,9 @@ class SampledWith(BaseModel):
     temperature: float = Field(..., description="Softmax temperature; 0 means greedy.")
     top_p: float = Field(..., description="Nucleus sampling mass; 1 keeps all.")
     top_k: int = Field(..., description="The k most likely tokens kept; -1 keeps all.")
+    regex: bool = Field(
+        False, description="Whether a regex constraint restricted the tokens: the raw logprobs are then not q."
+    )
 
 
 class Sample(BaseModel):

@@ -102,7 +102,9 @@ def to_sample(
         token_ids=o.token_ids,
         logprobs=o.logprobs,
         sampling_logprobs=sampling_logprobs(o, params),
-        sampled_with=P.SampledWith(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k),
+        sampled_with=P.SampledWith(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, regex=params.regex is not None
+        ),
         text=text,
         finish_reason=reason,
         reward=r,

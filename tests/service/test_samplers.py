@@ -51,8 +51,8 @@ def test_the_temperature_follows_the_reported_kl(service):
     assert {s["sampler_meta"]["temperature"] for s in cold} == {0.0}
     # each sample records the params it was drawn with (the sampler's, not the request's temperature 1, top_p 1),
     # and its logprobs under that distribution, except when greedy
-    assert all(s["sampled_with"] == {"temperature": 2.0, "top_p": 0.9, "top_k": -1} for s in hot)
-    assert all(s["sampled_with"] == {"temperature": 0.0, "top_p": 0.9, "top_k": -1} for s in cold)
+    assert all(s["sampled_with"] == {"temperature": 2.0, "top_p": 0.9, "top_k": -1, "regex": False} for s in hot)
+    assert all(s["sampled_with"] == {"temperature": 0.0, "top_p": 0.9, "top_k": -1, "regex": False} for s in cold)
     assert all(s["sampling_logprobs"] is None for s in cold)
     assert all(
         len(s["sampling_logprobs"]) == len(s["logprobs"]) and s["sampling_logprobs"] != s["logprobs"] for s in hot
@@ -146,7 +146,7 @@ def test_policy_ratio_candidates_carry_their_log_ratio(service):
         and len({round(s["sampler_meta"]["ess"], 6) for s in sharp}) == 1
     )
     for s in sharp:  # the log ratio is log p/q of the sample's own two kinds of logprobs
-        assert s["sampled_with"] == {"temperature": 0.5, "top_p": 1.0, "top_k": -1}
+        assert s["sampled_with"] == {"temperature": 0.5, "top_p": 1.0, "top_k": -1, "regex": False}
         log_ratio = sum(s["logprobs"]) - sum(s["sampling_logprobs"])
         assert s["sampler_meta"]["log_ratio"] == pytest.approx(log_ratio, abs=1e-4)
 

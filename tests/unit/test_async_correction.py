@@ -1,12 +1,12 @@
-"""Stale and spanning samples are corrected at the sequence level by default (trainer/config.py
-`_stale_samples_corrected_by_sequence`), and that default is the one that recovers the policy gradient.
+"""Stale and spanning samples are corrected at the sequence level by default (trainer/stale_samples.py
+`correct_by_sequence`), and that default is the one that recovers the policy gradient.
 
 Exact by enumeration (tests/unit/enumeration.py): each sample's first token drawn by weight version 5, the rest by
 version 6, the trainer at version 7. The negative control is the old default, token-level weights capped at 2.0,
 which the test shows biased (it corrects each token's choice, not its prefix's distribution).
 
 Mutations tried, each failing here: the async default left at token level; the default applied over a config's own
-`rollout_is`; the default applied to synchronous configs; the cap left at 2.0.
+`rollout_is`; the default applied to synchronous configs; the cap left at 2.0; the default applied under top-p.
 """
 
 import pytest
@@ -31,6 +31,22 @@ def test_stale_samples_get_sequence_weights_unless_the_config_says_otherwise():
     assert (own.rollout_is, own.rollout_is_threshold) == ("token", 2.0)
     capped = correction([*ASYNC, "algorithm.rollout_correction.rollout_is_threshold=3.0"])
     assert (capped.rollout_is, capped.rollout_is_threshold) == ("sequence", 3.0)
+
+
+@pytest.mark.parametrize(
+    "truncation", ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.sampler_params={top_k: 20}"]
+)
+def test_under_truncation_the_config_must_choose(truncation):
+    """Under top-p or top-k the sequence ratio carries every token's nucleus mass and shrinks long responses'
+    weights toward 0: no silent default there; each of the choices the message names is accepted."""
+    with pytest.raises(ValueError, match="rollout_is_batch_normalize=true"):
+        load(None, [*ASYNC, truncation])
+    chosen = [*ASYNC, truncation, "algorithm.rollout_correction.rollout_is=sequence"]
+    assert (
+        correction([*chosen, "algorithm.rollout_correction.rollout_is_batch_normalize=true"]).rollout_is == "sequence"
+    )
+    assert correction([*ASYNC, truncation, "algorithm.rollout_correction.rollout_is=token"]).rollout_is == "token"
+    assert correction([truncation]).rollout_is == "token"  # synchronous: verl's default, no question
 
 
 def bias(drift: float, seed: int, rc) -> float:

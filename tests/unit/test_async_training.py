@@ -195,20 +195,22 @@ def test_async_gauges_are_set_by_the_steps_that_have_them_and_the_histogram_coun
     assert step_metrics.pull_metrics({"rollout_wait_s": 1.0}, 4.0)["trainer_idle_ratio"] == 0.25
 
 
-def unreported(temperature: float, top_p: float = 1.0, top_k: int = -1) -> P.Sample:
-    """A sample from an engine that reports no sampling logprobs (SGLang), drawn with these params."""
+def unreported(temperature: float, top_p: float = 1.0, top_k: int = -1, regex: bool = False) -> P.Sample:
+    """A sample from an engine that reports no sampling logprobs (SGLang; or a regex-constrained one whose q the
+    torch engine could not pin down), drawn with these params."""
     return P.Sample(
         token_ids=[5, 5],
         logprobs=[-1.0, -1.0],
         text="x",
         finish_reason="length",
         weight_version=9,  # the current version: a sync run takes them as they are
-        sampled_with=P.SampledWith(temperature=temperature, top_p=top_p, top_k=top_k),
+        sampled_with=P.SampledWith(temperature=temperature, top_p=top_p, top_k=top_k, regex=regex),
     )
 
 
 @pytest.mark.parametrize(
-    "params, known", [((1.0,), True), ((0.7,), False), ((1.0, 0.9), False), ((1.0, 1.0, 20), False)]
+    "params, known",
+    [((1.0,), True), ((0.7,), False), ((1.0, 0.9), False), ((1.0, 1.0, 20), False), ((1.0, 1.0, -1, True), False)],
 )
 def test_raw_logprobs_stand_for_q_only_when_the_sampling_did_not_change_the_distribution(params, known):
     b = make_batch([group(unreported(*params))], pad_id=0)

@@ -7,10 +7,11 @@ The real byte tokenizer of the tests' tiny Llama, the engine's own draw; the log
 control is the unconstrained q (what was reported before): its probabilities over the allowed tokens do not sum
 to 1 and the draws reject it.
 
-Mutations tried, each failing here: log Z left out of the sampling logprob; Z summed over the first allowed token
-only (the picked one)."""
+Mutations tried, each failing here: log Z left out of the sampling logprob, in the plain step or in the
+draft-verifying one; Z summed over the first allowed token only (the picked one)."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from scipy import stats
 from transformers import AutoTokenizer
 
 from services.engine.torch_sampling import Group, RegexMask, draw
+from services.engine.torch_speculative import verify
 
 DRAWS = 600
 
@@ -27,25 +29,33 @@ def tok(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def constrained_draws(tok, top_k: int):
+def constrained_draws(tok, top_k: int, speculative: bool = False):
     """DRAWS rows with the same random logits, a digit forced at the start of the text: the tokens drawn, their
-    reported sampling logprobs, and the processed logprobs (B, V) they were drawn from."""
+    reported sampling logprobs, and the processed logprobs (B, V) they were drawn from. `speculative`: through the
+    draft-verifying step (torch_speculative.verify, regex rows get no drafts) instead of the plain one."""
     V = len(tok)
     logits = torch.randn(V, generator=torch.Generator().manual_seed(0)).repeat(DRAWS, 1) * 0.5
     mask = RegexMask("[0-9]+", tok, {tok.eos_token_id})
     group = Group(list(range(DRAWS)), torch.Generator().manual_seed(1), mask)
     group.texts = [[] for _ in range(DRAWS)]
-    t = torch.full((DRAWS,), 0.8)
-    d = draw(logits, t, torch.full((DRAWS,), top_k), torch.ones(DRAWS), [group], tok.pad_token_id)
+    t, k, p = torch.full((DRAWS,), 0.8), torch.full((DRAWS,), top_k), torch.ones(DRAWS)
+    if speculative:
+        none = torch.zeros(DRAWS, dtype=torch.long)
+        v = verify(logits[:, None], none[:, None][:, :0], none, t, k, p, [group], tok.pad_token_id)
+        d = types.SimpleNamespace(token=v.tokens[:, 0], sampling_logprob=v.sampling_logprob[:, 0])
+    else:
+        d = draw(logits, t, k, p, [group], tok.pad_token_id)
     proc = torch.log_softmax(logits[0] / 0.8, -1)
     if top_k > 0:
         proc = torch.where(proc >= proc.topk(top_k).values[-1], proc, -math.inf).log_softmax(-1)
     return d, proc, mask
 
 
-@pytest.mark.parametrize("top_k", [-1, 130])  # 130: half the vocabulary, some digits outside
-def test_the_constrained_draw_reports_the_restricted_distribution(tok, top_k):
-    d, proc, mask = constrained_draws(tok, top_k)
+@pytest.mark.parametrize(
+    "top_k, speculative", [(-1, False), (130, False), (-1, True)]
+)  # 130: half the vocabulary, some digits outside
+def test_the_constrained_draw_reports_the_restricted_distribution(tok, top_k, speculative):
+    d, proc, mask = constrained_draws(tok, top_k, speculative)
     allowed = [t for t in range(len(tok)) if mask.allowed([], t)]
     digits = [t for t in allowed if tok.decode([t]).isdigit()]
     assert set(d.token.tolist()) <= set(allowed) and len(digits) == 10  # the digits (and specials, which add no text)
@@ -73,3 +83,16 @@ def test_negative_control_the_unconstrained_q_is_not_the_distribution_drawn(tok)
     assert (d.sampling_logprob - unconstrained).min() > 1.0  # q was under-reported by 1/Z
     distinct = dict(zip(d.token.tolist(), unconstrained.tolist()))
     assert sum(math.exp(v) for v in distinct.values()) < 0.5  # not a distribution over what was drawn
+
+
+def test_a_tiny_allowed_mass_is_still_exact_once_every_token_is_checked(tok):
+    """The allowed tokens 12 nats below the rest: Z ~ 1e-6, under the float rounding of 1 - (the mass checked).
+    Every token of the byte vocabulary is checked, so log Z is exact, not NaN (a mutant measuring the unchecked
+    mass as 1 - a float32 running sum returned NaN here)."""
+    mask = RegexMask("[0-9]+", tok, {tok.eos_token_id})
+    proc = torch.randn(len(tok), generator=torch.Generator().manual_seed(2))
+    allowed = [t for t in range(len(tok)) if mask.allowed([], t)]
+    proc[torch.tensor(allowed)] -= 12.0
+    expected = torch.logsumexp(torch.log_softmax(proc.double(), -1)[allowed], 0).item()
+    assert expected < -10
+    assert mask.log_allowed_mass([], proc) == pytest.approx(expected, abs=1e-6)
