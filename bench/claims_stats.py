@@ -85,6 +85,7 @@ def summarise(run: dict, target: float) -> dict:
         "ktokens": steps[-1]["generated_tokens"] / 1000 if steps else NAN,
         "steps_to_target": steps_to_target(acc, target),
         "auc": area(acc),
+        "beta": [s["kl_coef"] for s in steps if finite(s.get("kl_coef"))],
         "rollbacks": actions.count("rollback"),
         "raises": actions.count("raise_mini_batch"),
     }

@@ -141,3 +141,15 @@ def test_steps_to_target_count_only_a_target_that_holds_to_the_end():
 
     assert steps_to_target([(1, 0.1), (2, 0.4), (3, 0.0), (4, 0.35), (5, 0.5)], 0.3) == 4  # step 2 was undone
     assert math.isnan(steps_to_target([(1, 0.4), (2, 0.1)], 0.3))
+
+
+def test_the_arm_table_shows_how_far_the_kl_coefficient_moved(tmp_path):
+    """The KL coefficient's range over each arm's runs: a controller that never moves shows one value."""
+    runs = {
+        "grpo": {0: run("grpo", 0, 0.25, 0.5, 12, 0.7)},
+        "grpo_adaptive_kl": {0: run("grpo_adaptive_kl", 0, 0.25, 0.5, 12, 0.7)},
+    }
+    for i, row in enumerate(runs["grpo_adaptive_kl"][0]["steps"]):
+        row["kl_coef"] = 0.001 * 1.2**i
+    table = "\n".join(report.arm_table(stats.summaries(runs, 0.3), runs, 0.3))
+    assert "| 0.001–0.001 |" in table and "| 0.001–0.2 |" in table
