@@ -210,7 +210,7 @@ def notes(seeds: int) -> list[str]:
 def section(runs: dict, target: float, data_dir: Path, img_rel: str, rebuild_cmd: str) -> str:
     """The markdown between the markers."""
     s = summaries(runs, target)
-    comps = comparisons(s)
+    comps = comparisons(s, summaries(runs, target, stopped=True))
     lines = [
         "## The design's claims (issues 5, 13 and 29)",
         "",

@@ -197,9 +197,12 @@ PAIRED = [
 ]  # fmt: skip
 
 
-def comparisons(s: dict) -> list[Comparison]:
-    """The claims' comparisons from {arm: {seed: summary}}; each claim's first is the one its verdict takes."""
+def comparisons(s: dict, stopped: dict | None = None) -> list[Comparison]:
+    """The claims' comparisons from {arm: {seed: summary}}; each claim's first is the one its verdict takes.
+    `stopped` ({arm: {seed: summary}} of the runs that stopped early) adds claim 1's reading on the steps the
+    recipe's stopped runs made: its ratio is within each run (the same batches), so a partial run still has it."""
     own = [x for x in s.get(DESIGN, {}).values() if finite(x["adv_var_ratio"])]
+    partial = [x for x in (stopped or {}).get(DESIGN, {}).values() if finite(x["adv_var_ratio"])]
     return [
         Comparison(
             1,
@@ -214,6 +217,24 @@ def comparisons(s: dict) -> list[Comparison]:
             True,
         ),
         *(compare(s, *spec) for spec in PAIRED),
+        *(
+            [
+                Comparison(
+                    1,
+                    "the same, on the steps each stopped run of the recipe made before it stopped",
+                    "RLOO, same batches",
+                    DESIGN,
+                    mean(x["adv_var_rloo"] for x in partial),
+                    mean(x["adv_var"] for x in partial),
+                    [1 - x["adv_var_ratio"] for x in partial],
+                    len(stopped[DESIGN]),
+                    0.15,
+                    True,
+                )
+            ]
+            if partial
+            else []
+        ),
     ]
 
 
@@ -223,6 +244,9 @@ def claim_verdicts(runs: dict, target: float) -> dict[int, str]:
     return {c: next(judge(x.effects, x.claimed).verdict for x in comps if x.claim == c) for c in CLAIMS}
 
 
-def summaries(runs: dict, target: float) -> dict[str, dict[int, dict]]:
-    """Every finished run's summary; runs that stopped with an error are left out."""
-    return {arm: {k: summarise(r, target) for k, r in seeds.items() if "error" not in r} for arm, seeds in runs.items()}
+def summaries(runs: dict, target: float, stopped: bool = False) -> dict[str, dict[int, dict]]:
+    """Every finished run's summary; runs that stopped with an error are left out (`stopped`: only those)."""
+    return {
+        arm: {k: summarise(r, target) for k, r in seeds.items() if ("error" in r) == stopped}
+        for arm, seeds in runs.items()
+    }

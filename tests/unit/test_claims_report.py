@@ -153,3 +153,17 @@ def test_the_arm_table_shows_how_far_the_kl_coefficient_moved(tmp_path):
         row["kl_coef"] = 0.001 * 1.2**i
     table = "\n".join(report.arm_table(stats.summaries(runs, 0.3), runs, 0.3))
     assert "| 0.001–0.001 |" in table and "| 0.001–0.2 |" in table
+
+
+def test_runs_that_stopped_give_claim_1_a_further_reading_and_nothing_else():
+    """A stopped run of the recipe is left out of every figure, but its advantage variance against RLOO's on its
+    own batches is still a within-run ratio: it is reported as a further reading of claim 1."""
+    runs = {"grpo": {}, "design_recipe": {}}
+    for seed in range(3):
+        runs["grpo"][seed] = run("grpo", seed, 0.25, 0.5, 12, 0.7)
+        runs["design_recipe"][seed] = run("design_recipe", seed, 0.25, 0.5, 12, 0.2, adv_var_rloo=0.25) | {"error": "x"}
+    comps = stats.comparisons(stats.summaries(runs, 0.3), stats.summaries(runs, 0.3, stopped=True))
+    first, partial = comps[0], comps[-1]
+    assert first.effects == [] and "stopped" in partial.what
+    assert partial.effects == pytest.approx([0.2] * 3)  # 1 - 0.2 / 0.25 in each stopped run
+    assert not any(c.effects for c in comps[1:-1])  # the paired comparisons have no recipe run to pair
