@@ -143,7 +143,7 @@ def arm_table(s: dict, runs: dict, target: float) -> list[str]:
         out.append(f"| `{arm}` | {len(xs)} | {' | '.join(cells)} | {reach} | {beta} | {guard} |")
     out += ["", "mean ± std over seeds. Final held-out accuracy per seed:", ""]
     for arm, seeds in s.items():
-        out.append(f"- `{arm}`: " + " / ".join(f"{x['accuracy']:.3f}" for x in seeds.values()))
+        out.append(f"- `{arm}`: " + (" / ".join(f"{x['accuracy']:.3f}" for x in seeds.values()) or "no run finished"))
     stopped = [(arm, k, r["error"]) for arm, seeds in runs.items() for k, r in seeds.items() if "error" in r]
     if stopped:
         out += ["", "Stopped early, left out of every figure here:", ""]
