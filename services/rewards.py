@@ -11,6 +11,7 @@ RewardFn = Callable[[str, "str | None"], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
 
 _ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+_INTEGER = re.compile(r"-?\d+")
 _CLIP_CHARS = 300  # verl matches only the last 300 characters
 
 
@@ -24,6 +25,19 @@ def extract_answer(text: str) -> str | None:
 def gsm8k_reward(text: str, ground_truth: str | None) -> float:
     """1.0 when the last `#### <number>` equals the ground truth exactly, else 0.0."""
     answer = extract_answer(text)
+    return 1.0 if answer is not None and answer == ground_truth else 0.0
+
+
+def last_number(text: str) -> str | None:
+    """The last integer in text, with ',' removed, whatever the format around it."""
+    found = _INTEGER.findall(text.replace(",", ""))
+    return found[-1] if found else None
+
+
+@REWARDS.register("last_number")
+def last_number_reward(text: str, ground_truth: str | None) -> float:
+    """1.0 when the last integer in the text equals the ground truth: a grade that no format earns."""
+    answer = last_number(text)
     return 1.0 if answer is not None and answer == ground_truth else 0.0
 
 

@@ -1,6 +1,8 @@
-"""Prompt sources with reference answers: a fast arithmetic task, products for the calculator environment, and GSM8K.
+"""Prompt sources with reference answers: a fast arithmetic task, products for the calculator environment, GSM8K,
+and two-digit addition asked in words for a small pretrained chat model.
 
-All use the GSM8K answer format (`#### <number>`) and so the `gsm8k` reward.
+All but `addition` use the GSM8K answer format (`#### <number>`) and so the `gsm8k` reward; `addition` is graded on
+the last number of the answer, whatever its format (the `last_number` reward).
 """
 
 from __future__ import annotations
@@ -101,6 +103,41 @@ class ProductsTask(Task):
         while len(pairs) < n:
             pairs.setdefault(self.draw(rng, heldout=True), None)
         return [self.problem(*pair) for pair in pairs]
+
+
+@TASKS.register("addition")
+class AdditionTask(Task):
+    """Two two-digit numbers, `What is 47 + 38? Answer with the number only.`, for a pretrained chat model
+    (bench/real_model.py): SmolLM2-135M gets about a fifth right greedily, often in sentences of its own. Graded on
+    the last number of the answer, so that a gain is in the sums, not in a format. One fifth of the 8,100 pairs is
+    held out."""
+
+    name = "addition"
+    reward = "last_number"
+    max_new_tokens = 48
+
+    @staticmethod
+    def problem(a: int, b: int) -> Problem:
+        return Problem(prompt=f"What is {a} + {b}? Answer with the number only.", answer=str(a + b))
+
+    @staticmethod
+    def is_heldout(a: int, b: int) -> bool:
+        return zlib.crc32(f"{a}+{b}".encode()) % 5 == 0
+
+    def _split(self, heldout: bool) -> list[tuple[int, int]]:
+        return [(a, b) for a in range(10, 100) for b in range(10, 100) if self.is_heldout(a, b) == heldout]
+
+    @cached_property
+    def train_split(self) -> list[tuple[int, int]]:
+        return self._split(heldout=False)
+
+    def train_batch(self, rng: random.Random, k: int) -> list[Problem]:
+        return [self.problem(*rng.choice(self.train_split)) for _ in range(k)]
+
+    def heldout(self, n: int) -> list[Problem]:
+        pairs = self._split(heldout=True)
+        random.Random(0).shuffle(pairs)
+        return [self.problem(*pair) for pair in pairs[:n]]
 
 
 @TASKS.register("gsm8k")

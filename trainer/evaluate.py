@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from services import protocol as P
 from services.client import FarmClient
+from services.rewards import last_number
 from services.tasks import Problem, Task
 
 Z95 = 1.959964
@@ -48,11 +48,6 @@ def wilson(successes: int, n: int) -> tuple[float, float]:
     centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
     half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def last_number(text: str) -> str | None:
-    found = re.findall(r"-?\d+", text.replace(",", ""))
-    return found[-1] if found else None
 
 
 def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:

