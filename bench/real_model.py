@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.claims_stats import RULE, judge  # noqa: E402
+from bench.claims_stats import judge  # noqa: E402
 from bench.common import ROOT, TOKEN, log, machine, smollm2, start_service, stop_service  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "real_model"
@@ -167,8 +167,9 @@ def report(data_dir: Path) -> str:
     lines += [
         "",
         f"Across seeds: mean gain {j.mean:+.3f}, 95% t interval {ci}, paired t-test p = {j.p:.2g} ({j.n} seeds). "
-        f"Claim: GRPO through the farm raises held-out accuracy beyond noise (gain > 0). **Verdict: {j.verdict}** "
-        f"({RULE})",
+        f"Claim: GRPO through the farm raises held-out accuracy beyond noise (gain > 0). **Verdict: {j.verdict}**, "
+        "by bench/claims_stats.py's rule: holds if the mean gain is above 0 with p < 0.05, fails if the whole "
+        "interval is below 0 or the mean is negative with p < 0.05, inconclusive otherwise or with fewer than 3 seeds.",
     ]
     return "\n".join(lines) + "\n"
 
