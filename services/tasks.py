@@ -108,7 +108,7 @@ class ProductsTask(Task):
 @TASKS.register("addition")
 class AdditionTask(Task):
     """Two two-digit numbers, `What is 47 + 38? Answer with the number only.`, for a pretrained chat model
-    (bench/real_model.py): SmolLM2-135M gets about a fifth right greedily, often in sentences of its own. Graded on
+    (bench/real_model.py): SmolLM2-135M gets about a tenth right greedily, often in sentences of its own. Graded on
     the last number of the answer, so that a gain is in the sums, not in a format. One fifth of the 8,100 pairs is
     held out."""
 
