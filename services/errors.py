@@ -71,8 +71,8 @@ class Invalid(ServiceError):
 
 
 class ClientGone(ServiceError):
-    """The client closed the connection before its request body ended (a cut upload); nobody reads the answer, its
-    status is for the request metrics."""
+    """The client closed the connection before its request ended (a cut upload, or a request Serve cancelled when its
+    client went away); nobody reads the answer, its status is for the request metrics."""
 
     status = 400
 
@@ -82,6 +82,12 @@ class ClientGone(ServiceError):
         "changed; send the request again",
     ):
         super().__init__(message)
+
+
+CANCELLED = (
+    "the client went away before its request ended, and Serve cancelled the request: send it again if its answer "
+    "is needed"
+)
 
 
 class Unauthorized(ServiceError):
@@ -241,6 +247,8 @@ def as_service_error(exc: BaseException) -> ServiceError:
         return model_gap(exc)
     if isinstance(exc, ClientDisconnect):
         return ClientGone()
+    if isinstance(exc, TaskCancelledError):  # Serve's receive() or a replica call, once the client went away
+        return ClientGone(CANCELLED)
     if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
         return NotSupported(str(exc))
     if isinstance(exc, STATE_ERRORS):  # Redis does not answer: 503 with Retry-After

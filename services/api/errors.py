@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -92,7 +93,7 @@ def install(api: FastAPI) -> None:
             unavailable("request_unavailable", path, path=path, status=error.status, error=error.message)
         elif isinstance(error, NotSupported):  # documented (the torch engine's NCCL verbs): a line, not an error
             unavailable("request_not_supported", f"501 {path}", path=path, status=error.status, error=error.message)
-        elif isinstance(error, ClientGone):  # a cut upload: the client went away, nothing was changed
+        elif isinstance(error, ClientGone):  # a cut upload or a cancelled request: the client went away
             log.warning("request_cut", extra={"path": path, "error": error.message})
         elif isinstance(exc, ValidationError) and error.status == 422:  # a check missing from a request model
             log.warning("request_model_gap", extra={"path": path, "model": exc.title, "error": described(exc)})
@@ -104,7 +105,8 @@ def install(api: FastAPI) -> None:
             )
         return response(error)  # without Starlette's Allow on a 405: it names the first matching route's methods only
 
-    kinds = (ServiceError, EngineVerbMissing, RequestValidationError, ValidationError, ClientDisconnect, HTTPException)
+    gone = (ClientDisconnect, TaskCancelledError)  # Serve's receive() raises either mid-body once the client is gone
+    kinds = (ServiceError, EngineVerbMissing, RequestValidationError, ValidationError, *gone, HTTPException)
     for kind in (*kinds, *SERVE_ERRORS, *STATE_ERRORS):
         api.add_exception_handler(kind, expected)
 
