@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,17 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, TOKEN, log, machine, start_service, stop_service  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROOT,
+    TOKEN,
+    fresh_folder,
+    log,
+    provenance,
+    start_service,
+    stop_service,
+    train_steps,
+    write_record,
+)
 from trainer.config import PRESETS  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "claims"
@@ -143,8 +151,7 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
     from trainer.loop import train
     from trainer.run import TrainingRun
 
-    folder = ROOT / "runs" / "bench-claims" / f"{arm}-seed{seed}"
-    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl appends: start it empty
+    folder = fresh_folder("bench-claims", f"{arm}-seed{seed}")
     common = [
         f"trainer.service_url={url}",
         f"trainer.total_training_steps={a.steps}",
@@ -161,9 +168,7 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
         error = str(e)
         log(f"{arm} seed {seed} stopped: {error}")
     wall = time.perf_counter() - t
-    metrics = folder / "metrics.jsonl"
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    steps = [slim(s) for s in lines if s.get("event") == "train_step"]
+    steps = [slim(s) for s in train_steps(folder)]
     after = summary.get("after", {})
     if steps and steps[-1]["step"] == a.steps:  # the final score, when the last step was no eval step
         for key, value in (
@@ -178,21 +183,10 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
         "overrides": ARMS[arm],
         "settings": settings(a),
         "wall_s": round(wall, 1),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": machine(),
+        **provenance(),
         **({"error": error} if error else {}),
         "steps": steps,
     }
-
-
-def write(path: Path, record: dict) -> None:
-    """The record as JSON, one line per step, written whole or not at all."""
-    head = json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=1)[:-2]
-    rows = ",\n  ".join(json.dumps(s) for s in record["steps"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f'{head},\n "steps": [\n  {rows}\n ]\n}}\n')
-    tmp.replace(path)
 
 
 def todo(a) -> list[tuple[str, int]]:
@@ -233,7 +227,7 @@ def main() -> None:
         for arm, seed in bar:
             bar.set_postfix_str(f"{arm} seed {seed}")
             record = train_one(url, arm, seed, a)
-            write(a.data_dir / f"{arm}-seed{seed}.json", record)
+            write_record(a.data_dir / f"{arm}-seed{seed}.json", record)
             log(f"{arm} seed {seed}: {record['wall_s']:.0f} s")
     finally:
         stop_service()

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,38 @@ def write_json(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2) + "\n")
     log(f"wrote {path.relative_to(ROOT)}")
     return path
+
+
+def provenance() -> dict:
+    """Where a run's record came from: the commit, the date and the machine."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine()}
+
+
+def fresh_folder(*parts: str) -> Path:
+    """runs/<parts>, emptied: a training run's metrics.jsonl appends, so each run starts it anew."""
+    folder = ROOT.joinpath("runs", *parts)
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
+def train_steps(folder: Path) -> list[dict]:
+    """The train_step lines of a training run's metrics.jsonl (none if it stopped before writing one)."""
+    metrics = folder / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return [line for line in lines if line.get("event") == "train_step"]
+
+
+def write_record(path: Path, record: dict) -> None:
+    """A run's record as JSON, written whole or not at all; its "steps", if any, one line per step."""
+    tmp = path.with_suffix(".tmp")
+    if "steps" in record:
+        head = json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=1)[:-2]
+        rows = ",\n  ".join(json.dumps(s) for s in record["steps"])
+        tmp.write_text(f'{head},\n "steps": [\n  {rows}\n ]\n}}\n')
+    else:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def machine() -> dict:

