@@ -198,10 +198,14 @@ def report(data_dirs: list[Path], probe: Path = DATA / "probe.json") -> str:
 
 
 def probe_report(path: Path) -> str:
+    """The probe's table, each policy's grades set beside those its training run recorded (DATA/lr<lr>/)."""
     from bench.real_model_probe import report as table
 
     data = json.loads(path.read_text())
     lrs = ", ".join(f"{lr:g}" for lr in data["lr"])
+    runs = {f: json.loads(f.read_text()) for lr in data["lr"] for f in sorted(arm_dir(lr).glob("seed*.json"))}
+    service = {f"seed {r['seed']}": r["after"] for r in runs.values()}
+    service |= {"base": r["before"] for r in list(runs.values())[:1]}
     return "\n".join(
         [
             f"### Skill or format: the same answers graded three ways (lr {lrs})",
@@ -212,7 +216,7 @@ def probe_report(path: Path) -> str:
             f'`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}`). "Sum anywhere" counts an '
             "answer that states the sum and then writes other numbers.",
             "",
-            table(data),
+            table(data, service),
         ]
     )
 

@@ -91,17 +91,23 @@ def probe(policies: dict[str, Path | None], n: int) -> dict:
     }
 
 
-def report(data: dict) -> str:
-    """A markdown table: per policy, the share right by each grade and the mean count of numbers in an answer."""
+def report(data: dict, service: dict[str, str] | None = None) -> str:
+    """A markdown table: per policy, the share right by each grade, the mean count of numbers in an answer, and on
+    how many problems its last-number grade is the one the service gave in the training run (`service`: per policy,
+    the run's grades as "0"/"1"), which shows these are the same policies and the same greedy answers."""
+    service = service or {}
     lines = [
-        "| policy | last number right | sum anywhere | the number alone | numbers an answer |",
-        "| --- | --- | --- | --- | --- |",
+        "| policy | last number right | sum anywhere | the number alone | numbers an answer | same grade as the run |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, answered in data["answers"].items():
         n = len(answered)
         numbers = sum(len(WHOLE.findall(a["text"].replace(",", ""))) for a in answered) / n
         shares = " | ".join(f"{sum(a[k] for a in answered) / n:.3f}" for k in ("last", "anywhere", "alone"))
-        lines.append(f"| {name} | {shares} | {numbers:.1f} |")
+        mine = "".join("1" if a["last"] else "0" for a in answered)
+        theirs = service.get(name)
+        same = f"{sum(a == b for a, b in zip(mine, theirs))}/{n}" if theirs and len(theirs) == n else "no run file"
+        lines.append(f"| {name} | {shares} | {numbers:.1f} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ import pytest
 from bench import real_model
 from bench.common import write_record
 from bench.real_model_probe import grades as probe_grades
+from bench.real_model_probe import report as probe_table
 
 N = 200
 NO_PROBE = Path("/nonexistent/probe.json")
@@ -111,7 +112,8 @@ def test_the_probe_grades_tell_a_stated_sum_from_a_last_number():
     }  # whole numbers only
 
 
-def test_the_probe_table_joins_the_section(tmp_path):
+def test_the_probe_table_joins_the_section(tmp_path, monkeypatch):
+    monkeypatch.setattr(real_model, "DATA", tmp_path)
     write_seeds(tmp_path / "lr1e-05", [74, 88, 60])
     texts = {"base": ["The sum is 85, or 86", "12"], "seed 0": ["85", "1 + 2 = 13"]}
     answers = {k: [{"text": t, **probe_grades(t, a)} for t, a in zip(v, ["85", "13"])] for k, v in texts.items()}
@@ -121,3 +123,10 @@ def test_the_probe_table_joins_the_section(tmp_path):
     assert "### Skill or format: the same answers graded three ways (lr 1e-05)" in text
     assert "| base | 0.000 | 0.500 | 0.000 | 1.5 |" in text  # the sum stated, then another number: not last
     assert "| seed 0 | 1.000 | 1.000 | 0.500 | 2.0 |" in text
+    assert "| seed 0 | 1.000 | 1.000 | 0.500 | 2.0 | no run file |" in text  # its run graded 200 problems, not 2
+
+
+def test_the_probe_sets_its_grades_beside_the_runs():
+    answers = [{"text": t, **probe_grades(t, "7")} for t in ("7", "8", "3 + 4 = 7")]
+    table = probe_table({"answers": {"seed 0": answers}}, {"seed 0": "100"})
+    assert "| seed 0 | 0.667 | 0.667 | 0.333 | 1.7 | 2/3 |" in table  # the run said the third was wrong
