@@ -35,12 +35,12 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT,
-    TOKEN,
     fresh_folder,
     log,
     provenance,
     start_service,
     stop_service,
+    train_run,
     train_steps,
     write_record,
 )
@@ -147,23 +147,15 @@ def settings(a) -> dict:
 
 def train_one(url: str, arm: str, seed: int, a) -> dict:
     """One (arm, seed) run; its record for the data file."""
-    from trainer.config import load
-    from trainer.loop import train
-    from trainer.run import TrainingRun
-
     folder = fresh_folder("bench-claims", f"{arm}-seed{seed}")
     common = [
-        f"trainer.service_url={url}",
         f"trainer.total_training_steps={a.steps}",
         f"trainer.eval_size={a.eval_size}",
         f"trainer.test_freq={a.test_freq}",
-        f"trainer.seed={seed}",
-        f"trainer.default_local_dir={folder}",
-        "trainer.resume_mode=disable",
     ]
     t, error, summary = time.perf_counter(), None, {}
     try:
-        summary = train(TrainingRun(load(None, [*common, *ARMS[arm]]), TOKEN))
+        summary = train_run(url, seed, folder, [*common, *ARMS[arm]])
     except RuntimeError as e:  # the KL guard gave up: a result too, recorded with the steps it made
         error = str(e)
         log(f"{arm} seed {seed} stopped: {error}")

@@ -161,6 +161,12 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def shown_path(path: Path) -> str:
+    """A data path as the docs name it: from the repository root, or whole where it lies outside."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def provenance() -> dict:
     """Where a run's record came from: the commit, the date and the machine."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -172,6 +178,21 @@ def fresh_folder(*parts: str) -> Path:
     folder = ROOT.joinpath("runs", *parts)
     shutil.rmtree(folder, ignore_errors=True)
     return folder
+
+
+def train_run(url: str, seed: int, folder: Path, overrides: list[str]) -> dict:
+    """A training run from step 0 against the service at `url`, writing to `folder`, in this process; its summary."""
+    from trainer.config import load
+    from trainer.loop import train
+    from trainer.run import TrainingRun
+
+    local = [
+        f"trainer.service_url={url}",
+        f"trainer.seed={seed}",
+        f"trainer.default_local_dir={folder}",
+        "trainer.resume_mode=disable",
+    ]
+    return train(TrainingRun(load(None, [*overrides, *local]), TOKEN))
 
 
 def train_steps(folder: Path) -> list[dict]:

@@ -41,8 +41,10 @@ from bench.common import (  # noqa: E402
     fresh_folder,
     log,
     provenance,
+    shown_path,
     start_service,
     stop_service,
+    train_run,
     train_steps,
     write_record,
 )
@@ -150,29 +152,17 @@ def settings(a) -> dict:
 
 
 def train_one(url: str, arm: str, seed: int, a) -> dict:
-    from trainer.config import load
-    from trainer.loop import train
-    from trainer.run import TrainingRun
-
     folder = fresh_folder("bench-episodes", f"{arm}-seed{seed}")
-    overrides = [
-        *SHARED,
-        *ARMS[arm],
-        f"trainer.service_url={url}",
-        f"trainer.total_training_steps={a.steps}",
-        f"trainer.seed={seed}",
-        f"trainer.default_local_dir={folder}",
-        "trainer.resume_mode=disable",
-    ]
+    overrides = [*SHARED, *ARMS[arm]]
     t = time.perf_counter()
-    train(TrainingRun(load(None, overrides), TOKEN))
+    train_run(url, seed, folder, [*overrides, f"trainer.total_training_steps={a.steps}"])
     wall = time.perf_counter() - t
     rewards = [round(s["reward_mean"], 4) for s in train_steps(folder)]
     after = score(FarmClient(url, token=TOKEN), a.eval_size)  # the service holds the run's last weights
     return {
         "arm": arm,
         "seed": seed,
-        "overrides": overrides[: len(SHARED) + len(ARMS[arm])],
+        "overrides": overrides,
         "settings": settings(a),
         "wall_s": round(wall, 1),
         **provenance(),
@@ -286,11 +276,6 @@ def report(data_dir: Path) -> str:
             f"{j.mean:+.3f}{ci} | {p} | {j.verdict and f'**{j.verdict}**' or '—'} |"
         )
     return "\n".join(lines)
-
-
-def shown_path(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def replace_section(text: str) -> None:

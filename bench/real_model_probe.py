@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -24,17 +23,16 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, log, provenance, smollm2  # noqa: E402
-from services.rewards import last_number  # noqa: E402
+from services.rewards import integers, last_number  # noqa: E402
 from services.tasks import AdditionTask  # noqa: E402
 from trainer.rollouts import render_prompt  # noqa: E402
 
 OUT = ROOT / "docs" / "data" / "real_model" / "probe.json"
 RUNS = ROOT / "runs" / "bench-real-model"
-WHOLE = re.compile(r"-?\d+")
 
 
 def grades(text: str, answer: str) -> dict:
-    numbers = WHOLE.findall(text.replace(",", ""))
+    numbers = integers(text)
     return {
         "last": last_number(text) == answer,
         "anywhere": answer in numbers,
@@ -102,7 +100,7 @@ def report(data: dict, service: dict[str, str] | None = None) -> str:
     ]
     for name, answered in data["answers"].items():
         n = len(answered)
-        numbers = sum(len(WHOLE.findall(a["text"].replace(",", ""))) for a in answered) / n
+        numbers = sum(len(integers(a["text"])) for a in answered) / n
         shares = " | ".join(f"{sum(a[k] for a in answered) / n:.3f}" for k in ("last", "anywhere", "alone"))
         mine = "".join("1" if a["last"] else "0" for a in answered)
         theirs = service.get(name)

@@ -247,7 +247,7 @@ def as_service_error(exc: BaseException) -> ServiceError:
         return model_gap(exc)
     if isinstance(exc, ClientDisconnect):
         return ClientGone()
-    if isinstance(exc, TaskCancelledError):  # Serve's receive() or a replica call, once the client went away
+    if call_cancelled(exc):  # Serve's receive() or a replica call, once the client went away
         return ClientGone(CANCELLED)
     if isinstance(exc, EngineVerbMissing):  # its message names the engine and what to run instead
         return NotSupported(str(exc))

@@ -28,9 +28,14 @@ def gsm8k_reward(text: str, ground_truth: str | None) -> float:
     return 1.0 if answer is not None and answer == ground_truth else 0.0
 
 
+def integers(text: str) -> list[str]:
+    """The integers in text, in order, with ',' removed (so 1,234 is one)."""
+    return _INTEGER.findall(text.replace(",", ""))
+
+
 def last_number(text: str) -> str | None:
-    """The last integer in text, with ',' removed, whatever the format around it."""
-    found = _INTEGER.findall(text.replace(",", ""))
+    """The last integer in text, whatever the format around it."""
+    found = integers(text)
     return found[-1] if found else None
 
 

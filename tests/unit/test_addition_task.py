@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from services.rewards import REWARDS
+from services.rewards import REWARDS, integers
 from services.tasks import TASKS, AdditionTask
 
 LAST_NUMBER = [
@@ -24,6 +24,11 @@ LAST_NUMBER = [
 @pytest.mark.parametrize("text,truth,reward", LAST_NUMBER)
 def test_last_number_reward(text, truth, reward):
     assert REWARDS.get("last_number")(text, truth) == reward
+
+
+def test_integers_are_whole_numbers_in_order_with_thousands_joined():
+    assert integers("27 + 82 = 109, not 1,090 or -5.") == ["27", "82", "109", "1090", "-5"]
+    assert integers("no digits") == []
 
 
 def test_the_gsm8k_reward_would_grade_the_format():

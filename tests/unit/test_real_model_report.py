@@ -86,7 +86,8 @@ def test_each_arm_has_its_part_in_the_order_it_was_run(tmp_path):
     assert first < second
     assert text[first:second].count("**Verdict: inconclusive**") == 1
     assert text[second:].count("**Verdict: holds**") == 1
-    assert "Data: `lr3e-05/`" in text[first:second] and "Data: `lr1e-05/`" in text[second:]
+    assert f"Data: `{(tmp_path / 'lr3e-05').resolve()}/`" in text[first:second]
+    assert f"Data: `{(tmp_path / 'lr1e-05').resolve()}/`" in text[second:]
 
 
 def test_the_section_rebuilds_byte_for_byte(tmp_path, monkeypatch):
