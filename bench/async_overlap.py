@@ -36,8 +36,8 @@ import sys
 import zlib
 from pathlib import Path
 
-from services.engine.bench_engine import BenchEngine
-from services.rewards import REWARDS
+from rollout_farm.services.engine.bench_engine import BenchEngine
+from rollout_farm.services.rewards import REWARDS
 
 LATENCY_FILE = "bench_latency_s"  # in the service's FARM_STATE_DIR
 
@@ -56,7 +56,7 @@ class OverlapBenchEngine(BenchEngine):
     needs_model = True
 
     def __init__(self, model_path: str, token_latency_s: float, latency_file: Path | None):
-        from services.weights.checks import read_header_file
+        from rollout_farm.services.weights.checks import read_header_file
 
         super().__init__(model_path, token_latency_s)
         self.spec = read_header_file(Path(model_path) / "model.safetensors")
@@ -89,7 +89,7 @@ MARGIN = 0.03
 
 
 def trainer_config(url: str, model: Path, name: str, out: Path, *overrides: str):
-    from trainer.config import load
+    from rollout_farm.trainer.config import load
 
     return load(
         None,
@@ -115,8 +115,8 @@ def train_once(url: str, model: Path, name: str, staleness: int, *overrides: str
 
     from common import TOKEN, CpuMeter
 
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     out = Path(tempfile.mkdtemp(prefix=f"async-overlap-{name}-"))
     cfg = trainer_config(url, model, name, out, f"async_training.staleness_threshold={staleness}", *overrides)
@@ -273,8 +273,8 @@ def part_b(args, model: Path) -> dict:
     import torch
     from common import log, start_service, stop_service
 
-    from trainer.evaluate import evaluate
-    from trainer.rollouts import render_prompt
+    from rollout_farm.trainer.evaluate import evaluate
+    from rollout_farm.trainer.rollouts import render_prompt
 
     torch.set_num_threads(1)
     url = start_service(model=str(model), replicas=1, engine_threads=1, log_level="WARNING")

@@ -44,7 +44,7 @@ def trainer_cmd(url: str, model: Path, out: Path, source: str, args) -> list[str
     return [
         sys.executable,
         "-m",
-        "trainer.cli",
+        "rollout_farm.trainer.cli",
         "train",
         "--service-url",
         url,
@@ -175,8 +175,8 @@ def audit(redis_url: str, source: str) -> dict:
     """Each pid fed to the source: acked once, or still in the queue (see the module docstring)."""
     import redis
 
-    from services.queue.store import GROUP, Keys
-    from services.state.redis_client import prefix
+    from rollout_farm.services.queue.store import GROUP, Keys
+    from rollout_farm.services.state.redis_client import prefix
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     k = Keys(prefix("farm"), source)
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from services import server
+    from rollout_farm.services import server
 
     model = resolve(args.model)
     url = start_service(

@@ -6,7 +6,8 @@ trainer.seed=k, so the step's prompts and sampling seeds are the same across arm
   rloo                 the same with RLOO advantages
   reinforce_plus_plus  the same with REINFORCE++ advantages
   grpo_adaptive_kl     grpo plus k1 KL in the reward, adaptive controller at 0.01 (horizon 256: one step's samples)
-  design_recipe        trainer/presets/design.yaml (its own response length aside) with the kl_adaptive_temperature
+  design_recipe        rollout_farm/trainer/presets/design.yaml (its own response length aside) with the
+  kl_adaptive_temperature
                        sampler, the control_variate estimator (a critic + leave-one-out baseline), the raised
                        mini-batch at 16 groups (128 samples) from 8 (64 samples), and 32 prompts a step
 Every --test-freq steps the trainer scores the whole held-out split (416 problems) greedily.
@@ -44,7 +45,7 @@ from bench.common import (  # noqa: E402
     train_steps,
     write_record,
 )
-from trainer.config import PRESETS  # noqa: E402
+from rollout_farm.trainer.config import PRESETS  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "claims"
 # k1 KL in the reward, adaptive controller. verl updates the coefficient by

@@ -16,7 +16,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from services.net import free_port  # noqa: F401  (the benchmarks import it from here)
+from rollout_farm.services.net import free_port  # noqa: F401  (the benchmarks import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"  # scratch (git-ignored): progress files
@@ -84,7 +84,7 @@ def resolve(model: str) -> Path:
     """A model folder for 'arith-tiny', 'smollm2' or a path."""
     if model == "smollm2":
         return smollm2()
-    from services.models import resolve_model
+    from rollout_farm.services.models import resolve_model
 
     return resolve_model(model)
 
@@ -121,8 +121,8 @@ def smollm2() -> Path:
 
 def start_service(**settings):
     """Start the real service in this process (Ray Serve, 127.0.0.1, a free port); returns its base URL."""
-    from services import server
-    from services.settings import ServiceSettings
+    from rollout_farm.services import server
+    from rollout_farm.services.settings import ServiceSettings
 
     settings.setdefault("state_dir", tempfile.mkdtemp(prefix="farm-bench-state-"))  # each run from version 0
     s = ServiceSettings(api_token=TOKEN, port=settings.pop("port", None) or free_port(), **settings)
@@ -133,7 +133,7 @@ def start_service(**settings):
 
 
 def stop_service() -> None:
-    from services import server
+    from rollout_farm.services import server
 
     server.stop()
 
@@ -182,9 +182,9 @@ def fresh_folder(*parts: str) -> Path:
 
 def train_run(url: str, seed: int, folder: Path, overrides: list[str]) -> dict:
     """A training run from step 0 against the service at `url`, writing to `folder`, in this process; its summary."""
-    from trainer.config import load
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.config import load
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     local = [
         f"trainer.service_url={url}",

@@ -1,7 +1,7 @@
 """Control-plane scaling: samples/s at 1, 4 and 16 engine replicas of the benchmark engine.
 
 The 'bench' engine runs no model: each decode step sleeps --token-latency-s whatever the batch size
-(services/engine/bench_engine.py), so one request of 1 prompt x --n samples takes about
+(rollout_farm/services/engine/bench_engine.py), so one request of 1 prompt x --n samples takes about
 max_new_tokens x token_latency_s on its replica, and what is left is the cost of the service itself
 (HTTP proxy, the one ingress replica, routing, Ray calls, decoding, JSON).
 For each replica count R the app is deployed on one Ray cluster (engine replicas reserve no CPU,

@@ -1,11 +1,11 @@
 """GRPO over calculator episodes against single-turn GRPO on the same budget (issue 26), on products the tiny
-model cannot work out in its head: `Q: 347*2918\\nA:` (services/tasks.py `products`).
+model cannot work out in its head: `Q: 347*2918\\nA:` (rollout_farm/services/tasks.py `products`).
 
 The model, `arith-tool`, is the embedded default's recipe (a 1.1M-parameter byte-level Llama) pretrained on a corpus
 that is half the arithmetic task and half products. TOOL_SHARE of the products are written as a calculator episode
 (the call, the farm's observation, the answer), the rest as a direct answer it can only guess. The episodes' tokens
-are rendered exactly as a session renders them (services/episodes/chat_delta.py), so pretraining and the farm agree
-on every token. Greedy decoding takes the majority, a direct answer, so it starts near zero on products.
+are rendered exactly as a session renders them (rollout_farm/services/episodes/chat_delta.py), so pretraining and the
+farm agree on every token. Greedy decoding takes the majority, a direct answer, so it starts near zero on products.
 
 Two arms, --seeds seeds each; run k of both arms has trainer.seed=k (the same prompts in the same order and the
 same sampling seeds), so the comparison pairs by seed:
@@ -48,14 +48,14 @@ from bench.common import (  # noqa: E402
     train_steps,
     write_record,
 )
-from services import protocol as P  # noqa: E402
-from services.client import FarmClient  # noqa: E402
-from services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
-from services.episodes.chat_delta import opening, turn_context  # noqa: E402
-from services.episodes.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
-from services.models import CACHE, EOS, Piece, byte_tokenizer, default_corpus, pretrain  # noqa: E402
-from services.protocol import episodes as E  # noqa: E402
-from services.tasks import ArithTask, ProductsTask  # noqa: E402
+from rollout_farm.services import protocol as P  # noqa: E402
+from rollout_farm.services.client import FarmClient  # noqa: E402
+from rollout_farm.services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
+from rollout_farm.services.episodes.chat_delta import opening, turn_context  # noqa: E402
+from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
+from rollout_farm.services.models import CACHE, EOS, Piece, byte_tokenizer, default_corpus, pretrain  # noqa: E402
+from rollout_farm.services.protocol import episodes as E  # noqa: E402
+from rollout_farm.services.tasks import ArithTask, ProductsTask  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "episodes"
 RESULTS = ROOT / "docs" / "results.md"

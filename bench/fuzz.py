@@ -52,7 +52,7 @@ def model_folder(model: str) -> str:
 
     from transformers import AutoTokenizer
 
-    from services.models import tiny_llama
+    from rollout_farm.services.models import tiny_llama
     from tests.conftest import CONTEXT
 
     path = tiny_llama(Path(tempfile.mkdtemp(prefix="farm-fuzz-")) / "tiny-llama", context=CONTEXT)

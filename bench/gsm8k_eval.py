@@ -32,10 +32,10 @@ def main() -> None:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from services.client import FarmClient
-    from services.tasks import TASKS
-    from trainer.evaluate import Accuracy, score
-    from trainer.rollouts import render_prompt
+    from rollout_farm.services.client import FarmClient
+    from rollout_farm.services.tasks import TASKS
+    from rollout_farm.trainer.evaluate import Accuracy, score
+    from rollout_farm.trainer.rollouts import render_prompt
 
     path = resolve(a.model)
     tok, task = AutoTokenizer.from_pretrained(path), TASKS.get("gsm8k")()

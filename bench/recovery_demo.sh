@@ -50,7 +50,7 @@ print("final weight version:", json.load(open(sys.argv[2]))["final_weight_versio
 PY
 
 echo; echo "== 2. KL guard rollback"
-rollback=($farm train --config trainer/presets/design.yaml --service-url "$FARM_URL" --model arith-tiny --task arith --steps 8
+rollback=($farm train --config rollout_farm/trainer/presets/design.yaml --service-url "$FARM_URL" --model arith-tiny --task arith --steps 8
           --out "$out/rollback" --lr 3e-5 data.train_batch_size=16 data.max_response_length=24 actor_rollout_ref.actor.ppo_mini_batch_size=16
           guards.kl_rollback=0.02 trainer.save_freq=2 trainer.metrics_port=$metrics_port)
 echo "\$ ${rollback[*]}"

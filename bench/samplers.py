@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import TOKEN, log, start_service, stop_service, table, write_json  # noqa: E402
-from services.tasks import TASKS  # noqa: E402
+from rollout_farm.services.tasks import TASKS  # noqa: E402
 
 PATTERN = r" ?#### -?[0-9]+"  # the answer line the reward wants, and nothing else (arith's answers need no chain)
 CONFIGS = {  # name -> (sampler spec, prompts sent per group kept)
@@ -83,9 +83,9 @@ def budget_run(url: str, name: str, budget: int) -> dict:
 
 
 def train(url: str, name: str, seed: int, steps: int, eval_size: int, out: Path) -> dict:
-    from trainer import loop
-    from trainer.config import load
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer import loop
+    from rollout_farm.trainer.config import load
+    from rollout_farm.trainer.run import TrainingRun
 
     spec, over = CONFIGS[name]
     folder = out / f"{name}-seed{seed}"

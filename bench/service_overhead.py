@@ -51,9 +51,9 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from services.client import FarmClient
-    from services.engine.torch_engine import TorchEngine
-    from services.protocol import Prompt, RolloutRequest, SamplingParams
+    from rollout_farm.services.client import FarmClient
+    from rollout_farm.services.engine.torch_engine import TorchEngine
+    from rollout_farm.services.protocol import Prompt, RolloutRequest, SamplingParams
 
     path = resolve(args.model)
     url = start_service(model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1)

@@ -5,7 +5,8 @@ serves it), and before each one the weights take a step like an optimizer's at t
 element moves by lr * sign(noise), as Adam's first steps do), so bucketed and delta pushes see real changes:
   raw       safetensors.torch.save of the state dict, load, and copy of every tensor into a second model's
             parameters, in this process, with the torch threads of one replica
-  full      services/weights/pusher.py WeightPusher "full": buckets (--bucket-mib) streamed from the tensors' memory
+  full      rollout_farm/services/weights/pusher.py WeightPusher "full": buckets (--bucket-mib) streamed from the
+  tensors' memory
             with per-tensor xxh3 checksums; the ingress puts each bucket in the object store once, and the replicas
             view and check each one in place while the next streams
   bucketed  only the tensors whose checksum changed (at any lr > 0 every trained tensor changes)
@@ -16,9 +17,9 @@ The arms run in a rotated order each round (--rounds); per arm the median time a
 over raw's: the median ratio and range. Goal: full <= 1.5x raw for a model of >= 100 MB.
 
 --train-steps N then runs `farm train` for N steps per mode (--train-modes) against the same service, with the
-demo's settings (trainer/demo.py), and reads each step's time (metrics.jsonl, step_seconds: rollouts, training and
-the push) and each push's seconds and bytes (FARM_WEIGHT_SYNC_STATS): the sync's share of the step and the bytes
-sent per step at the demo's learning rate. --http-proxy haproxy runs all of it behind Ray Serve's HAProxy ingress
+demo's settings (rollout_farm/trainer/demo.py), and reads each step's time (metrics.jsonl, step_seconds: rollouts,
+training and the push) and each push's seconds and bytes (FARM_WEIGHT_SYNC_STATS): the sync's share of the step and the
+bytes sent per step at the demo's learning rate. --http-proxy haproxy runs all of it behind Ray Serve's HAProxy ingress
 (FARM_HTTP_PROXY). Results: docs/data/weight_sync.json, one entry per --model (and proxy).
 """
 
@@ -66,10 +67,10 @@ def main() -> None:
     from safetensors.torch import load, save, save_file
     from transformers import AutoModelForCausalLM
 
-    from services.client import FarmClient
-    from services.weights.buckets import BUCKET_BYTES
-    from services.weights.pusher import WeightPusher
-    from services.weights.state_dict import canonical_state_dict
+    from rollout_farm.services.client import FarmClient
+    from rollout_farm.services.weights.buckets import BUCKET_BYTES
+    from rollout_farm.services.weights.pusher import WeightPusher
+    from rollout_farm.services.weights.state_dict import canonical_state_dict
 
     arms = args.arms.split(",")
     path = resolve(args.model)
@@ -193,17 +194,18 @@ def ratio_cells(xs: list[float] | None) -> list:
 
 
 def train_steps(url: str, path, mode: str, args) -> dict:
-    """args.train_steps steps of `farm train` with trainer.weight_sync=mode; each step's time and its push."""
-    from trainer.demo import DEMO_SETTINGS
+    """args.train_steps steps of `farm train` with rollout_farm.trainer.weight_sync=mode; each step's time and its
+    push."""
+    from rollout_farm.trainer.demo import DEMO_SETTINGS
 
     out = tempfile.mkdtemp(prefix=f"weight-sync-train-{mode}-")
     stats = os.path.join(out, "pushes.jsonl")
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC_STATS": stats}
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--service-url", url, "--model", str(path)]
+    cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "train", "--service-url", url, "--model", str(path)]
     cmd += ["--steps", str(args.train_steps), "--eval-size", "0", "--out", out, "trainer.resume_mode=disable"]
-    cmd += [f"trainer.weight_sync={mode}"]
+    cmd += [f"rollout_farm.trainer.weight_sync={mode}"]
     cmd += [*DEMO_SETTINGS, *args.train_args.split()]
-    log(f"farm train, {args.train_steps} steps, trainer.weight_sync={mode}")
+    log(f"farm train, {args.train_steps} steps, rollout_farm.trainer.weight_sync={mode}")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train_step"' in x]
     pushes = [json.loads(x) for x in open(stats)][-len(steps) :]  # the first line is the start's push

@@ -28,7 +28,7 @@ CONTEXT = 4608  # the tiny model's context: the longest generations (4096 new to
 def tiny_model(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
-    from services.models import tiny_llama
+    from rollout_farm.services.models import tiny_llama
 
     path = tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden=64, layers=2, seed=0, context=CONTEXT)
     tok = AutoTokenizer.from_pretrained(path)  # a chat template with roles, so tests see the messages rendered
@@ -44,8 +44,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def service_settings(tiny_model, tmp_path_factory):
     """The session service's settings: two engine replicas and two ingress replicas sharing the state in a real
     redis-server (embedded, its append-only file in a temporary folder)."""
-    from services.net import free_port
-    from services.settings import ServiceSettings
+    from rollout_farm.services.net import free_port
+    from rollout_farm.services.settings import ServiceSettings
 
     return ServiceSettings(
         model=str(tiny_model),
@@ -68,7 +68,7 @@ def service_settings(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def service(service_settings):
     """The real service on 127.0.0.1; yields its base URL."""
-    from services import server
+    from rollout_farm.services import server
 
     server.start(service_settings)
     yield f"http://127.0.0.1:{service_settings.port}"
@@ -80,8 +80,8 @@ def bench_service(service, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
     (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; two ingress
     replicas."""
-    from services import server
-    from services.settings import ServiceSettings
+    from rollout_farm.services import server
+    from rollout_farm.services.settings import ServiceSettings
 
     port = int(service.rsplit(":", 1)[1])
     settings = ServiceSettings(
@@ -105,7 +105,7 @@ def bench_service(service, tmp_path_factory):
 
 @pytest.fixture
 def client(service):
-    from services.client import FarmClient
+    from rollout_farm.services.client import FarmClient
 
     with FarmClient(service, TOKEN, retries=0) as c:
         yield c

@@ -9,11 +9,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from services.engine.bench_engine import BenchEngine
-from services.episodes.environments import ENVIRONMENTS, Environment, Step
-from services.episodes.tool_formats import TOOL_FORMATS, Hermes
-from services.rewards import REWARDS
-from services.samplers import Sampler
+from rollout_farm.services.engine.bench_engine import BenchEngine
+from rollout_farm.services.episodes.environments import ENVIRONMENTS, Environment, Step
+from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, Hermes
+from rollout_farm.services.rewards import REWARDS
+from rollout_farm.services.samplers import Sampler
 
 
 class LongestOfTwo(Sampler):

@@ -3,7 +3,7 @@
 
 from verl.tools.function_tool import function_tool
 
-from services.episodes.calculator import calculate, shown
+from rollout_farm.services.episodes.calculator import calculate, shown
 
 
 @function_tool

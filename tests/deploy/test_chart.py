@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from services.settings import ServiceSettings
+from rollout_farm.services.settings import ServiceSettings
 from tests.deploy.chart_render import (
     BASE,
     CHART,
@@ -168,7 +168,11 @@ def test_default_layout():
     group = cluster["workerGroupSpecs"][0]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
     app = serve_app(rs)
-    assert (app["name"], app["import_path"], app["route_prefix"]) == ("farm", "services.serve_entry:app", "/")
+    assert (app["name"], app["import_path"], app["route_prefix"]) == (
+        "farm",
+        "rollout_farm.services.serve_entry:app",
+        "/",
+    )
     assert serve_config(rs)["http_options"]["port"] == 8000
     head, worker = containers("default").values()
     assert env(head) == env(worker), "head and workers get the same Pod env"

@@ -198,7 +198,7 @@ def test_prometheus_waits_longer_for_the_service_than_the_service_waits_for_its_
     that did; a Prometheus timeout at or under that drops the whole scrape exactly when one replica is slow, and
     `up` goes to 0 for a service that is answering. Every job's timeout stays within its interval. Catches the old
     config: the global 10 s timeout, equal to SCRAPE_TIMEOUT_S."""
-    from services.api.control import SCRAPE_TIMEOUT_S
+    from rollout_farm.services.api.control import SCRAPE_TIMEOUT_S
 
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     defaults = config["global"]

@@ -23,7 +23,7 @@ from deploy import constraints
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "deploy/Dockerfile", ROOT / "deploy/Dockerfile.gpu"]
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent))
-PACKAGES = ("services", "trainer", "integrations")  # what pyproject.toml ships, all in both images
+PACKAGES = ("rollout_farm",)  # what pyproject.toml ships, all in both images
 CODE = {"README.md", *PACKAGES}  # what the code layer copies; the dependency layer copies none of it
 # modules that an image's extras need not provide: the GPU image gets SGLang from its base (SGLang's own image, the
 # version asserted at build); the CPU image has no SGLang engine (imported lazily, so the rest imports without it)
@@ -165,12 +165,12 @@ def unresolved_imports(extras: set[str], from_base: set[str]) -> dict[str, set[s
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_each_image_installs_the_service_and_the_trainer_and_their_imports_resolve(dockerfile):
     """Both images hold `farm serve` and `farm train`: the chart runs a trainer on the CPU image (trainer.gpus=0) or
-    the GPU one (trainer.gpus > 0). Every module that services/, trainer/ and integrations/ import, at any depth, is
-    provided by a distribution that the Dockerfile's extras bring in under requirements.lock (resolved from
-    pyproject.toml and the locked packages' own metadata); SGLang alone comes from the GPU image's base, and is
-    imported only inside functions, so the CPU image imports the same modules without it.
-    Catches the old GPU image, which installed `.[server]`: verl and omegaconf, which trainer/config.py and
-    integrations/verl import, were missing, so the trainer Job failed on every GPU install."""
+    the GPU one (trainer.gpus > 0). Every module that rollout_farm/services/, rollout_farm/trainer/ and
+    rollout_farm/integrations/ import, at any depth, is provided by a distribution that the Dockerfile's extras bring in
+    under requirements.lock (resolved from pyproject.toml and the locked packages' own metadata); SGLang alone comes
+    from the GPU image's base, and is imported only inside functions, so the CPU image imports the same modules without
+    it. Catches the old GPU image, which installed `.[server]`: verl and omegaconf, which rollout_farm/trainer/config.py
+    and rollout_farm/integrations/verl import, were missing, so the trainer Job failed on every GPU install."""
     extras = installed_extras(dockerfile)
     missing = unresolved_imports(extras, NOT_FROM_EXTRAS[dockerfile.name])
     assert not missing, f"{dockerfile.name} installs .[{','.join(sorted(extras))}], which lacks {missing}"
@@ -188,15 +188,16 @@ def test_sglang_is_imported_only_where_its_engine_starts():
 def test_the_import_check_can_fail():  # a negative control for the test above
     missing = unresolved_imports({"server"}, set())
     assert {"verl", "omegaconf", "sglang"} <= set(missing)
-    assert "trainer/config.py" in missing["verl"]
+    assert "rollout_farm/trainer/config.py" in missing["verl"]
     assert "cachetools" not in top_level_imports()  # verl's undeclared import: the extra lists it, no file here does
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_the_dependencies_are_a_layer_that_a_code_change_does_not_rebuild(dockerfile):
     """The RUN that installs the extras (torch and the lock's packages) follows COPYs of the project metadata only,
-    and the code is copied after it and installed with --no-deps, so editing services/ reuses the dependency layer.
-    Catches the old Dockerfiles, which copied services/, trainer/ and integrations/ before the one install."""
+    and the code is copied after it and installed with --no-deps, so editing rollout_farm/services/ reuses the
+    dependency layer. Catches the old Dockerfiles, which copied rollout_farm/services/, rollout_farm/trainer/ and
+    rollout_farm/integrations/ before the one install."""
     steps = instructions(dockerfile)
     deps = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and re.search(r"pip install .*\"\.\[", a))
     copied_before = {src for k, a in steps[:deps] if k == "COPY" for src in a.split()[:-1]}

@@ -5,13 +5,24 @@ import signal
 import subprocess
 import sys
 
-from services.net import free_port
+from rollout_farm.services.net import free_port
 from tests.conftest import TOKEN
 
 
 def farm_train(service: str, model, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> list[str]:
-    """`farm train` (python -m trainer.cli train) against `service` with the model folder `model`, then `args`."""
-    return [*launcher, "-m", "trainer.cli", "train", "--service-url", service, "--model", str(model), *args]
+    """`farm train` (python -m rollout_farm.trainer.cli train) against `service` with the model folder `model`, then
+    `args`."""
+    return [
+        *launcher,
+        "-m",
+        "rollout_farm.trainer.cli",
+        "train",
+        "--service-url",
+        service,
+        "--model",
+        str(model),
+        *args,
+    ]
 
 
 def serve_env(model, tmp_path, **farm) -> dict[str, str]:
@@ -25,8 +36,8 @@ def serve_env(model, tmp_path, **farm) -> dict[str, str]:
 
 
 def farm_serve(env: dict) -> subprocess.Popen:
-    """`farm serve` (python -m trainer.cli serve) with this environment; its output in proc.stdout."""
-    cmd = [sys.executable, "-m", "trainer.cli", "serve"]
+    """`farm serve` (python -m rollout_farm.trainer.cli serve) with this environment; its output in proc.stdout."""
+    cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "serve"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -15,10 +15,10 @@ import time
 import httpx
 import pytest
 
+from rollout_farm.trainer import rollouts, staleness_metrics
+from rollout_farm.trainer.config import load
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, replicas
-from trainer import rollouts, staleness_metrics
-from trainer.config import load
 
 TOKENS = 1024
 
@@ -59,8 +59,8 @@ def wait_decoding(run, service, source: str, limit_s: float = 60.0) -> None:
 def test_the_async_trainer_trains_within_the_bound_on_samples_that_span_versions(
     service, tiny_model, tmp_path, monkeypatch, partial
 ):
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     source = f"e2e-async-{partial}"
     params = {"temperature": 1.0, "max_new_tokens": TOKENS, "ignore_eos": True}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.net import free_port
+from rollout_farm.services.net import free_port
 from tests.e2e.commands import farm_train
 
 
@@ -35,7 +35,7 @@ def _loss_sum(model, ids, mask):
 
 
 def _worker(rank, world, port, path, out):
-    from trainer import distributed
+    from rollout_farm.trainer import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
     assert distributed.init_from_env() == (rank, world)
@@ -63,9 +63,9 @@ def test_two_gloo_processes_compute_the_single_process_gradients(tiny_model, tmp
 
 
 def test_the_trainer_on_two_gloo_processes_takes_the_single_process_step(service, tiny_model, tmp_path):
-    """`torchrun --nproc-per-node 2 -m trainer.cli train` against the real service: rank 0 pulls and broadcasts the
-    batch, each rank trains half of every mini-batch's groups. From the same weights and seed, its step logs the
-    same losses and gradient norm as a single process."""
+    """`torchrun --nproc-per-node 2 -m rollout_farm.trainer.cli train` against the real service: rank 0 pulls and
+    broadcasts the batch, each rank trains half of every mini-batch's groups. From the same weights and seed, its step
+    logs the same losses and gradient norm as a single process."""
     import json
     import subprocess
     import sys

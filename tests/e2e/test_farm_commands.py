@@ -8,12 +8,12 @@ import sys
 import psutil
 from transformers import AutoModelForCausalLM
 
-from services import protocol as P
-from services.client import FarmClient
-from services.weights.pusher import WeightPusher
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmClient
+from rollout_farm.services.weights.pusher import WeightPusher
+from rollout_farm.trainer.weight_sync import push_weights
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, farm_train, serve_env, stop
-from trainer.weight_sync import push_weights
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")],
@@ -106,7 +106,7 @@ def serve_fails(tmp_path, **env) -> str:
     message, before starting Ray; returns the message."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "serve"],
+        [sys.executable, "-m", "rollout_farm.trainer.cli", "serve"],
         env={**base, "FARM_STATE_DIR": str(tmp_path / "state"), **env},
         capture_output=True,
         text=True,
@@ -133,7 +133,7 @@ def test_serve_errors_name_the_variable_and_the_fix(tiny_model, tmp_path):
 def farm(*args: str, service: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_URL": service}
     return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rollout_farm.trainer.cli", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 

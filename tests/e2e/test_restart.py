@@ -4,8 +4,8 @@ serve that version."""
 
 from safetensors.torch import load_file, save_file
 
-from services import protocol as P
-from services.client import FarmClient
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmClient
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, serve_env, stop
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 import torch
 
+from rollout_farm.trainer.config import load
+from rollout_farm.trainer.estimators import adaptive_lambda
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_train
-from trainer.config import load
-from trainer.estimators import adaptive_lambda
 
 
 def config(service, tiny_model, tmp_path, *overrides):
@@ -59,15 +59,15 @@ def config(service, tiny_model, tmp_path, *overrides):
     ],
 )
 def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, tmp_path, estimator, extra):
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     trainer = TrainingRun(config(service, tiny_model, tmp_path, f"algorithm.adv_estimator={estimator}", *extra), TOKEN)
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     summary = train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["step"] == 1 and summary["final_weight_version"] == trainer.version
-    from trainer.step_metrics import STEP_GAUGES
+    from rollout_farm.trainer.step_metrics import STEP_GAUGES
 
     assert STEP_GAUGES["weight_version"]._value.get() == trainer.version and STEP_GAUGES["step"]._value.get() == 1
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())  # the policy moved
@@ -91,8 +91,8 @@ def test_micro_batches_add_up_to_the_same_step(service, tiny_model, tmp_path, lo
     """ppo_micro_batch_size_per_gpu=3 (gradient accumulation over uneven micro-batches: 16 samples -> 3+3+3+3+3+1) takes
     the step the whole mini-batch takes: same rollouts (same seed, same starting weights), same losses, same gradients.
     (Weights are not compared: Adam turns rounding-level differences in near-zero gradients into steps of lr.)"""
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     trainers, rows = [], []
     for name, micro in (("whole", []), ("micro", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])):
@@ -126,9 +126,9 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     weights."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.guards import ACTIONS
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.guards import ACTIONS
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     rollbacks = ACTIONS.labels("rollback")._value.get()
     trainer = TrainingRun(
@@ -153,7 +153,7 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     )  # the step's push, then the rollback's
     initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert all(torch.equal(v, initial.state_dict()[k]) for k, v in trainer.policy.state_dict().items())
-    from services import protocol as P
+    from rollout_farm.services import protocol as P
 
     prompt = trainer.tok("Q: 3+4\nA:", add_special_tokens=False).input_ids
     out = client.rollouts(
@@ -175,9 +175,9 @@ def test_the_variance_guard_raises_the_mini_batch_and_the_next_step_takes_fewer_
 ):
     """4 groups in mini-batches of 1: 4 optimizer steps a step. A variance threshold every batch crosses raises the
     mini-batch to 2 groups after step 1, so step 2 takes 2; the raise is logged and counted."""
-    from trainer.guards import ACTIONS
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.guards import ACTIONS
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     raises = ACTIONS.labels("raise_mini_batch")._value.get()
     trainer = TrainingRun(
@@ -207,8 +207,8 @@ def test_the_noise_scale_guard_acts_on_the_measured_noise_scale(service, tiny_mo
     """guards.variance_statistic=grad_noise_scale: each step logs the noise scale measured from its micro-batches,
     and the guard raises the mini-batch exactly when that scale over the mini-batch's samples passes the threshold.
     (Two micro-batches give a noisy estimate, so the test checks the decision against the figure, not a sign.)"""
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     cfg = config(
         service,
@@ -320,8 +320,8 @@ def test_a_step_on_two_turn_episodes_trains_the_sampled_tokens_only(service, tin
     loss mask. The trainer's recomputed logprobs over the whole multi-turn sequence equal the service's on every
     sampled token (rollout_is_mean 1, KL 0): the tokens it trains on are the ones the engine sampled, and the
     observation between the turns is context."""
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     overrides = [
         "data.env=test_flaky",

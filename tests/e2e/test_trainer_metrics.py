@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from services.net import free_port
+from rollout_farm.services.net import free_port
 from tests.conftest import TOKEN
 from tests.deploy.monitoring import missing, queried
 from tests.e2e.commands import farm_train

@@ -1,7 +1,7 @@
-"""Concurrent generate calls share the torch engine's batches (services/engine/torch_scheduler.py), and each call gets
-what it would get alone: calls are merged by pausing the engine, submitting them, and resuming (they are admitted
-together), or by submitting one while another runs (it joins at a step boundary). That they shared decode steps is
-read from the engine's own counters (engine.stats), never from timings."""
+"""Concurrent generate calls share the torch engine's batches (rollout_farm/services/engine/torch_scheduler.py), and
+each call gets what it would get alone: calls are merged by pausing the engine, submitting them, and resuming (they are
+admitted together), or by submitting one while another runs (it joins at a step boundary). That they shared decode steps
+is read from the engine's own counters (engine.stats), never from timings."""
 
 import asyncio
 import threading
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine.torch_engine import TorchEngine
-from services.protocol import SamplingParams
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.protocol import SamplingParams
 from tests.service.helpers import wait_until
 
 LONG = 400  # tokens: long enough that the other calls join and leave while it runs

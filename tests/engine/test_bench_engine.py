@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from services.engine.bench_engine import BenchEngine
-from services.protocol import SamplingParams
+from rollout_farm.services.engine.bench_engine import BenchEngine
+from rollout_farm.services.protocol import SamplingParams
 
 
 def test_concurrent_calls_share_the_bench_engines_steps():

@@ -1,5 +1,5 @@
-"""Speculative decoding in the torch engine (services/engine/torch_draft_step.py): drafts from the engine's own
-history, verified in one forward pass. The engine's samples must be the plain engine's: greedy tokens equal and
+"""Speculative decoding in the torch engine (rollout_farm/services/engine/torch_draft_step.py): drafts from the engine's
+own history, verified in one forward pass. The engine's samples must be the plain engine's: greedy tokens equal and
 logprobs within 1e-5; sampled outcomes indistinguishable by a chi-squared test over 10^4 samples, which must tell a
 deliberately wrong acceptance rule (accept every draft) apart; stops cut where one token at a time would stop."""
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from services.engine import torch_speculative
-from services.engine.torch_engine import TorchEngine
-from services.protocol import SamplingParams
+from rollout_farm.services.engine import torch_speculative
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.protocol import SamplingParams
 
 PROMPTS = [[40, 41, 42, 43], [50, 51, 52]]
 
@@ -91,9 +91,9 @@ def test_stop_strings_and_tokens_cut_where_one_token_at_a_time_would(plain, draf
 def test_each_sample_carries_its_drafts_and_the_scrape_has_them_per_sampler(drafting):
     """EngineOutput's draft counts (the replica sums them per sampler: EngineServer._count_drafts) and the
     farm_sampler_draft_tokens series the scrape makes of them."""
-    from services import metrics
-    from services import protocol as P
-    from services.replica.engine_server import EngineServer
+    from rollout_farm.services import metrics
+    from rollout_farm.services import protocol as P
+    from rollout_farm.services.replica.engine_server import EngineServer
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     drafting.generate(PROMPTS, params)

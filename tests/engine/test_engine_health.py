@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import WeightsRejected
-from services.engine.torch_engine import TorchEngine
-from services.protocol import SamplingParams
-from services.weights.state_dict import canonical_state_dict
+from rollout_farm.services.engine import WeightsRejected
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.protocol import SamplingParams
+from rollout_farm.services.weights.state_dict import canonical_state_dict
 
 
 @pytest.fixture

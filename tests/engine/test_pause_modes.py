@@ -1,17 +1,17 @@
-"""SGLang's pause modes on the torch engine's scheduler (services/engine/torch_hold.py): "in_place" holds the running
-rows at a step boundary with their KV cache, "retract" puts them back in the queue to continue from prompt + tokens
-so far; a weight commit while held lands at once and the held rows finish on it, their per-token versions switching
-where they were held. Held or retracted calls that are cancelled end "abort" with the tokens they had."""
+"""SGLang's pause modes on the torch engine's scheduler (rollout_farm/services/engine/torch_hold.py): "in_place" holds
+the running rows at a step boundary with their KV cache, "retract" puts them back in the queue to continue from prompt +
+tokens so far; a weight commit while held lands at once and the held rows finish on it, their per-token versions
+switching where they were held. Held or retracted calls that are cancelled end "abort" with the tokens they had."""
 
 import threading
 import time
 
 import pytest
 
-from services.engine.bench_engine import BenchEngine
-from services.engine.torch_engine import TorchEngine
-from services.errors import EngineVerbMissing
-from services.protocol import SamplingParams
+from rollout_farm.services.engine.bench_engine import BenchEngine
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.errors import EngineVerbMissing
+from rollout_farm.services.protocol import SamplingParams
 from tests.engine.test_batching import push
 from tests.service.helpers import wait_until
 

@@ -1,5 +1,5 @@
-"""Speculative decoding from the farm's history (services/engine/torch_speculative.py): the drafts History proposes,
-and verify(), whose samples, logprobs and sampling logprobs are the plain path's (torch_sampling.draw).
+"""Speculative decoding from the farm's history (rollout_farm/services/engine/torch_speculative.py): the drafts History
+proposes, and verify(), whose samples, logprobs and sampling logprobs are the plain path's (torch_sampling.draw).
 
 The distribution tests run on an enumerable "model": fixed random logits over V tokens for every context of up to
 two generated tokens, so the exact probability of each of the V**3 three-token samples is known. Tens of thousands
@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.special import chdtrc
 
-from services.engine import torch_speculative
-from services.engine.torch_sampling import Group, draw, processed_rows
-from services.engine.torch_speculative import History, verify
+from rollout_farm.services.engine import torch_speculative
+from rollout_farm.services.engine.torch_sampling import Group, draw, processed_rows
+from rollout_farm.services.engine.torch_speculative import History, verify
 
 V, T, PAD = 8, 3, 0
 PROMPT = [5, 1, 6]

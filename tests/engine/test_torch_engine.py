@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import EngineOutput, WeightsRejected
-from services.engine.torch_engine import TorchEngine
-from services.protocol import Group, Prompt, Sample, SampledWith, SamplingParams
-from services.replica.group_sampling import sample_groups, to_sample
-from services.samplers import NoParams, Plain
-from services.weights.state_dict import canonical_state_dict
-from trainer.batch import make_batch
-from trainer.forward import response_logprobs
+from rollout_farm.services.engine import EngineOutput, WeightsRejected
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.protocol import Group, Prompt, Sample, SampledWith, SamplingParams
+from rollout_farm.services.replica.group_sampling import sample_groups, to_sample
+from rollout_farm.services.samplers import NoParams, Plain
+from rollout_farm.services.weights.state_dict import canonical_state_dict
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.forward import response_logprobs
 
 
 @pytest.fixture(scope="module")

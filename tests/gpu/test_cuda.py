@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from services.engine.torch_engine import TorchEngine
-from services.protocol import SamplingParams
+from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.protocol import SamplingParams
 from tests.conftest import TOKEN
 from tests.e2e.test_trainer import config
 from tests.engine.test_torch_engine import engine, prompts  # noqa: F401  (engine: a fixture)
@@ -27,8 +27,8 @@ def test_a_trainer_on_cuda_takes_the_same_first_step_as_on_the_cpu(service, tiny
     """trainer.device=cuda: models, batch and collectives on the GPU; the service may stay on the CPU. The first
     step's losses match a CPU trainer's: both start from the model's weights and draw with the same seed, so the service
     returns them the same rollouts."""
-    from trainer.loop import train
-    from trainer.run import TrainingRun
+    from rollout_farm.trainer.loop import train
+    from rollout_farm.trainer.run import TrainingRun
 
     rows = []
     for device in ("cpu", "cuda"):

@@ -15,10 +15,10 @@ def test_sglang_receives_weights_over_nccl_and_bumps_its_version(tmp_path):
         pytest.skip("NCCL needs the trainer and the engine on different GPUs: needs 2")
     from sglang.srt.utils import init_custom_process_group
 
-    from services.engine.sglang_engine import SGLangEngine
-    from services.models import tiny_llama
-    from services.net import free_port
-    from services.protocol import SamplingParams
+    from rollout_farm.services.engine.sglang_engine import SGLangEngine
+    from rollout_farm.services.models import tiny_llama
+    from rollout_farm.services.net import free_port
+    from rollout_farm.services.protocol import SamplingParams
 
     torch.cuda.set_device(1)  # the trainer's rank; SGLang takes GPU 0
     model = tiny_llama(

@@ -130,7 +130,7 @@ def replace_an_engine_replica(client, timeout_s: float = 180) -> dict:
     until two replicas answer again, one of them new; returns their versions by replica id."""
     import ray
 
-    from services.client import FarmError
+    from rollout_farm.services.client import FarmError
 
     old = client.weights_version().replicas
     names = [

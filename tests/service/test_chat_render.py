@@ -1,5 +1,5 @@
-"""The ingress renders chat templates itself (services/compat/chat_render.py), with the tokenizer an engine replica
-hands it once: its render equals the replica's own (render_chat) for the models the service tests run, the tiny
+"""The ingress renders chat templates itself (rollout_farm/services/compat/chat_render.py), with the tokenizer an engine
+replica hands it once: its render equals the replica's own (render_chat) for the models the service tests run, the tiny
 Llama with a role template (the session app) and the built-in byte tokenizer's template (a user engine, the bench
 app). The comparison can tell a wrong tokenizer: the other app's tokenizer renders differently (negative control).
 A chat request's prompt is the replica's render, token for token."""
@@ -9,8 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from services.compat.chat_render import ChatRenderer
-from services.replica.handle import Replicas
+from rollout_farm.services.compat.chat_render import ChatRenderer
+from rollout_farm.services.replica.handle import Replicas
 
 MESSAGES = [
     [{"role": "user", "content": "Q: 2+2"}],

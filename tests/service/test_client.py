@@ -9,12 +9,12 @@ import time
 import httpx
 import pytest
 
-from services import client as farm_client
-from services import protocol as P
-from services.client import AsyncFarmClient, FarmClient, FarmError
+from rollout_farm.services import client as farm_client
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
+from rollout_farm.trainer import cli
 from tests.conftest import TOKEN
 from tests.service.helpers import replicas, wait_until
-from trainer import cli
 
 
 def greedy(k: int = 2, **kw) -> P.RolloutRequest:
@@ -288,7 +288,7 @@ def test_cli_queue(farm_env, service, capsys, fresh_weights, tmp_path):
 
 
 async def test_async_client(service, fresh_weights):
-    from services.client import AsyncFarmClient
+    from rollout_farm.services.client import AsyncFarmClient
 
     async with AsyncFarmClient(service, TOKEN) as c:
         assert (await c.weights_version()).version == fresh_weights

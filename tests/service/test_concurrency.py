@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.errors import QUEUES_FULL
+from rollout_farm.services.errors import QUEUES_FULL
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, LONG_TOKENS, any_busy, in_thread, replica_metric, replicas, wait_until
 
@@ -24,8 +24,8 @@ def conc(service, tiny_model, tmp_path_factory):
     """The app under /conc, in the session's Serve instance."""
     from ray import serve
 
-    from services import server
-    from services.settings import ServiceSettings
+    from rollout_farm.services import server
+    from rollout_farm.services.settings import ServiceSettings
 
     settings = ServiceSettings(
         api_token=TOKEN,

@@ -6,8 +6,8 @@ import time
 import httpx
 import pytest
 
-from services import protocol as P
-from services.client import FarmClient
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmClient
 from tests.conftest import TOKEN
 from tests.service.helpers import in_thread
 

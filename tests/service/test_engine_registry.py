@@ -22,7 +22,9 @@ def test_a_user_engine_by_dotted_path_serves_rollouts_without_a_model(bench_serv
     assert r.status_code == 200, r.text
     first, second = r.json()["groups"]
     assert [s["token_ids"] for s in first["samples"]] == [[77] * 5] * 3  # the echo engine made them
-    from services.models import byte_tokenizer  # no model folder: the engine tokenizes with the embedded byte tokenizer
+    from rollout_farm.services.models import (
+        byte_tokenizer,
+    )  # no model folder: the engine tokenizes with the embedded byte tokenizer
 
     last = byte_tokenizer()("Q: 1+1\nA:", add_special_tokens=False).input_ids[-1]
     assert [s["token_ids"] for s in second["samples"]] == [[last] * 5] * 3

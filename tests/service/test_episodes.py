@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from services.models import byte_tokenizer
+from rollout_farm.services.models import byte_tokenizer
 
 PARAMS = {"max_new_tokens": 64, "temperature": 0.0}
 CALL = 'call calculator {"expression": "3456*78"}'

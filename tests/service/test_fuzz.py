@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from services import protocol as P
-from services.errors import MODEL_GAP, SCHEMA_MISMATCH
+from rollout_farm.services import protocol as P
+from rollout_farm.services.errors import MODEL_GAP, SCHEMA_MISMATCH
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH
 
@@ -247,7 +247,8 @@ def config(service: str, seed: int, examples: int, stateful_examples: int, state
                 # pydantic's lax mode takes "1" for 1 and 1 for true, on purpose: more than the schema says
                 "negative_data_rejection": {"enabled": False},
                 # a 405 has no Allow header: Starlette's names only the first matching route's methods (a path with
-                # an open GET and a token-guarded POST would say `Allow: GET`), so services/api/errors.py leaves it out
+                # an open GET and a token-guarded POST would say `Allow: GET`), so rollout_farm/services/api/errors.py
+                # leaves it out
                 "unsupported_method": {"enabled": False},
             },
             "operations": [
@@ -287,8 +288,8 @@ class Fuzzed:
         return [a for a in self.answers if a[4] == "positive" and a[2] == 422 and SCHEMA_MISMATCH in a[3]]
 
     def model_gaps(self) -> list[tuple[str, str, int, str, str]]:
-        """Requests a model built inside a handler refused, which the request model let through (services/errors.py,
-        model_gap): a 422 for the client, a missing check for us."""
+        """Requests a model built inside a handler refused, which the request model let through
+        (rollout_farm/services/errors.py, model_gap): a 422 for the client, a missing check for us."""
         return [a for a in self.answers if MODEL_GAP in a[3]]
 
     def statuses(self) -> dict[int, int]:

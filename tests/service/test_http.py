@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from services import protocol as P
+from rollout_farm.services import protocol as P
 from tests.service.helpers import metric, request
 
 
@@ -38,7 +38,7 @@ def test_health_metrics_and_docs(service, client, fresh_weights):
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_oversized_json_bodies_get_413(service, chunked):
-    from services.api.middleware import MAX_REQUEST_BYTES
+    from rollout_farm.services.api.middleware import MAX_REQUEST_BYTES
 
     body = b'{"prompts": [{"text": "' + b"x" * MAX_REQUEST_BYTES + b'"}]}'
     content = (

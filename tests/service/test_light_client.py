@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services import protocol as P
+from rollout_farm.services import protocol as P
 from tests.conftest import TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,15 +19,15 @@ SERVER_ONLY = ("torch", "ray", "verl", "transformers", "fastapi", "uvicorn", "py
 # Run by the light venv's python: one rollout, then what it could import and what it did import.
 SCRIPT = """
 import importlib.util, json, sys
-import services.client
-from services.protocol import RolloutRequest
+import rollout_farm.services.client
+from rollout_farm.services.protocol import RolloutRequest
 
 url, token, request, heavy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
-with services.client.FarmClient(url, token) as c:
+with rollout_farm.services.client.FarmClient(url, token) as c:
     response = c.rollouts(RolloutRequest.model_validate_json(request))
 print(json.dumps({
     "response": response.model_dump(mode="json"),
-    "client": services.client.__file__,
+    "client": rollout_farm.services.client.__file__,
     "installed": [m for m in heavy if importlib.util.find_spec(m)],
     "imported": sorted(m for m in sys.modules if m.split(".")[0] in heavy),
     "services": sorted(m for m in sys.modules if m.split(".")[0] == "services"),
@@ -75,7 +75,10 @@ def test_the_client_alone_installs_light_and_runs_a_rollout(service, client, tmp
     got = json.loads(run(args, timeout=120, cwd=tmp_path))
 
     assert got["installed"] == [] and got["imported"] == []
-    assert {m.split(".")[1] for m in got["services"] if "." in m} == {"client", "protocol"}  # no services.settings
+    assert {m.split(".")[1] for m in got["services"] if "." in m} == {
+        "client",
+        "protocol",
+    }  # no rollout_farm.services.settings
     assert Path(got["client"]).resolve().is_relative_to((tmp_path / "venv").resolve())  # not the checkout's copy
     light = P.RolloutResponse.model_validate(got["response"])
     samples = [s for g in light.groups for s in g.samples]

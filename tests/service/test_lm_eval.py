@@ -1,5 +1,5 @@
-"""lm-eval against the service, on the repo's own tasks (integrations/lm_eval: the held-out arith problems as a
-generation task and as a multiple-choice task): `local-completions` with its default tokenized requests (token-id
+"""lm-eval against the service, on the repo's own tasks (rollout_farm/integrations/lm_eval: the held-out arith problems
+as a generation task and as a multiple-choice task): `local-completions` with its default tokenized requests (token-id
 prompts; loglikelihood through echo and prompt logprobs) and `local-chat-completions`. Each score is checked
 against the service's own answer or a plain forward pass, not only for existing."""
 
@@ -21,7 +21,7 @@ def evaluate(monkeypatch):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    tasks = TaskManager(include_path=str(ROOT / "integrations" / "lm_eval"))
+    tasks = TaskManager(include_path=str(ROOT / "rollout_farm" / "integrations" / "lm_eval"))
 
     def run(model: str, model_args: str, names: list[str], **kw) -> dict:
         return simple_evaluate(

@@ -41,7 +41,7 @@ def drive(service: str, client, tiny_model) -> None:
 @pytest.fixture(scope="module")
 def text(service, tiny_model):
     """The scrape after the traffic, taken while the queue source exists."""
-    from services.client import FarmClient
+    from rollout_farm.services.client import FarmClient
     from tests.conftest import TOKEN
 
     try:

@@ -1,5 +1,5 @@
-"""The built-in `openenv` environment (services/episodes/openenv_remote.py) against a real openenv-core server:
-a counting environment served by openenv's create_app under uvicorn on 127.0.0.1, episodes run through the farm.
+"""The built-in `openenv` environment (rollout_farm/services/episodes/openenv_remote.py) against a real openenv-core
+server: a counting environment served by openenv's create_app under uvicorn on 127.0.0.1, episodes run through the farm.
 
 The model is the bench app's EchoEngine, the scripted agent model (tests/farm_plugins.py): it says the text between
 the marks of the last `say:‹...›` in its prompt, so the remote environment scripts the model through its observation.
@@ -13,8 +13,8 @@ import pytest
 import uvicorn
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 
-from services.models import byte_tokenizer
-from services.net import free_port
+from rollout_farm.services.models import byte_tokenizer
+from rollout_farm.services.net import free_port
 
 PARAMS = {"max_new_tokens": 128, "temperature": 0.0}  # a hermes call is 72 tokens of the byte tokenizer
 TOOL_CALL = '<tool_call>{"name": "act", "arguments": {"message": "step {n}"}}</tool_call>'  # hermes

@@ -7,7 +7,7 @@ from collections import Counter
 
 import httpx
 
-from services.errors import QUEUES_FULL
+from rollout_farm.services.errors import QUEUES_FULL
 from tests.service.helpers import any_busy, greedy, wait_until
 
 FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 1 waiting, its share of 2 queued)

@@ -182,7 +182,7 @@ def test_a_late_ack_of_a_stale_dropped_group_withdraws_its_regeneration(service,
 
 
 def test_a_prompt_batch_with_a_batch_id_is_added_once(service, client):
-    from services import protocol as P
+    from rollout_farm.services import protocol as P
 
     client.queue_add_source(P.QueueSource(name="batched", target_groups=8, sampling_params=SHORT))
     prompts = [P.Prompt(text=f"Q: {a}+0\nA:") for a in range(3)]

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services import protocol as P
-from services.client import FarmClient
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmClient
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.forward import response_logprobs
 from tests.conftest import TOKEN
 from tests.service.helpers import metric, request
-from trainer.batch import make_batch
-from trainer.forward import response_logprobs
 
 
 def test_rollouts_return_groups_with_logprobs_that_match_the_model(client, fresh_weights, tiny_model):

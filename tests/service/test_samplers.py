@@ -6,7 +6,7 @@ import statistics
 import httpx
 import pytest
 
-from services import protocol as P
+from rollout_farm.services import protocol as P
 from tests.conftest import TOKEN
 from tests.service import helpers
 

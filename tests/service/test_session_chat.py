@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from services.models import byte_tokenizer
+from rollout_farm.services.models import byte_tokenizer
 
 CALC = {
     "type": "function",

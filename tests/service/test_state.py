@@ -9,8 +9,8 @@ import httpx
 import pytest
 import ray
 
-from services import server
-from services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services import server
+from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 from tests.service.helpers import AUTH, any_busy, in_thread, replica_metric, wait_until
 
 SHORT = {"max_new_tokens": 8, "temperature": 1.0}

@@ -1,4 +1,4 @@
-"""verl 0.9.1 with the farm as its rollout backend (integrations/verl), against the session's real service.
+"""verl 0.9.1 with the farm as its rollout backend (rollout_farm/integrations/verl), against the session's real service.
 
 Which verl layer runs: verl's own `AgentLoopWorker.generate_sequences(DataProto) -> DataProto`, in this process.
 That is the method the Ray actors behind verl's AgentLoopManager run for RayPPOTrainer, so everything under it is
@@ -33,8 +33,13 @@ from transformers import AutoModelForCausalLM
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.protocol import DataProto
 
-from integrations.verl import FarmAgentLoopManager, FarmLLMServerClient, farm_sampling_params, push_state_dict
-from services import protocol as P
+from rollout_farm.integrations.verl import (
+    FarmAgentLoopManager,
+    FarmLLMServerClient,
+    farm_sampling_params,
+    push_state_dict,
+)
+from rollout_farm.services import protocol as P
 from tests.conftest import TOKEN
 
 PROMPT_LENGTH, RESPONSE_LENGTH = 64, 16

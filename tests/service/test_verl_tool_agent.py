@@ -1,5 +1,6 @@
-"""verl's own ToolAgentLoop (multi-turn, tools) generating through integrations.verl.FarmLLMServerClient: verl's
-AgentLoopWorker, its hermes tool parser, its function tool and its token bookkeeping run unchanged; the farm samples.
+"""verl's own ToolAgentLoop (multi-turn, tools) generating through rollout_farm.integrations.verl.FarmLLMServerClient:
+verl's AgentLoopWorker, its hermes tool parser, its function tool and its token bookkeeping run unchanged; the farm
+samples.
 
 The model is the bench app's EchoEngine, the scripted agent model (tests/farm_plugins.py): the user message scripts
 a hermes tool call, and the tool's answer (tests/verl_tools.py) scripts the final answer. Nothing of verl's is faked.
@@ -11,8 +12,8 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.protocol import DataProto
 
-from integrations.verl import FarmLLMServerClient
-from services.models import byte_tokenizer
+from rollout_farm.integrations.verl import FarmLLMServerClient
+from rollout_farm.services.models import byte_tokenizer
 from tests.conftest import TOKEN
 from tests.service.test_verl_adapter import verl_config
 

@@ -92,8 +92,8 @@ def test_an_abort_push_reaches_replicas_whose_request_slots_are_full(service, ti
     """The fixture allows two ongoing requests per replica: four one-group rollouts fill both replicas. The push's
     stage and commit calls must still reach them, so every sample, the running ones included, ends on the new
     version."""
-    from services import protocol as P
-    from services.client import FarmClient
+    from rollout_farm.services import protocol as P
+    from rollout_farm.services.client import FarmClient
 
     wait_until(lambda: not any_busy(service), "replicas idle before the test")
     old = versions(service)["version"]

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services import protocol as P
-from services.client import FarmError
-from services.weights.buckets import buckets, full_payloads, size
-from services.weights.checks import parse_header, payload_size
-from services.weights.delta import encode
-from services.weights.manifest import Manifest, manifest_of
-from services.weights.pusher import WeightPusher
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmError
+from rollout_farm.services.weights.buckets import buckets, full_payloads, size
+from rollout_farm.services.weights.checks import parse_header, payload_size
+from rollout_farm.services.weights.delta import encode
+from rollout_farm.services.weights.manifest import Manifest, manifest_of
+from rollout_farm.services.weights.pusher import WeightPusher
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
 from tests.service.helpers import AUTH, greedy, replace_an_engine_replica, rollout, tokens, versions
 
@@ -170,7 +170,7 @@ def test_cut_garbled_and_oversized_bucketed_bodies_change_nothing(service, fresh
 
 
 def test_an_engine_that_cannot_export_its_weights_refuses_a_delta(bench_service):
-    from services.client import FarmClient
+    from rollout_farm.services.client import FarmClient
 
     with FarmClient(bench_service, TOKEN, retries=0) as c:
         version = c.weights_version().version

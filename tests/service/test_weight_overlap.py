@@ -1,6 +1,6 @@
-"""An upload staged while it streams (services/weights/early.py): the replicas check each bucket as it arrives, so a
-bad bucket is refused before the upload ends, and an upload refused or cut at any point leaves every replica on the
-version it served, with the push lock free for the next push.
+"""An upload staged while it streams (rollout_farm/services/weights/early.py): the replicas check each bucket as it
+arrives, so a bad bucket is refused before the upload ends, and an upload refused or cut at any point leaves every
+replica on the version it served, with the push lock free for the next push.
 
 The uploads here go over a raw socket, bucket by bucket, so that a test controls when each bucket arrives and can
 stop before the body ends."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.weights.buckets import buckets, full_payloads
-from services.weights.checks import parse_header, payload_size
-from services.weights.manifest import manifest_of
+from rollout_farm.services.weights.buckets import buckets, full_payloads
+from rollout_farm.services.weights.checks import parse_header, payload_size
+from rollout_farm.services.weights.manifest import manifest_of
 from tests.conftest import TOKEN
 from tests.service.helpers import greedy, push, rollout, tokens, versions
 

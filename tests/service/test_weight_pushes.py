@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from services import protocol as P
-from services.client import FarmError
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmError
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
 from tests.service.helpers import greedy, perturbed, push, push_path, request, rollout, tokens, versions
 

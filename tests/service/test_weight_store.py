@@ -1,6 +1,6 @@
 """The committed weights across clusters that share one Redis (a RayService upgrade, a restart of Ray): the store
-(services/weights/store.py) with a real redis-server and Ray's object store, and a second app that starts on a
-record it cannot load."""
+(rollout_farm/services/weights/store.py) with a real redis-server and Ray's object store, and a second app that starts
+on a record it cannot load."""
 
 import json
 
@@ -10,8 +10,8 @@ import pytest
 import ray
 import redis
 
-from services.state.embedded_redis import EmbeddedRedis
-from services.weights.store import Store, weights_key
+from rollout_farm.services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services.weights.store import Store, weights_key
 from tests.service.helpers import AUTH, greedy, push_path, replicas, wait_until
 
 PREFIX = "farm:store-test"
@@ -84,8 +84,8 @@ def lost_app(service, tiny_model, tmp_path):
     """An app started on a Redis whose record names an upload it cannot have: as a new cluster after an upgrade."""
     from ray import serve
 
-    from services import server
-    from services.settings import ServiceSettings
+    from rollout_farm.services import server
+    from rollout_farm.services.settings import ServiceSettings
     from tests.conftest import TOKEN
 
     embedded = EmbeddedRedis(tmp_path / "redis")

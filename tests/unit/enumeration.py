@@ -11,12 +11,12 @@ import types
 
 import torch
 
-from services.engine.torch_engine import processed_logits
-from services.protocol import SamplingParams
-from trainer import rollout_correction
-from trainer.batch import Batch
-from trainer.config import RolloutCorrection
-from trainer.forward import response_logprobs
+from rollout_farm.services.engine.torch_engine import processed_logits
+from rollout_farm.services.protocol import SamplingParams
+from rollout_farm.trainer import rollout_correction
+from rollout_farm.trainer.batch import Batch
+from rollout_farm.trainer.config import RolloutCorrection
+from rollout_farm.trainer.forward import response_logprobs
 
 BOS = 0
 
@@ -84,8 +84,8 @@ def estimator_moments(
     table: torch.Tensor, xs: torch.Tensor, r: torch.Tensor, T: float, q_tok: torch.Tensor, cfg: RolloutCorrection
 ) -> tuple[torch.Tensor, float]:
     """The trainer's one-sample policy-gradient estimate g(x) = (r(x) - E_q[r]) sum_t w_t(x) grad log pi_T(x_t),
-    the weights w from trainer/rollout_correction.py under `cfg`, over x ~ q (per-token logprobs `q_tok`): its
-    expectation E_q[g] (to compare with grad J) and its total variance E_q[|g|^2] - |E_q[g]|^2 (a batch of N
+    the weights w from rollout_farm/trainer/rollout_correction.py under `cfg`, over x ~ q (per-token logprobs `q_tok`):
+    its expectation E_q[g] (to compare with grad J) and its total variance E_q[|g|^2] - |E_q[g]|^2 (a batch of N
     samples has 1/N of it)."""
     q = q_tok.sum(-1).exp()
     drawn = torch.nonzero(q > 0).squeeze(-1)

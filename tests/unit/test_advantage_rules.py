@@ -5,11 +5,11 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 
-from trainer import losses
-from trainer.advantages import compute_advantages
-from trainer.batch import Batch
-from trainer.config import load
-from trainer.minibatches import mini_batches
+from rollout_farm.trainer import losses
+from rollout_farm.trainer.advantages import compute_advantages
+from rollout_farm.trainer.batch import Batch
+from rollout_farm.trainer.config import load
+from rollout_farm.trainer.minibatches import mini_batches
 
 
 def batch(rewards: list[float], groups: list[int], lengths: list[int], R: int = 4) -> Batch:

@@ -1,4 +1,4 @@
-"""Stale and spanning samples are corrected at the sequence level by default (trainer/stale_samples.py
+"""Stale and spanning samples are corrected at the sequence level by default (rollout_farm/trainer/stale_samples.py
 `correct_by_sequence`), and that default is the one that recovers the policy gradient.
 
 Exact by enumeration (tests/unit/enumeration.py): each sample's first token drawn by weight version 5, the rest by
@@ -12,8 +12,8 @@ Mutations tried, each failing here: the async default left at token level; the d
 import pytest
 import torch
 
+from rollout_farm.trainer.config import load
 from tests.unit.enumeration import drifted_versions, estimator_moments, exact_gradient, sequences, spanning_q
-from trainer.config import load
 
 ASYNC = ["async_training.staleness_threshold=2", "trainer.rollout_source=queue"]
 

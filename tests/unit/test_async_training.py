@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from services import protocol as P
-from trainer import rollout_correction, rollouts, staleness_bound, staleness_metrics, step_metrics
-from trainer.batch import make_batch
-from trainer.config import ConfigError, RolloutCorrection, load
+from rollout_farm.services import protocol as P
+from rollout_farm.trainer import rollout_correction, rollouts, staleness_bound, staleness_metrics, step_metrics
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.config import ConfigError, RolloutCorrection, load
 
 QUEUE = ["trainer.rollout_source=queue"]
 

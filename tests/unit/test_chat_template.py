@@ -2,9 +2,9 @@
 message must come out as exactly the prompt the model was pretrained on (with role labels, arith-tiny saw prompts it
 never learned, and the demo scored 0.000 before and after RL)."""
 
-from services.models import byte_tokenizer
-from services.tasks import ArithTask
-from trainer.rollouts import render_prompt
+from rollout_farm.services.models import byte_tokenizer
+from rollout_farm.services.tasks import ArithTask
+from rollout_farm.trainer.rollouts import render_prompt
 
 
 def test_a_user_message_renders_to_the_pretraining_prompt():

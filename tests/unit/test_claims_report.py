@@ -123,7 +123,7 @@ def test_a_document_without_markers_is_an_error_that_says_so(tmp_path):
 
 def test_the_design_recipe_arm_is_the_preset_at_32_prompts_with_the_named_parts():
     from bench.claims import ARMS
-    from trainer.config import load
+    from rollout_farm.trainer.config import load
 
     cfg = load(None, ARMS["design_recipe"])
     a, alg = cfg.actor_rollout_ref.actor, cfg.algorithm

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from services import client as farm_client
-from services import protocol as P
-from services.client import AsyncFarmClient, FarmClient, FarmError
+from rollout_farm.services import client as farm_client
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
 
 VERSION = {"version": 3, "replicas": {"r0": 3}}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.config import PRESETS, ConfigError, load
+from rollout_farm.trainer.config import PRESETS, ConfigError, load
 
 
 def test_the_design_preset_holds_the_recommended_parameters():
@@ -83,7 +83,7 @@ def test_bad_values_name_the_key_and_the_fix(override, message):
 def test_the_trainer_device_resolves_to_what_this_machine_has():
     import torch
 
-    from trainer.distributed import resolve_device
+    from rollout_farm.trainer.distributed import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if torch.cuda.is_available():

@@ -1,7 +1,8 @@
 """A regex-constrained draw reports the logprob of the distribution it was drawn from: the processed distribution
-(temperature, top-k, top-p) restricted to the tokens the regex allows, renormalised (services/engine/torch_sampling.py
-`draw` and `RegexMask.log_allowed_mass`). The trainer's importance ratio divides by it, so a q off by 1/Z_allowed
-would scale every constrained token's weight (`pattern_conditional` in `constrained` mode).
+(temperature, top-k, top-p) restricted to the tokens the regex allows, renormalised
+(rollout_farm/services/engine/torch_sampling.py `draw` and `RegexMask.log_allowed_mass`). The trainer's importance ratio
+divides by it, so a q off by 1/Z_allowed would scale every constrained token's weight (`pattern_conditional` in
+`constrained` mode).
 
 The real byte tokenizer of the tests' tiny Llama, the engine's own draw; the logits are random. The negative
 control is the unconstrained q (what was reported before): its probabilities over the allowed tokens do not sum
@@ -18,8 +19,8 @@ import torch
 from scipy import stats
 from transformers import AutoTokenizer
 
-from services.engine.torch_sampling import Group, RegexMask, draw
-from services.engine.torch_speculative import verify
+from rollout_farm.services.engine.torch_sampling import Group, RegexMask, draw
+from rollout_farm.services.engine.torch_speculative import verify
 
 DRAWS = 600
 

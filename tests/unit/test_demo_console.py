@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from trainer import cli, step_metrics
-from trainer.console import StepLines, console_level, log_to_file
+from rollout_farm.trainer import cli, step_metrics
+from rollout_farm.trainer.console import StepLines, console_level, log_to_file
 
 
 @pytest.fixture
@@ -93,12 +93,14 @@ def test_console_level():
 
 
 def test_farm_train_log_file_sets_up_the_file_before_training(monkeypatch, tmp_path, root_logging):
-    import trainer.loop
-    import trainer.run
+    import rollout_farm.trainer.loop
+    import rollout_farm.trainer.run
 
     seen = {}
-    monkeypatch.setattr(trainer.run, "TrainingRun", lambda cfg, token: cfg)
-    monkeypatch.setattr(trainer.loop, "train", lambda cfg: seen.update(handlers=logging.getLogger().handlers[:]))
+    monkeypatch.setattr(rollout_farm.trainer.run, "TrainingRun", lambda cfg, token: cfg)
+    monkeypatch.setattr(
+        rollout_farm.trainer.loop, "train", lambda cfg: seen.update(handlers=logging.getLogger().handlers[:])
+    )
     cli.main(["train", "--steps", "30", "--log-file", str(tmp_path / "train.log")])
     files = [h for h in seen["handlers"] if isinstance(h, logging.FileHandler)]
     assert [h.baseFilename for h in files] == [str(tmp_path / "train.log")]

@@ -1,7 +1,7 @@
 """The demo's report: both accuracies, and an honest verdict on the any-format one (it must be able to say "falls")."""
 
-from trainer.demo import report
-from trainer.evaluate import Accuracy
+from rollout_farm.trainer.demo import report
+from rollout_farm.trainer.evaluate import Accuracy
 
 
 def summary(before_numbers: list[bool], after_numbers: list[bool]) -> dict:

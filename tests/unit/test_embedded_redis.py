@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.settings import SettingsError
-from services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services.settings import SettingsError
+from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 
 # A process that serves the folder, as `farm serve` does: it starts (or reuses) the server and prints its URL; on
 # "stop" it takes argv[2] seconds more (the rest of a shutdown: Serve, Ray) before it stops the server.
 OWNER = """
 import sys, time
-from services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 embedded = EmbeddedRedis(sys.argv[1])
 print(embedded.start(), flush=True)
 if sys.stdin.readline().strip() == "stop":

@@ -1,13 +1,14 @@
-"""Errors keep their status, message and detail across Ray, and map to statuses in one place (services/api/errors.py).
-Ray's wrapper for an exception raised in a replica is built here as Ray builds it, without a cluster."""
+"""Errors keep their status, message and detail across Ray, and map to statuses in one place
+(rollout_farm/services/api/errors.py). Ray's wrapper for an exception raised in a replica is built here as Ray builds
+it, without a cluster."""
 
 import pickle
 
 import pytest
 from ray.exceptions import RayTaskError
 
-from services.engine.bench_engine import BenchEngine
-from services.errors import (
+from rollout_farm.services.engine.bench_engine import BenchEngine
+from rollout_farm.services.errors import (
     EngineVerbMissing,
     Invalid,
     NotSupported,

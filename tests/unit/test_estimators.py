@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.estimators import ESTIMATORS, AdvInput, adaptive_lambda, control_variate_baseline, leave_one_out_means
+from rollout_farm.trainer.estimators import (
+    ESTIMATORS,
+    AdvInput,
+    adaptive_lambda,
+    control_variate_baseline,
+    leave_one_out_means,
+)
 
 
 def batch(seed=0, groups=4, n=3, R=5):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.evaluate import Accuracy, paired_gain
+from rollout_farm.trainer.evaluate import Accuracy, paired_gain
 
 
 def test_wilson_interval_known_values():

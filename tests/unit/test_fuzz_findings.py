@@ -1,7 +1,8 @@
 """What a fuzzing run with a fresh seed found (issue 27), each fixed where it belongs, and the checks that find its
 kind again:
 - a request model built inside a handler from request data raised pydantic's ValidationError: a 500. It is a 422
-  naming the field now (services/errors.py, model_gap), logged as a missing check; other models' errors stay 500s;
+  naming the field now (rollout_farm/services/errors.py, model_gap), logged as a missing check; other models' errors
+  stay 500s;
 - the chat endpoint built a prompt from messages that render to nothing: a 422 naming `messages`;
 - the published schema accepted what the API refuses: int64 bounds written as 2**63, optional header and query
   parameters that may be null, a range pydantic wrote as "ge"/"le", plain floats without the subnormal rule, a
@@ -26,11 +27,11 @@ from pydantic import ValidationError
 from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
 
-from services import protocol as P
-from services.api import create_api
-from services.api import errors as api_errors
-from services.compat.openai_api import OpenAICompat
-from services.errors import (
+from rollout_farm.services import protocol as P
+from rollout_farm.services.api import create_api
+from rollout_farm.services.api import errors as api_errors
+from rollout_farm.services.compat.openai_api import OpenAICompat
+from rollout_farm.services.errors import (
     MODEL_GAP,
     SCHEMA_MISMATCH,
     ClientGone,
@@ -41,10 +42,10 @@ from services.errors import (
     as_service_error,
     request_models,
 )
-from services.models import byte_tokenizer
-from services.protocol.common import INT64_MAX, SUBNORMAL, decimal_at_most
-from services.protocol.sessions import SessionChatRequest
-from services.protocol.sglang_native import VERSION
+from rollout_farm.services.models import byte_tokenizer
+from rollout_farm.services.protocol.common import INT64_MAX, SUBNORMAL, decimal_at_most
+from rollout_farm.services.protocol.sessions import SessionChatRequest
+from rollout_farm.services.protocol.sglang_native import VERSION
 
 
 def handler_app() -> TestClient:
@@ -231,9 +232,9 @@ def test_every_float_a_request_takes_is_refused_subnormal_by_the_schema_too(doc)
 def test_the_replica_returns_an_expected_refusal_instead_of_raising_it(monkeypatch):
     """Serve logs a traceback for every exception a replica method raises; the ingress takes a returned error as the
     replica's answer (Replicas.errors and Replicas.all raise it there)."""
-    from services.engine.bench_engine import BenchEngine
-    from services.replica import engine_server, weight_verbs
-    from services.weights.checks import WeightsRejected
+    from rollout_farm.services.engine.bench_engine import BenchEngine
+    from rollout_farm.services.replica import engine_server, weight_verbs
+    from rollout_farm.services.weights.checks import WeightsRejected
 
     class Refusing(BenchEngine):
         def stage_weights_from_path(self, path, version):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.config import load
+from rollout_farm.trainer.config import load
 
 
 def test_the_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
@@ -25,7 +25,7 @@ def test_the_design_presets_controller_moves_beta_within_a_short_run_and_verls_d
     by 0.8^5 = 0.33; at verl's default 10000 (the claims runs' setting, the negative control) it moves by about 5%."""
     from verl.trainer.ppo import core_algos
 
-    from trainer.config import PRESETS
+    from rollout_farm.trainer.config import PRESETS
 
     def beta_after(horizon: int, kl: float) -> float:
         cfg = load(PRESETS / "design.yaml", [f"algorithm.kl_ctrl.horizon={horizon}"])
@@ -46,7 +46,7 @@ def stats(p: float) -> dict:
 
 
 def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated_rollbacks():
-    from trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True, max_rollbacks=2))
     assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=8)[0] == ["raise_mini_batch"]
@@ -68,7 +68,7 @@ def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
     """Raised at a reward std above 0.3; lowered back to ppo_mini_batch_size (8) only after 3 steps in a row below
     half of it (0.15): a std between the two bounds keeps the raised size, and one noisy step restarts the count.
     Without the base size (the negative control) it is never lowered, as before."""
-    from trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True), base_mini_batch_size=8)
     noisy, between, calm = stats(0.5), stats(0.03), stats(0.01)  # reward std 0.5, ~0.17, ~0.1
@@ -87,7 +87,7 @@ def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
 def test_the_default_variance_statistic_can_cross_the_threshold_on_0_1_rewards_and_reward_variance_cannot(p):
     """With 0/1 rewards the variance is p(1 - p) <= 0.25: compared with 0.3 it never trips. The reward std does,
     for any mean reward between 0.1 and 0.9."""
-    from trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards import Guard, GuardConfig
 
     assert Guard(GuardConfig(enable=True)).check(0.0, stats(p), 8)[0] == ["raise_mini_batch"]
     by_variance = Guard(GuardConfig(enable=True, variance_statistic="reward_var"))
@@ -96,8 +96,8 @@ def test_the_default_variance_statistic_can_cross_the_threshold_on_0_1_rewards_a
 
 def test_raising_the_mini_batch_halves_the_optimizer_steps_of_a_step():
     """The design preset's sizes on 64 groups: 8 steps per epoch at 8 groups, 4 at the raised 16; ppo_epochs 6."""
-    from trainer.config import PRESETS
-    from trainer.minibatches import updates_per_epoch
+    from rollout_farm.trainer.config import PRESETS
+    from rollout_farm.trainer.minibatches import updates_per_epoch
 
     c = load(PRESETS / "design.yaml")
     groups, a = c.data.train_batch_size, c.actor_rollout_ref.actor

@@ -1,8 +1,10 @@
-"""The folders are the architecture: every module imports, and no two parts of `services/` import each other.
+"""The folders are the architecture: every module imports, and no two parts of `rollout_farm/services/` import each
+other.
 
-A part is a sub-package (`services/weights/`, `services/replica/`, ...) or a top-level module (`services/errors.py`).
-Every import counts, also one inside a function or under `if TYPE_CHECKING:`: a reader follows those arrows too.
-An import from a part into itself is no arrow. The parts' graph must have no circle, and neither may the modules'.
+A part is a sub-package (`rollout_farm/services/weights/`, `rollout_farm/services/replica/`, ...) or a top-level module
+(`rollout_farm/services/errors.py`). Every import counts, also one inside a function or under `if TYPE_CHECKING:`: a
+reader follows those arrows too. An import from a part into itself is no arrow. The parts' graph must have no circle,
+and neither may the modules'.
 """
 
 import ast
@@ -13,7 +15,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("services", "trainer", "integrations")
-BUILDS_AT_IMPORT = {"services.serve_entry"}  # `serve run`'s entry: importing it builds the app from FARM_* settings
+BUILDS_AT_IMPORT = {
+    "rollout_farm.services.serve_entry"
+}  # `serve run`'s entry: importing it builds the app from FARM_* settings
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -22,7 +26,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def modules(package: str) -> dict[str, pathlib.Path]:
-    return {module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for p in sorted((ROOT / "rollout_farm" / package).rglob("*.py"))}
 
 
 def imported(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
@@ -50,8 +54,9 @@ def imported(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
 
 
 def part(module: str) -> str:
-    """services.weights.push -> services.weights; services.errors -> services.errors."""
-    return ".".join(module.split(".")[:2])
+    """rollout_farm.services.weights.push -> rollout_farm.services.weights; rollout_farm.services.errors ->
+    rollout_farm.services.errors."""
+    return ".".join(module.split(".")[:3])
 
 
 def circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -96,8 +101,13 @@ def test_every_module_imports(package):
 
 def test_no_circle_between_the_parts_of_services():
     _, by_part = services_graphs()
-    assert {"services.rollout", "services.weights", "services.replica", "services.engine"} <= set(by_part)
-    assert circle(by_part) is None, f"parts of services/ import each other: {' -> '.join(circle(by_part))}"
+    assert {
+        "rollout_farm.services.rollout",
+        "rollout_farm.services.weights",
+        "rollout_farm.services.replica",
+        "rollout_farm.services.engine",
+    } <= set(by_part)
+    assert circle(by_part) is None, f"parts of rollout_farm/services/ import each other: {' -> '.join(circle(by_part))}"
 
 
 def test_no_circle_between_modules():
@@ -107,8 +117,9 @@ def test_no_circle_between_modules():
 
 def test_weights_take_the_replicas_handle_and_do_not_import_it():
     _, by_part = services_graphs()
-    assert "services.replica" not in by_part["services.weights"]
-    assert "services.weights" in by_part["services.replica"]  # the replicas stage weights (services/weights/stage.py)
+    assert "rollout_farm.services.replica" not in by_part["rollout_farm.services.weights"]
+    # the replicas stage weights (rollout_farm/services/weights/stage.py)
+    assert "rollout_farm.services.weights" in by_part["rollout_farm.services.replica"]
 
 
 def test_the_check_finds_a_circle_and_reads_every_kind_of_import(tmp_path):
@@ -117,12 +128,17 @@ def test_the_check_finds_a_circle_and_reads_every_kind_of_import(tmp_path):
     assert circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     src = tmp_path / "x.py"
     src.write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.replica.handle import Replicas\n"
-        "def f():\n    from services.weights import push\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from rollout_farm.services.replica.handle import Replicas\n"
+        "def f():\n    from rollout_farm.services.weights import push\n"
     )
-    known = {"services.replica.handle", "services.weights", "services.weights.push"}
-    assert imported(src, "services.x", known) == {
-        "services.replica.handle",
-        "services.weights",
-        "services.weights.push",
+    known = {
+        "rollout_farm.services.replica.handle",
+        "rollout_farm.services.weights",
+        "rollout_farm.services.weights.push",
+    }
+    assert imported(src, "rollout_farm.services.x", known) == {
+        "rollout_farm.services.replica.handle",
+        "rollout_farm.services.weights",
+        "rollout_farm.services.weights.push",
     }

@@ -1,6 +1,6 @@
-"""trainer/loop.py train_step with `old_logprobs=rollout` (verl's bypass mode): the PPO ratio is taken against the
-distribution that sampled (the nucleus q the service reports), but the KL penalty in the reward must read the
-policy's own pi_T logprobs. Under top-p, q = pi_T / Z on the kept tokens, so reading q adds -log Z to every token's
+"""rollout_farm/trainer/loop.py train_step with `old_logprobs=rollout` (verl's bypass mode): the PPO ratio is taken
+against the distribution that sampled (the nucleus q the service reports), but the KL penalty in the reward must read
+the policy's own pi_T logprobs. Under top-p, q = pi_T / Z on the kept tokens, so reading q adds -log Z to every token's
 KL (0.105 per token at Z = 0.9, ten times a 0.01 target).
 
 The model passes are faked (`no_grad_passes`, the PPO epochs and the updated policy's KL): this test checks what
@@ -13,10 +13,10 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 
-from services import protocol as P
-from trainer import loop
-from trainer.batch import make_batch
-from trainer.config import load
+from rollout_farm.services import protocol as P
+from rollout_farm.trainer import loop
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.config import load
 
 POLICY, REFERENCE, Z = -1.0, -1.05, 0.9  # pi_T's logprob of every sampled token, the reference's, the nucleus mass
 

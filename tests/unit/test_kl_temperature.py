@@ -1,6 +1,6 @@
 """The guards and the adaptive KL controller read the KL to the reference at one fixed temperature
-(algorithm.kl_temperature, 1.0 by default), not at each sample's own: trainer/loop.py train_step on the same
-weights and the same tokens, drawn once at T = 0.5 and once at T = 0.7 (what the kl_adaptive_temperature sampler
+(algorithm.kl_temperature, 1.0 by default), not at each sample's own: rollout_farm/trainer/loop.py train_step on the
+same weights and the same tokens, drawn once at T = 0.5 and once at T = 0.7 (what the kl_adaptive_temperature sampler
 switches between). The reading at the sample's temperature is logged beside it (kl_ref_sampled).
 
 Real tiny Llama policy and a perturbed copy as the reference; only the PPO epochs are skipped (the update is not
@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from verl.trainer.ppo import core_algos
 
-from services import protocol as P
-from trainer import loop
-from trainer.batch import make_batch
-from trainer.config import load
+from rollout_farm.services import protocol as P
+from rollout_farm.trainer import loop
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.config import load
 
 PROMPT, RESPONSES = [1, 2, 3], [[5, 6, 7, 8], [9, 4, 6, 2]]
 ADAPTIVE = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=16"]

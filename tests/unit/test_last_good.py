@@ -1,6 +1,6 @@
-"""trainer/last_good.py and the KL rollback (trainer/guard_actions.py): a rollback returns to the last step the
-guards did not roll back, not to the step-0 checkpoint that save_freq=-1 leaves; a second rollback returns there
-again; rollback_to=checkpoint keeps the old behaviour (the negative control: it lands on step 0).
+"""rollout_farm/trainer/last_good.py and the KL rollback (rollout_farm/trainer/guard_actions.py): a rollback returns to
+the last step the guards did not roll back, not to the step-0 checkpoint that save_freq=-1 leaves; a second rollback
+returns there again; rollback_to=checkpoint keeps the old behaviour (the negative control: it lands on step 0).
 
 The run is a small torch model with a real AdamW and verl's KL controller; its service client is a stub that
 records the pause, the push and the resume (the e2e test tests/e2e/test_trainer.py rolls back against the service)."""
@@ -11,9 +11,9 @@ import types
 import torch
 from verl.trainer.ppo import core_algos
 
-from trainer import checkpoint, guard_actions, last_good
-from trainer.config import load
-from trainer.run import TrainingRun
+from rollout_farm.trainer import checkpoint, guard_actions, last_good
+from rollout_farm.trainer.config import load
+from rollout_farm.trainer.run import TrainingRun
 
 
 class Client:

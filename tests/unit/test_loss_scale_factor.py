@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from trainer import loop, losses
-from trainer.batch import Batch
-from trainer.config import load
-from trainer.minibatches import mini_batches
+from rollout_farm.trainer import loop, losses
+from rollout_farm.trainer.batch import Batch
+from rollout_farm.trainer.config import load
+from rollout_farm.trainer.minibatches import mini_batches
 
 NORM = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"
 

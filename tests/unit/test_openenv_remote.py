@@ -1,10 +1,11 @@
-"""The openenv adapter's pure parts (services/episodes/openenv_remote.py): its params, how a turn becomes an action,
-how an observation is shown. The sessions against a real openenv-core server: tests/service/test_openenv_env.py."""
+"""The openenv adapter's pure parts (rollout_farm/services/episodes/openenv_remote.py): its params, how a turn becomes
+an action, how an observation is shown. The sessions against a real openenv-core server:
+tests/service/test_openenv_env.py."""
 
 import pytest
 from pydantic import ValidationError
 
-from services.episodes.openenv_remote import (
+from rollout_farm.services.episodes.openenv_remote import (
     OpenEnvParams,
     Refused,
     action_tool,
@@ -13,8 +14,8 @@ from services.episodes.openenv_remote import (
     shown,
     text_field,
 )
-from services.episodes.tool_formats import ToolCall
-from services.episodes.tool_schemas import schema_problems
+from rollout_farm.services.episodes.tool_formats import ToolCall
+from rollout_farm.services.episodes.tool_schemas import schema_problems
 
 # what openenv-core 0.2.1's GET /schema answers for `class GuessAction(Action): guess: int; note: str`
 ACTION = {

@@ -11,11 +11,11 @@ from fastapi.testclient import TestClient
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from services import protocol as P
-from services.api import create_api
-from services.errors import QUEUES_FULL, Unavailable
-from services.replica.handle import Replicas
-from services.replica.overload import DropServeBackpressure, RateLimitedWarning
+from rollout_farm.services import protocol as P
+from rollout_farm.services.api import create_api
+from rollout_farm.services.errors import QUEUES_FULL, Unavailable
+from rollout_farm.services.replica.handle import Replicas
+from rollout_farm.services.replica.overload import DropServeBackpressure, RateLimitedWarning
 
 
 class Clock:
@@ -190,15 +190,15 @@ class Response:
 
 
 def counted(kind: str) -> float:
-    from services import metrics
+    from rollout_farm.services import metrics
 
     return metrics.OVERLOAD.labels(kind)._value.get()
 
 
 def test_a_replicas_full_answer_and_serves_back_pressure_are_counted_429s_and_a_dead_replica_a_503():
-    from services.errors import Overloaded, ReplicaFull, ReplicaLost
-    from services.replica.handle import ReplicaCall
-    from services.replica.overload import Full
+    from rollout_farm.services.errors import Overloaded, ReplicaFull, ReplicaLost
+    from rollout_farm.services.replica.handle import ReplicaCall
+    from rollout_farm.services.replica.overload import Full
 
     full, queue = counted("replica_full"), counted("engine_queue")
     with pytest.raises(ReplicaFull) as e:

@@ -9,8 +9,8 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry as SyncRetry
 
-from services.state.embedded_redis import EmbeddedRedis
-from services.state.redis_client import connect
+from rollout_farm.services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services.state.redis_client import connect
 
 BURST = 150  # commands at once, each holding its connection for BLOCK_S: more than redis-py's default pool of 100
 BLOCK_S = 0.3

@@ -1,9 +1,10 @@
 """The trainer trains the distribution that sampled: exact expected updates on a tiny vocabulary.
 
 Every sequence of a tiny bigram "model" (V tokens, L steps) is enumerated, so J(pi) = sum_x pi(x) r(x) and its
-gradient are exact, and so is the expected update: the trainer's own loss (trainer/forward.py, rollout_correction.py,
-losses.ppo_loss at ratio 1) on a batch holding every sequence the sampler can draw, each advantage weighted by the
-sequence's probability q(x) under the sampler (the engine's own processed_logits: temperature, top-p).
+gradient are exact, and so is the expected update: the trainer's own loss (rollout_farm/trainer/forward.py,
+rollout_correction.py, losses.ppo_loss at ratio 1) on a batch holding every sequence the sampler can draw, each
+advantage weighted by the sequence's probability q(x) under the sampler (the engine's own processed_logits: temperature,
+top-p).
 
 Mutations tried, each failing a test here: no importance weights at all (`correction` returning the mask: caught
 by the first test's errors, which its cosines alone missed at 0.9987); the weights dropped from the loss
@@ -13,12 +14,12 @@ test_tempered_logprobs.py; the stale-sample defaults by test_async_correction.py
 
 import torch
 
-from services.protocol import SamplingParams
+from rollout_farm.services.protocol import SamplingParams
+from rollout_farm.trainer import losses, rollout_correction
+from rollout_farm.trainer.batch import Batch
+from rollout_farm.trainer.config import RolloutCorrection
+from rollout_farm.trainer.forward import response_logprobs
 from tests.unit.enumeration import Bigram, cosine, every_sequence_batch, exact_gradient, sequences, token_logprobs
-from trainer import losses, rollout_correction
-from trainer.batch import Batch
-from trainer.config import RolloutCorrection
-from trainer.forward import response_logprobs
 
 
 def expected_update(

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from services.episodes import chat_delta
-from services.episodes.segments import Segment
-from services.episodes.tool_formats import Hermes
+from rollout_farm.services.episodes import chat_delta
+from rollout_farm.services.episodes.segments import Segment
+from rollout_farm.services.episodes.tool_formats import Hermes
 
 QWEN25 = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
@@ -193,7 +193,7 @@ def test_re_encoding_breaks_token_equality_on_the_embedded_tokenizer_too():
     encoding): a model still samples ids that no text round-trips, an end-of-turn token (dropped when the text is
     decoded for the chat) and bytes that are not UTF-8 (decoded as U+FFFD). Appending ids keeps them; re-encoding
     the sampled text does not."""
-    from services.models import byte_tokenizer
+    from rollout_farm.services.models import byte_tokenizer
 
     tok = byte_tokenizer()
     lone_continuation = tok.encode("é", add_special_tokens=False)[1:]  # its second byte, 0xA9, alone

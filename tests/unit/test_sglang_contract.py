@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTER = ROOT / "services" / "engine" / "sglang_engine.py"
+ADAPTER = ROOT / "rollout_farm" / "services" / "engine" / "sglang_engine.py"
 WHEEL_CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm")) / "wheels"
 # Every build of a release holds the same Python source: fetch one fixed build, whatever machine runs the test.
 WHEEL_BUILD = ["--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"]
@@ -130,7 +130,7 @@ def test_a_group_is_sent_in_the_form_the_pinned_sglang_caches(wheel):
     manager = wheel.zip.read(wheel.path("sglang.srt.managers.tokenizer_manager")).decode()
     common = manager[manager.index("Cache the common prefix for parallel sampling") :]
     assert "sampling_params.max_new_tokens = 0" in common[: common.index("Expand requests")]
-    from services.engine.sglang_engine import SGLangEngine
+    from rollout_farm.services.engine.sglang_engine import SGLangEngine
 
     sent = []
 

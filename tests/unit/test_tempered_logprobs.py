@@ -1,7 +1,7 @@
-"""The trainer's policy is the one it samples from: trainer/loop.py policy_and_reference_pass (the no-grad pass of
-every step) divides the logits by the temperature each sample was drawn at (trainer/forward.py `temperatures`).
-Checked against the tiny Llama's own logits divided by hand; `logits_temperature=none` is the negative control
-(the raw logprobs, which differ at T = 0.5). A mutant that divides by nothing fails here."""
+"""The trainer's policy is the one it samples from: rollout_farm/trainer/loop.py policy_and_reference_pass (the no-grad
+pass of every step) divides the logits by the temperature each sample was drawn at (rollout_farm/trainer/forward.py
+`temperatures`). Checked against the tiny Llama's own logits divided by hand; `logits_temperature=none` is the negative
+control (the raw logprobs, which differ at T = 0.5). A mutant that divides by nothing fails here."""
 
 import types
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services import protocol as P
-from trainer import loop
-from trainer.batch import make_batch
-from trainer.config import load
+from rollout_farm.services import protocol as P
+from rollout_farm.trainer import loop
+from rollout_farm.trainer.batch import make_batch
+from rollout_farm.trainer.config import load
 
 PROMPT, RESPONSE = [1, 2, 3], [5, 6, 7]
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from services.episodes.tool_formats import TOOL_FORMATS, Hermes, Plain
+from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, Hermes, Plain
 
 
 def test_hermes_reads_each_block_and_leaves_the_rest_as_content():
@@ -70,7 +70,7 @@ def test_the_registry_names_the_formats_and_a_wrong_parser_reads_nothing():
 
 
 def test_tool_definitions_are_checked_as_json_schema_naming_the_field():
-    from services.episodes.tool_schemas import tool_problems
+    from rollout_farm.services.episodes.tool_schemas import tool_problems
 
     good = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
     assert tool_problems([good, {"type": "function", "function": {"name": "noop"}}]) == []
@@ -98,7 +98,7 @@ def test_tool_definitions_are_checked_as_json_schema_naming_the_field():
 def test_a_sampled_nul_reads_as_a_replacement_character_and_makes_no_call():
     """A byte-level model can sample a NUL byte: the turn's text shows it as U+FFFD (no request may carry a NUL, and
     a client sends the text back), and a call name holding it is malformed, not a call of an unknown tool."""
-    from services.episodes.chat_turns import parsed_turn
+    from rollout_farm.services.episodes.chat_turns import parsed_turn
 
     got = parsed_turn(Plain(), 'ok\x00\ncall calcula\x00or {"expression":"1+1"}', 0, "auto")
     assert got.calls == [] and len(got.malformed) == 1 and "no function name" in got.malformed[0]

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from services.weights.buckets import buckets, full_payloads, header, plan, size, views
-from services.weights.checks import WeightsError, parse_header, payload_size
-from services.weights.delta import DeltaError, decode, encode
-from services.weights.manifest import Manifest, digest, manifest_of, tensor_bytes
-from services.weights.stream import Body, check_bucket, check_complete, receive
+from rollout_farm.services.weights.buckets import buckets, full_payloads, header, plan, size, views
+from rollout_farm.services.weights.checks import WeightsError, parse_header, payload_size
+from rollout_farm.services.weights.delta import DeltaError, decode, encode
+from rollout_farm.services.weights.manifest import Manifest, digest, manifest_of, tensor_bytes
+from rollout_farm.services.weights.stream import Body, check_bucket, check_complete, receive
 
 
 def step(t: torch.Tensor, lr: float = 2e-5, seed: int = 0) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_plan_bounds_the_bytes_of_each_bucket():
 
 
 def spec_of(tensors):
-    from services.weights.state_dict import spec_of as s
+    from rollout_farm.services.weights.state_dict import spec_of as s
 
     return s(tensors)
 
@@ -131,7 +131,7 @@ async def chunks(data: bytes, n: int = 1000):
 
 
 def received(body: bytes, spec, limit: int = 1 << 30):
-    from services.errors import TooLarge
+    from rollout_farm.services.errors import TooLarge
 
     return asyncio.run(receive(Body(chunks(body), limit, TooLarge("too large"), hashed=True), spec))
 
@@ -173,7 +173,7 @@ def test_cut_or_garbled_bodies_are_refused(monkeypatch, cut, words):
 def test_a_body_over_the_limit_is_refused_as_it_streams(monkeypatch):
     import ray
 
-    from services.errors import TooLarge
+    from rollout_farm.services.errors import TooLarge
 
     monkeypatch.setattr(ray, "put", lambda x: 0)
     with pytest.raises(TooLarge):
@@ -200,7 +200,7 @@ def test_manifest_checks():
     with pytest.raises(WeightsError, match="not a manifest"):
         Manifest.from_metadata({"farm": "[1, 2]"})
     incomplete = Manifest("xxh3_128", 3, {"a.weight": ("00", "full")})
-    from services.weights.stream import Received
+    from rollout_farm.services.weights.stream import Received
 
     problems = check_complete(spec, Received(manifest=incomplete, names={"a.weight"}))
     assert any("leaves out tensor 'b.weight'" in p for p in problems)

@@ -1,18 +1,19 @@
-"""services/weights/stage.py Staging: an upload staged bucket by bucket, in any order, then checked as a whole push.
+"""rollout_farm/services/weights/stage.py Staging: an upload staged bucket by bucket, in any order, then checked as a
+whole push.
 
-The buckets are real safetensors buckets (services/weights/buckets.py); the object store is a dict (ray.get of a
-reference that says its id)."""
+The buckets are real safetensors buckets (rollout_farm/services/weights/buckets.py); the object store is a dict (ray.get
+of a reference that says its id)."""
 
 import numpy as np
 import pytest
 import ray
 import torch
 
-from services.weights.buckets import buckets, full_payloads
-from services.weights.checks import FiniteTensors, WeightsRejected, non_finite, parse_header, payload_size
-from services.weights.early import entries
-from services.weights.manifest import Manifest, manifest_of, tensor_bytes
-from services.weights.stage import BaseMismatch, Staging
+from rollout_farm.services.weights.buckets import buckets, full_payloads
+from rollout_farm.services.weights.checks import FiniteTensors, WeightsRejected, non_finite, parse_header, payload_size
+from rollout_farm.services.weights.early import entries
+from rollout_farm.services.weights.manifest import Manifest, manifest_of, tensor_bytes
+from rollout_farm.services.weights.stage import BaseMismatch, Staging
 
 
 class Ref:
@@ -152,8 +153,8 @@ class Replicas:
 def test_a_bucket_call_cancelled_by_the_client_going_is_a_cut_upload_not_a_failure(cancel):
     import asyncio
 
-    from services.errors import ClientGone
-    from services.weights.early import EarlyStage
+    from rollout_farm.services.errors import ClientGone
+    from rollout_farm.services.weights.early import EarlyStage
 
     async def push():
         replicas = Replicas(cancel)
@@ -174,13 +175,13 @@ def test_a_bucket_call_cancelled_by_the_client_going_is_a_cut_upload_not_a_failu
 
 def test_a_push_cancelled_by_serve_logs_one_request_cut_line(caplog):
     """Serve cancels a request whose client went away; while the push waits for the lock or a bucket's staging no
-    body read sees the disconnect, so services/api/errors.py refusal_logged logs the cut itself (and lets the
-    cancellation through). A refusal logs weight_push_refused instead (the control)."""
+    body read sees the disconnect, so rollout_farm/services/api/errors.py refusal_logged logs the cut itself (and lets
+    the cancellation through). A refusal logs weight_push_refused instead (the control)."""
     import asyncio
     import logging
 
-    from services.api.errors import refusal_logged
-    from services.errors import Conflict
+    from rollout_farm.services.api.errors import refusal_logged
+    from rollout_farm.services.errors import Conflict
 
     async def push(error: BaseException):
         with refusal_logged("upload", 4):

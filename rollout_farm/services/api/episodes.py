@@ -1,0 +1,34 @@
+"""POST /v1/episodes (JSON or NDJSON stream): groups of multi-turn episodes, each driven by an environment plug-in;
+GET /v1/environments lists them. The work is rollout_farm/services/episodes/episodes.py."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.episodes.environments import ENVIRONMENTS
+from rollout_farm.services.protocol import episodes as E
+
+ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
+router = APIRouter(tags=["episodes"])
+
+
+@router.post("/v1/episodes", response_model=E.EpisodeResponse, responses=ERRORS)
+async def episodes(req: E.EpisodeRequest, farm=Depends(ingress)):
+    """n episodes per prompt, run concurrently; one group per prompt, in order. With `stream`, NDJSON: an
+    EpisodeGroup line per group as it finishes, then an EpisodeStreamEnd line."""
+    if req.stream:
+        return StreamingResponse(await farm.episodes.stream(req), media_type="application/x-ndjson")
+    return await farm.episodes.run(req)
+
+
+@router.get("/v1/environments", response_model=E.EnvironmentList)
+async def environments():
+    """Registered environments: what each is, and its params' JSON Schema."""
+    kinds = {n: ENVIRONMENTS.get(n) for n in ENVIRONMENTS.names()}
+    return E.EnvironmentList(
+        environments={n: (k.__doc__ or "").strip() for n, k in kinds.items()},
+        params={n: k.Params.model_json_schema() for n, k in kinds.items()},
+    )

@@ -1,0 +1,46 @@
+"""POST /v1/rollouts (JSON or NDJSON stream) and DELETE /v1/rollouts/{request_id} (?partial=true: with what it
+generated)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import StreamingResponse
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.api.deps import ingress
+
+ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
+router = APIRouter(tags=["rollouts"])
+admin = APIRouter(tags=["rollouts"])  # needs the token
+
+
+@router.post("/v1/rollouts", response_model=P.RolloutResponse, responses=ERRORS)
+async def rollouts(req: P.RolloutRequest, farm=Depends(ingress)):
+    """Generate `n` samples for each prompt and score them; one group per prompt, in order.
+
+    With `stream`, the answer is NDJSON: a GroupEvent line per group as it finishes, then a StreamEnd line.
+    With a `request_id`, a repeat of the same request (also one still running) gets the first
+    result back and generates nothing; the same id with a different body gets 409.
+    DELETE /v1/rollouts/{request_id} cancels it, and so does the last waiting caller closing its connection.
+    """
+    if req.stream:
+        return StreamingResponse(await farm.rollouts.stream(req), media_type="application/x-ndjson")
+    return await farm.rollouts.answer(req)
+
+
+@admin.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse, response_model_exclude_none=True)
+async def cancel_rollout(
+    request_id: str,
+    partial: bool = Query(
+        False,
+        description="Answer with what the rollout generated up to the cut (`groups`), for a trainer to recycle: "
+        "its samples cut short finish 'abort' with their tokens, logprobs and per-token weight versions so far.",
+    ),
+    farm=Depends(ingress),
+):
+    """Cancel a running rollout by its request_id; its engine work stops at the next token. With `partial`, the
+    rollout answers with what it generated (its own caller gets the same answer), and so does this DELETE."""
+    if not partial:
+        return await farm.rollouts.cancel(request_id)
+    cancelled, groups = await farm.rollouts.jobs.cut(request_id, lambda: farm.replicas.all("cut_rollout", request_id))
+    return P.CancelResponse(request_id=request_id, cancelled=cancelled, groups=groups)

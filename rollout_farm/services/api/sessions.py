@@ -1,0 +1,75 @@
+"""Sessions, token level: open, generate turn by turn, reward, close, read the trajectory; list and delete them
+with the token. The work is rollout_farm/services/episodes/sessions.py."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.openai import answer
+from rollout_farm.services.protocol import sessions as S
+
+ERRORS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)}
+STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+router = APIRouter(tags=["sessions"])
+admin = APIRouter(tags=["sessions"])  # needs the token
+
+
+def root(request: Request) -> str:
+    """The service's base URL as this client reached it (a session's base_url is under it)."""
+    return str(request.base_url)
+
+
+@router.post("/v1/sessions", response_model=S.SessionInfo, responses=ERRORS)
+async def open_session(req: S.SessionCreate, request: Request, farm=Depends(ingress)):
+    """Open a session: its sampling params, GRPO group, weight-version floor and tool-call format."""
+    return await farm.sessions.open(req, root(request))
+
+
+@router.get("/v1/sessions/{session_id}", response_model=S.SessionInfo, responses=ERRORS)
+async def session_info(session_id: str, request: Request, farm=Depends(ingress)):
+    return await farm.sessions.info(session_id, root(request))
+
+
+@router.post("/v1/sessions/{session_id}/generate", response_model=S.SessionTurn, responses=ERRORS)
+async def session_generate(session_id: str, req: S.SessionGenerate, farm=Depends(ingress)):
+    """Token ids in, token ids out: append the ids, sample, append the sampled ids verbatim. A repeat of an answered
+    `turn` gets its answer again; `offset` rewrites the session from that token in a new segment."""
+    return await farm.sessions.generate(session_id, req)
+
+
+@router.post("/v1/sessions/{session_id}/chat/completions", responses={**ERRORS, **STREAMED})
+async def session_chat(session_id: str, req: S.SessionChatRequest, farm=Depends(ingress)):
+    """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
+    verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
+    base URL; `stream` answers in server-sent events."""
+    return answer(await farm.sessions.chat(session_id, req), req)
+
+
+@router.post("/v1/sessions/{session_id}/reward", response_model=S.SessionInfo, responses=ERRORS)
+async def session_reward(session_id: str, req: S.SessionReward, request: Request, farm=Depends(ingress)):
+    """A turn's reward, or the episode's (no turn)."""
+    return await farm.sessions.reward(session_id, req, root(request))
+
+
+@router.post("/v1/sessions/{session_id}/close", response_model=S.SessionInfo, responses=ERRORS)
+async def session_close(session_id: str, request: Request, farm=Depends(ingress)):
+    """No more turns; the trajectory stays readable until the session expires."""
+    return await farm.sessions.close(session_id, root(request))
+
+
+@router.get("/v1/sessions/{session_id}/trajectory", response_model=S.Trajectory, responses=ERRORS)
+async def session_trajectory(session_id: str, farm=Depends(ingress)):
+    """Every segment: token ids, loss mask (1 exactly on sampled tokens), logprobs, per-token weight versions, turns."""
+    return await farm.sessions.trajectory(session_id)
+
+
+@admin.get("/v1/sessions", response_model=S.SessionList)
+async def list_sessions(farm=Depends(ingress)):
+    return await farm.sessions.list()
+
+
+@admin.delete("/v1/sessions/{session_id}", responses={404: {"model": P.ErrorResponse}})
+async def delete_session(session_id: str, farm=Depends(ingress)) -> dict:
+    return await farm.sessions.delete(session_id)

@@ -1,0 +1,378 @@
+"""A typed Python client for the rollout service, for our trainer and for other frameworks (verl, TRL, ...).
+
+One implementation, two faces. `_Api` defines every call of the API once: each method describes its request as a
+`_Call` (method, path, body, the model it answers, whether it is safe to send twice) and returns `self._send(call)`.
+`FarmClient._send` sends it with httpx.Client and returns the answer; `AsyncFarmClient._send` is `async def` and
+sends it with httpx.AsyncClient, so there the same method is awaited. Both run the call under the one retry policy
+of `_Api._policy` (tenacity); only the sleep differs. `rollouts_stream` alone has two bodies, a generator and an
+async generator, since Python has no generator that is both; what they do with each line lives once, in `_Stream`.
+
+Connection failures, 429 and 502-504 are retried with capped exponential backoff and full jitter, or after the
+answer's Retry-After (429 and 503, in seconds, at most max(max_backoff_s, 60)). A call that must not run twice
+(a queue pull, adding or removing a source, adding prompts) is retried only where the service cannot have acted
+on it: a 429, or a connection that was never made. A 4xx is raised at once as FarmError, carrying the service's
+field-by-field detail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+import httpx
+import tenacity
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.protocol import episodes as E
+
+RETRY_STATUS = {429, 502, 503, 504}
+# weights go up in slices this big: httpcore copies one big bytes body, slices it sends as they are
+CHUNK_BYTES = 8 << 20
+CONTROL_ACTIONS = ("pause", "resume", "abort")
+
+
+class FarmError(RuntimeError):
+    """An error answer: its HTTP status and body (the service's {"error", "detail"}, or the text if not JSON)."""
+
+    def __init__(self, status: int, body: dict | str, retry_after: float | None = None):
+        self.status, self.body, self.retry_after = status, body, retry_after
+        super().__init__(f"HTTP {status}: {body}")
+
+
+def _checked(r: httpx.Response) -> httpx.Response:
+    """The response if it succeeded, else FarmError; a 429 or 503 carries its Retry-After in seconds."""
+    if r.status_code < 400:
+        return r
+    try:
+        body = r.json()
+    except ValueError:
+        body = r.text
+    try:
+        after = max(0.0, float(r.headers["retry-after"])) if r.status_code in (429, 503) else None
+    except (KeyError, ValueError):  # absent, or an HTTP date: the backoff decides
+        after = None
+    raise FarmError(r.status_code, body, after)
+
+
+def _retryable(e: BaseException, replay: bool) -> bool:
+    """Whether a failed attempt may be sent again; without replay, only when the service cannot have acted on it."""
+    if isinstance(e, FarmError):
+        return e.status in (RETRY_STATUS if replay else {429})
+    return isinstance(e, httpx.ConnectError) or (replay and isinstance(e, httpx.TransportError))
+
+
+def _slices(data: bytes | Callable[[], Iterable]) -> Iterator[memoryview]:
+    """The upload in slices of at most CHUNK_BYTES: bytes, or a callable giving its pieces afresh (each attempt)."""
+    for piece in data() if callable(data) else (data,):
+        view = memoryview(piece).cast("B")
+        yield from (view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES))
+
+
+async def _aslices(data: bytes | Callable[[], Iterable]) -> AsyncIterator[memoryview]:
+    for s in _slices(data):
+        yield s
+
+
+def _rollout_body(req: P.RolloutRequest, stream: bool = False) -> dict:
+    """The request under a request_id (a fresh one unless given), so that every retry is a replay."""
+    update = {"stream": stream, "request_id": req.request_id or uuid.uuid4().hex}
+    return req.model_copy(update=update).model_dump(exclude_none=True)
+
+
+class _Call:
+    """One call of the API: what to send, the model of its answer (of each item of a list; None: the JSON as it is),
+    and whether it is safe to send twice. `upload` goes in slices of CHUNK_BYTES, a fresh iterator per attempt."""
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        returns: Any,
+        replay: bool = True,
+        upload: bytes | Callable[[], Iterable] | None = None,
+        **kw,
+    ):
+        self.method, self.path, self.returns = method, path, returns
+        self.replay, self.upload, self.kw = replay, upload, kw
+
+    def request_kw(self, slices: Callable[[Any], Any]) -> dict:
+        return self.kw if self.upload is None else {**self.kw, "content": slices(self.upload)}
+
+    def answer(self, r: httpx.Response) -> Any:
+        data = _checked(r).json()
+        if self.returns is None:
+            return data
+        if isinstance(data, list):
+            return [self.returns.model_validate(d) for d in data]
+        return self.returns.model_validate(data)
+
+    def retryable(self, e: BaseException) -> bool:
+        return _retryable(e, self.replay)
+
+
+class _Stream:
+    """What both streams share: the body under one request_id, the reading of each line, and the rule that a stream
+    is retried only until its first group arrives (the request_id makes that retry a replay, not a second rollout)."""
+
+    def __init__(self, req: P.RolloutRequest):
+        self.body = _rollout_body(req, stream=True)
+        self.status, self.started, self.done = 0, False, False
+        self.partial = ""
+
+    def lines(self, text: str) -> list[str]:
+        """The whole lines in the text received so far. NDJSON splits on "\n" alone: httpx's iter_lines would also
+        split on characters a sample's text may hold (\x1c-\x1e, \x85, \u2028), breaking its JSON line."""
+        *whole, self.partial = (self.partial + text).split("\n")
+        return whole
+
+    def retryable(self, e: BaseException) -> bool:  # e.g. queues full before any group: that job is forgotten
+        return not self.started and _retryable(e, replay=True)
+
+    def open(self, r: httpx.Response) -> None:
+        """Start reading an answer (afresh on each attempt); raise FarmError for an error answer (its body read)."""
+        self.status, self.partial = _checked(r).status_code, ""
+
+    def events(self, text: str) -> Iterator[P.GroupEvent]:
+        """The groups of the whole lines in the text received so far, one by one, up to the closing line (then
+        `done` is set); FarmError when the closing line carries an error."""
+        for line in self.lines(text):
+            if event := self.read(line):
+                yield event
+            elif self.done:
+                return
+
+    def read(self, line: str) -> P.GroupEvent | None:
+        """The line's group; None for a blank line or the closing one (then `done` is set); FarmError when the
+        closing line carries an error."""
+        if not line:
+            return None
+        data = json.loads(line)
+        if "done" not in data:
+            self.started = True
+            return P.GroupEvent.model_validate(data)
+        end = P.StreamEnd.model_validate(data)
+        if end.error:
+            raise FarmError(end.status or self.status, P.ErrorResponse(error=end.error).model_dump())
+        self.done = True
+        return None
+
+    def cut(self) -> FarmError:
+        error = "stream closed before its last line: the service went away"
+        return FarmError(self.status, P.ErrorResponse(error=error).model_dump())
+
+
+class _Api:
+    """Every call of the API, defined once. A subclass sets `_http` (the httpx client class), `_sleep` and `_send`."""
+
+    _http: type
+    _sleep: Callable[[float], Any]
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 600.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+    ):
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = self._http(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def _policy(self, retryable: Callable[[BaseException], bool]) -> dict:
+        """tenacity's arguments: up to `retries` more attempts, each after the answer's Retry-After (capped),
+        or else after a capped exponential backoff with full jitter."""
+        backoff = tenacity.wait_random_exponential(multiplier=self.backoff_s, max=self.max_backoff_s)
+        cap = max(self.max_backoff_s, 60.0)
+
+        def wait(state) -> float:
+            after = getattr(state.outcome.exception(), "retry_after", None)
+            return backoff(state) if after is None else min(after, cap)
+
+        stop, retry = tenacity.stop_after_attempt(self.retries + 1), tenacity.retry_if_exception(retryable)
+        return dict(stop=stop, wait=wait, retry=retry, reraise=True, sleep=self._sleep)
+
+    def rollouts(self, req: P.RolloutRequest) -> P.RolloutResponse:
+        return self._send(_Call("POST", "/v1/rollouts", P.RolloutResponse, json=_rollout_body(req)))
+
+    def episodes(self, req: E.EpisodeRequest) -> E.EpisodeResponse:
+        """Groups of multi-turn episodes run in the farm against an environment (POST /v1/episodes)."""
+        return self._send(_Call("POST", "/v1/episodes", E.EpisodeResponse, json=req.model_dump(mode="json")))
+
+    def cancel(self, request_id: str) -> P.CancelResponse:
+        """Cancel a running rollout; cancelled=False when none with this id runs."""
+        return self._send(_Call("DELETE", f"/v1/rollouts/{request_id}", P.CancelResponse))
+
+    def samplers(self) -> dict[str, str]:
+        return self._send(_Call("GET", "/v1/samplers", None))
+
+    def report_policy_stats(self, stats: P.PolicyStats) -> P.PolicyStats:
+        """Tell the service's samplers the policy's KL, reward variance and step (needs the token); left-out fields
+        keep their value."""
+        return self._send(_Call("POST", "/v1/policy_stats", P.PolicyStats, json=stats.model_dump(exclude_unset=True)))
+
+    def push_weights(
+        self, safetensors_bytes: bytes, version: int, policy: P.InFlightPolicy = "finish"
+    ) -> P.WeightsPushResponse:
+        """Upload a safetensors state dict as `version`, with its SHA-256; returns once every replica serves it."""
+        data, params = safetensors_bytes, {"version": version, "policy": policy}
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}
+        headers["x-content-sha256"] = hashlib.sha256(data).hexdigest()
+        call = _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=data, params=params, headers=headers)
+        return self._send(call)
+
+    def push_pieces(
+        self, pieces: Callable[[], Iterable], size: int, version: int, policy: P.InFlightPolicy = "finish"
+    ) -> P.WeightsPushResponse:
+        """Upload a body made of pieces (bytes-like; `pieces()` gives them afresh for each attempt) of `size` bytes in
+        all, as `version`: what rollout_farm/services/weights/pusher.py's WeightPusher sends (buckets straight from the
+        tensors' memory, with a manifest of per-tensor checksums). For a state dict, use WeightPusher.push."""
+        params = {"version": version, "policy": policy}
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        return self._send(
+            _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=pieces, params=params, headers=headers)
+        )
+
+    def push_weights_path(self, path: str, version: int, policy: P.InFlightPolicy = "finish") -> P.WeightsPushResponse:
+        """Load a folder of safetensors files that every replica can read, as `version`."""
+        body = P.WeightsFromPath(path=str(path), version=version, policy=policy).model_dump()
+        return self._send(_Call("POST", "/v1/weights/path", P.WeightsPushResponse, json=body))
+
+    def weights_version(self) -> P.WeightsVersion:
+        return self._send(_Call("GET", "/v1/weights/version", P.WeightsVersion))
+
+    def control(self, action: str) -> P.ControlResponse:
+        """'pause', 'resume' or 'abort' on every replica (needs the token). Any other action is a ValueError, unsent."""
+        if action not in CONTROL_ACTIONS:
+            raise ValueError(f"unknown control action {action!r}: use one of {', '.join(CONTROL_ACTIONS)}")
+        return self._send(_Call("POST", f"/v1/{action}", P.ControlResponse))
+
+    def health(self) -> P.Health:
+        return self._send(_Call("GET", "/healthz", P.Health))
+
+    def queue_add_source(self, spec: P.QueueSource) -> P.QueueSourceState:
+        body = spec.model_dump(exclude_none=True)
+        return self._send(_Call("POST", "/v1/queue/sources", P.QueueSourceState, replay=False, json=body))
+
+    def queue_sources(self) -> list[P.QueueSourceState]:
+        return self._send(_Call("GET", "/v1/queue/sources", P.QueueSourceState))
+
+    def queue_remove_source(self, name: str) -> P.QueueSourceState:
+        return self._send(_Call("DELETE", f"/v1/queue/sources/{name}", P.QueueSourceState, replay=False))
+
+    def queue_add_prompts(self, name: str, prompts: list[P.Prompt], batch_id: str | None = None) -> P.QueueSourceState:
+        """Add prompts to a source; with a batch_id the addition is idempotent (and so retried on failures)."""
+        body, path = P.QueuePrompts(prompts=prompts).model_dump(exclude_none=True), f"/v1/queue/sources/{name}/prompts"
+        params = {"batch_id": batch_id} if batch_id else None
+        return self._send(
+            _Call("POST", path, P.QueueSourceState, replay=batch_id is not None, json=body, params=params)
+        )
+
+    def queue_upload_jsonl(self, name: str, data: bytes) -> P.QueueSourceState:
+        """Add prompts from JSONL bytes, one Prompt object per line."""
+        headers = {"Content-Type": "application/x-ndjson"}
+        path = f"/v1/queue/sources/{name}/prompts"
+        return self._send(_Call("POST", path, P.QueueSourceState, replay=False, content=data, headers=headers))
+
+    def queue_pull(self, req: P.PullRequest) -> P.PullResponse:
+        """Lease groups. Not idempotent, so retried only on 429 and refused connections: a pull whose answer
+        was lost leased its groups anyway; they are delivered again (same item_id) when the lease runs out."""
+        body = req.model_dump(exclude_none=True)
+        return self._send(_Call("POST", "/v1/queue/pull", P.PullResponse, replay=False, json=body))
+
+    def queue_ack(self, item_ids: list[str]) -> P.AckResponse:
+        """Settle used groups; acking twice is harmless, so this is retried like a read."""
+        return self._send(_Call("POST", "/v1/queue/ack", P.AckResponse, json={"item_ids": list(item_ids)}))
+
+    def wait_ready(self, timeout_s: float = 300.0) -> P.Health:
+        """Poll /healthz every 0.5 s until the service generates a token, or raise TimeoutError."""
+
+        def timed_out(state) -> None:
+            raise TimeoutError(f"service at {self.http.base_url} not healthy after {timeout_s:.0f}s")
+
+        stop, wait = tenacity.stop_after_delay(timeout_s), tenacity.wait_fixed(0.5)
+        retry = tenacity.retry_if_exception_type((httpx.HTTPError, FarmError, ValueError))
+        policy = dict(stop=stop, wait=wait, retry=retry, retry_error_callback=timed_out, sleep=self._sleep)
+        return self._send(_Call("GET", "/healthz", P.Health), policy)
+
+
+class FarmClient(_Api):
+    """The service's calls for plain Python code (httpx.Client); each method returns the answer."""
+
+    _http = httpx.Client
+    _sleep = staticmethod(time.sleep)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> FarmClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, call: _Call, policy: dict | None = None) -> Any:
+        return tenacity.Retrying(**(policy or self._policy(call.retryable)))(self._attempt, call)
+
+    def _attempt(self, call: _Call) -> Any:
+        return call.answer(self.http.request(call.method, call.path, **call.request_kw(_slices)))
+
+    def rollouts_stream(self, req: P.RolloutRequest) -> Iterator[P.GroupEvent]:
+        """Each group as it finishes (with its prompt's index); FarmError if the rollout fails midway. Stopping early
+        closes the connection, which cancels the rollout. Retried only until the first line arrives: the request_id
+        makes the retry a replay, not a second rollout."""
+        s = _Stream(req)
+        for attempt in tenacity.Retrying(**self._policy(s.retryable)):
+            with attempt, self.http.stream("POST", "/v1/rollouts", json=s.body) as r:
+                if r.is_error:
+                    r.read()
+                s.open(r)
+                for text in r.iter_text():
+                    yield from s.events(text)
+                    if s.done:
+                        return
+                raise s.cut()
+
+
+class AsyncFarmClient(_Api):
+    """The same calls for asyncio code (httpx.AsyncClient): await each method, `async for` over rollouts_stream."""
+
+    _http = httpx.AsyncClient
+    _sleep = staticmethod(asyncio.sleep)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncFarmClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _send(self, call: _Call, policy: dict | None = None) -> Any:
+        return await tenacity.AsyncRetrying(**(policy or self._policy(call.retryable)))(self._attempt, call)
+
+    async def _attempt(self, call: _Call) -> Any:
+        return call.answer(await self.http.request(call.method, call.path, **call.request_kw(_aslices)))
+
+    async def rollouts_stream(self, req: P.RolloutRequest) -> AsyncIterator[P.GroupEvent]:
+        """See FarmClient.rollouts_stream."""
+        s = _Stream(req)
+        async for attempt in tenacity.AsyncRetrying(**self._policy(s.retryable)):
+            with attempt:
+                async with self.http.stream("POST", "/v1/rollouts", json=s.body) as r:
+                    if r.is_error:
+                        await r.aread()
+                    s.open(r)
+                    async for text in r.aiter_text():
+                        for event in s.events(text):
+                            yield event
+                        if s.done:
+                            return
+                    raise s.cut()

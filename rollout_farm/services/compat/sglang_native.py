@@ -1,0 +1,358 @@
+"""SGLang's native surface, translated onto the farm's domain objects: /generate becomes rollouts (Rollouts: checks,
+the request table, cancellation), the weight routes WeightPush pushes, pause/continue/abort the replicas' control.
+
+Answers are SGLang's (sglang 0.5.14): {text, output_ids, meta_info} per sample, prompt-major, a list for a batch or
+n > 1; logprobs as [logprob, token_id, text|null]; meta_info.weight_version a string, like SGLang's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import uuid
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.errors import Invalid, RolloutCancelled, pydantic_fields
+from rollout_farm.services.protocol import sglang_native as S
+
+if TYPE_CHECKING:
+    from rollout_farm.services.compat.openai_api import OpenAICompat
+    from rollout_farm.services.replica.handle import Replicas
+    from rollout_farm.services.rollout.rollouts import Rollouts
+    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.weights.push import WeightPush
+
+log = logging.getLogger("farm.service")
+SGLANG_VERSION = "0.5.14"  # the SGLang release whose HTTP surface this mirrors
+MAX_TOP_LOGPROBS = 20
+
+
+class SGLangNative:
+    def __init__(
+        self,
+        rollouts: Rollouts,
+        weights: WeightPush,
+        replicas: Replicas,
+        openai: OpenAICompat,
+        settings: ServiceSettings,
+    ):
+        self.rollouts, self.weights, self.replicas, self.openai, self.settings = (
+            rollouts,
+            weights,
+            replicas,
+            openai,
+            settings,
+        )
+
+    # /generate -------------------------------------------------------------------------------------------
+    async def generate(self, req: S.GenerateRequest) -> dict | list[dict]:
+        """SGLang's answer: one dict for a single prompt with n=1, else a list (prompt-major, n per prompt)."""
+        prompts, single = await self.prompts(req)
+        params = per_prompt(req.sampling_params, len(prompts), "sampling_params", [S.SGLangSamplingParams()])
+        logprob = per_prompt(req.return_logprob, len(prompts), "return_logprob", [False])
+        start = per_prompt(req.logprob_start_len, len(prompts), "logprob_start_len", [-1])
+        top = per_prompt(req.top_logprobs_num, len(prompts), "top_logprobs_num", [0])
+        if not all(0 <= k <= MAX_TOP_LOGPROBS for k in top):
+            raise Invalid([{"field": "top_logprobs_num", "message": f"give 0..{MAX_TOP_LOGPROBS}"}])
+        ids = rids(req.rid, len(prompts), single)
+        groups = await self.groups(prompts, params, req.rid if isinstance(req.rid, str) else None)
+        answers = []
+        for i, (prompt, group) in enumerate(zip(prompts, groups)):
+            for j, s in enumerate(group.samples):
+                rid = ids[i] if params[i].n == 1 else f"{ids[i]}_{j}"
+                answers.append(answer(rid, prompt, s, params[i]))
+                if logprob[i]:
+                    answers[-1]["meta_info"] |= await self.logprobs(prompt, s, start[i], top[i], req)
+        return answers[0] if single and len(answers) == 1 else answers
+
+    async def prompts(self, req: S.GenerateRequest) -> tuple[list[list[int]], bool]:
+        """Token ids of every prompt (texts encoded as SGLang does), and whether the request was a single one."""
+        if (req.text is None) == (req.input_ids is None):
+            raise Invalid([{"field": "text", "message": "give exactly one of text or input_ids"}])
+        if req.text is not None:
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            if not texts or not all(texts):
+                raise Invalid([{"field": "text", "message": "an empty prompt: give non-empty text"}])
+            return await self.replicas.call("encode_texts", texts), isinstance(req.text, str)
+        single = bool(req.input_ids) and isinstance(req.input_ids[0], int)
+        ids = [req.input_ids] if single else req.input_ids
+        if not ids or not all(ids):
+            raise Invalid([{"field": "input_ids", "message": "an empty prompt: give at least one token id"}])
+        return ids, single
+
+    async def groups(
+        self, prompts: list[list[int]], params: list[S.SGLangSamplingParams], rid: str | None
+    ) -> list[P.Group | None]:
+        """One rollout per distinct sampling_params (usually one for the whole batch); each prompt's group.
+        A string rid keys the rollout (so /abort_request can cancel it) when the batch has one set of params."""
+        keys = [json.dumps(p.model_dump(), sort_keys=True) for p in params]
+        out: list[P.Group | None] = [None] * len(prompts)
+        for key in dict.fromkeys(keys):
+            idx = [i for i, k in enumerate(keys) if k == key]
+            try:
+                req = P.RolloutRequest(
+                    prompts=[P.Prompt(token_ids=prompts[i]) for i in idx],
+                    n=params[idx[0]].n,
+                    sampling_params=farm_params(params[idx[0]]),
+                    request_id=rid if len(set(keys)) == 1 else None,
+                )
+                groups = (await self.rollouts.answer(req)).groups
+            except ValidationError as e:
+                raise Invalid([sglang_field(d, idx) for d in pydantic_fields(e.errors())]) from None
+            except RolloutCancelled:
+                groups = [aborted(prompts[i], req.n, self.weights.committed) for i in idx]
+            except Invalid as e:
+                raise Invalid([sglang_field(d, idx) for d in e.detail], e.message) from None
+            for i, g in zip(idx, groups):
+                out[i] = g
+        return out
+
+    async def logprobs(self, prompt: list[int], s: P.Sample, start: int, top: int, req: S.GenerateRequest) -> dict:
+        """meta_info's logprob keys: the sampled tokens' own logprobs (those of /v1/rollouts); input logprobs from
+        `start` and the top alternatives come from one scoring pass over prompt and output."""
+        start = len(prompt) if start < 0 else min(start, len(prompt))
+        texts = req.return_text_in_logprobs
+        out = {"output_token_logprobs": await self.entries(s.logprobs, s.token_ids, texts)}
+        if start == len(prompt) and not top:
+            return out | {"input_token_logprobs": []}
+        (scored,) = await self.replicas.call("score_ids", [prompt + s.token_ids], top)
+        n = len(prompt)
+        out["input_token_logprobs"] = await self.entries(scored["logprobs"][start:n], prompt[start:], texts)
+        if top:
+            out["input_top_logprobs"] = [await self.tops(t, texts) if t else None for t in scored["top"][start:n]]
+            out["output_top_logprobs"] = [await self.tops(t, texts) for t in scored["top"][n:]]
+        return out
+
+    async def entries(self, lps: list[float | None], ids: list[int], texts: bool) -> list[list]:
+        """[[logprob, token_id, text|null], ...]."""
+        words = await self.replicas.call("token_texts", ids) if texts and ids else [None] * len(ids)
+        return [[lp, t, w] for lp, t, w in zip(lps, ids, words)]
+
+    async def tops(self, alts: list[list], texts: bool) -> list[list]:
+        return await self.entries([lp for _, lp in alts], [t for t, _ in alts], texts)
+
+    # reads -----------------------------------------------------------------------------------------------
+    async def model_info(self) -> dict:
+        """GET /get_model_info: SGLang's keys; the weight version is the farm's committed one, as a string."""
+        s = self.settings
+        config = model_config(s.model)
+        return {
+            "model_path": s.model,
+            "tokenizer_path": s.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(await self.weights.refresh()),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
+        }
+
+    async def server_info(self) -> dict:
+        """GET /get_server_info: the server args SGLang clients read, each replica's state as internal_states."""
+        s = self.settings
+        states = await self.replicas.states(expected=s.replicas)
+        return {
+            "model_path": s.model,
+            "tokenizer_path": s.model,
+            "served_model_name": self.openai.model_name,
+            "dp_size": s.replicas,
+            "tp_size": 1,
+            "context_length": await self.openai.context_length(),
+            "max_running_requests": s.engine_max_ongoing_requests * s.replicas,
+            "weight_version": str(await self.weights.refresh()),
+            "internal_states": [x.model_dump() for x in states.answers] + [{"error": m} for m in states.problems()],
+            "version": SGLANG_VERSION,
+            "engine": s.engine,
+        }
+
+    # control ---------------------------------------------------------------------------------------------
+    async def update_from_disk(self, req: S.UpdateWeightsFromDiskRequest) -> dict:
+        version = await self.next_version(req.weight_version)
+        policy = "abort" if req.abort_all_requests else "finish"
+        pushed = await self.weights.from_path(P.WeightsFromPath(path=req.model_path, version=version, policy=policy))
+        return {
+            "success": True,
+            "message": f"weights from {req.model_path} serve as version {pushed.version} on every replica",
+            "num_paused_requests": 0,
+        }
+
+    async def init_group(self, req: S.InitWeightsUpdateGroupRequest) -> dict:
+        await self.weights.init_distributed(P.DistributedGroup(**req.model_dump()))
+        return {"success": True, "message": "every replica joined the weight update group"}
+
+    async def update_distributed(self, req: S.UpdateWeightsFromDistributedRequest) -> dict:
+        version = await self.next_version(req.weight_version)
+        fields = req.model_dump(include={"names", "dtypes", "shapes", "group_name"})
+        await self.weights.distributed(P.DistributedUpdate(**fields, version=version))
+        return {"success": True, "message": f"version {version} serves on every replica"}
+
+    async def next_version(self, given: str | None) -> int:
+        """SGLang's string weight_version as the farm's integer one; none given: the served version + 1."""
+        if given is None:
+            return max((await self.replicas.versions()).values()) + 1
+        if not given.isdigit() or int(given) < 1:
+            raise Invalid([{"field": "weight_version", "message": f"{given!r}: the farm's versions are integers >= 1"}])
+        return int(given)
+
+    async def pause(self, req: S.PauseGenerationRequest) -> dict:
+        """Nothing new is admitted; then what runs ends at its next token with its tokens so far ('abort'), or is
+        held by the engine ('in_place', 'retract': rollout_farm/services/engine/torch_hold.py; 501 from an engine that
+        cannot)."""
+        if req.mode == "abort":
+            await self.replicas.control("pause")
+            await self.replicas.control("abort")
+        else:
+            states = await self.replicas.all("pause", req.mode)
+            log.info("control", extra={"action": f"pause {req.mode}", "replicas": len(states)})
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def resume(self) -> dict:
+        await self.replicas.control("resume")
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def abort(self, req: S.AbortRequest) -> None:
+        """abort_all: every replica's running generation ends at its next token. A rid: that /generate's engine calls
+        end at their next token, and it answers with their tokens so far, finished 'abort' (as SGLang's do); the cut
+        reaches a /generate still on its way to a replica too (rollout_farm/services/replica/cuts.py)."""
+        if req.abort_all:
+            await self.replicas.control("abort")
+        elif req.rid:
+
+            async def cut():
+                return await self.replicas.all("cut_rollout", req.rid)
+
+            running, _ = await self.rollouts.jobs.cut(req.rid, cut)
+            if not running:
+                await cut()
+        else:
+            raise Invalid([{"field": "rid", "message": "give the rid to abort, or abort_all=true"}])
+
+
+def per_prompt(value, n: int, field: str, default: list) -> list:
+    """SGLang's one-or-one-per-prompt fields as one value per prompt."""
+    values = default if value is None else (value if isinstance(value, list) else [value])
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise Invalid([{"field": field, "message": f"{len(values)} values for {n} prompts: give one, or one each"}])
+    return values
+
+
+def rids(rid: str | list[str] | None, n: int, single: bool) -> list[str]:
+    """meta_info ids, as SGLang's _normalize_rid makes them."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str):
+        return [rid] if single else [f"{rid}_{i}" for i in range(n)]
+    if len(rid) != n or len(set(rid)) != n:
+        raise Invalid([{"field": "rid", "message": f"give {n} distinct rids, one per prompt"}])
+    return rid
+
+
+def stops(p: S.SGLangSamplingParams) -> list[str]:
+    return [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+
+
+def farm_params(p: S.SGLangSamplingParams) -> P.SamplingParams:
+    """SGLang's names onto the farm's (a bad value raises pydantic's error, named under sampling_params)."""
+    try:
+        return P.SamplingParams(
+            max_new_tokens=p.max_new_tokens,
+            stop=stops(p),
+            stop_token_ids=p.stop_token_ids or [],
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            regex=p.regex,
+            ignore_eos=p.ignore_eos,
+            seed=p.sampling_seed,
+        )
+    except ValidationError as e:
+        raise Invalid(pydantic_fields(e.errors(), "sampling_params")) from None
+
+
+def sglang_field(detail: dict, idx: list[int]) -> dict:
+    """A rollout's 422 detail under SGLang's field names."""
+    field = detail.get("field", "")
+    parts = field.split(".")
+    if field.startswith("prompts.") and len(parts) > 1 and parts[1].isdigit():
+        field = f"input_ids.{idx[int(parts[1])]}"
+    field = {"sampling_params.seed": "sampling_params.sampling_seed", "request_id": "rid"}.get(field, field)
+    return {**detail, "field": field}
+
+
+def aborted(prompt: list[int], n: int, version: int) -> P.Group:
+    """The group of a rollout cancelled outright (one that did not answer a cut in time: RolloutJobs.cut): n empty
+    samples finished by 'abort'."""
+    sample = P.Sample(token_ids=[], logprobs=[], text="", finish_reason="abort", weight_version=version)
+    return P.Group(prompt_token_ids=prompt, samples=[sample] * n, reward_mean=0.0, reward_std=0.0, zero_variance=True)
+
+
+def first_stop(text: str, params: S.SGLangSamplingParams) -> str | None:
+    """The stop string that occurs first in text, if any."""
+    found = sorted((text.find(x), x) for x in stops(params) if x in text)
+    return found[0][1] if found else None
+
+
+def finish_reason(s: P.Sample, params: S.SGLangSamplingParams) -> dict:
+    """SGLang's finish_reason: the matched stop string, else the stop token; the length; an abort."""
+    if s.finish_reason == "stop":
+        matched = first_stop(s.text, params)
+        return {"type": "stop", "matched": matched if matched is not None else (s.token_ids or [None])[-1]}
+    if s.finish_reason == "length":
+        return {"type": "length", "length": len(s.token_ids)}
+    message = "Aborted" if s.finish_reason == "abort" else "the engine failed on this sample"
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+def answer(rid: str, prompt: list[int], s: P.Sample, params: S.SGLangSamplingParams) -> dict:
+    """One sample in SGLang's shape; the text ends before the first stop string (SGLang trims it)."""
+    matched = first_stop(s.text, params)
+    return {
+        "text": s.text if matched is None else s.text[: s.text.find(matched)],
+        "output_ids": s.token_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": finish_reason(s, params),
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(s.token_ids),
+            "cached_tokens": 0,
+            "weight_version": str(s.weight_version),
+            "weight_versions": version_spans(s),
+        },
+    }
+
+
+def version_spans(s: P.Sample) -> list[dict]:
+    """meta_info.weight_versions as SGLang (>= 0.5.19) gives it: [{version, start, end}] over the output tokens, one
+    span per run of tokens sampled on one weight version (several when a commit landed mid-sample)."""
+    versions = s.token_weight_versions or [s.weight_version] * len(s.token_ids)
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def model_config(model: str) -> dict:
+    """The model folder's config.json ({} for a hub name or an engine without one)."""
+    path = pathlib.Path(model) / "config.json"
+    return json.loads(path.read_text()) if os.path.isfile(path) else {}
+
+
+def sse(answers: dict | list[dict]) -> list[str]:
+    """SGLang's stream: `data: {json}` per chunk, then `data: [DONE]`. The farm's engines return whole samples, so
+    each answer is one chunk; a batch's chunks carry their `index`, as SGLang's do."""
+    if isinstance(answers, dict):
+        chunks = [answers]
+    else:
+        chunks = [{**a, "index": i} for i, a in enumerate(answers)]
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]

@@ -1,0 +1,124 @@
+"""A session's OpenAI chat turn, on both sides of the sampling: the request read into chat messages, the turn's
+sampling params and a forced call; the sampled turn answered as an OpenAI chat completion with `tool_calls`, and
+the farm's token view of it under `farm` (segment, turn, ids, weight versions, malformed calls).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import ValidationError
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.episodes.segments import Segment
+from rollout_farm.services.episodes.session_store import Session
+from rollout_farm.services.episodes.tool_formats import ParsedTurn, ToolFormat
+from rollout_farm.services.episodes.tool_schemas import tool_problems
+from rollout_farm.services.errors import Invalid, pydantic_fields
+from rollout_farm.services.protocol import sessions as S
+
+
+def invalid(field: str, message: str) -> Invalid:
+    return Invalid([{"field": field, "message": message}])
+
+
+def checked_tools(req: S.SessionChatRequest) -> tuple[list[dict], str | None]:
+    """The tool definitions (422 on any problem) and the function tool_choice names, if it names one."""
+    tools = req.tools or []
+    if problems := tool_problems(tools):
+        raise Invalid(problems)
+    if not isinstance(req.tool_choice, S.NamedToolChoice):
+        return tools, None
+    name = req.tool_choice.function.name
+    if name not in {t["function"]["name"] for t in tools}:
+        raise invalid("tool_choice.function.name", f"{name!r} is not one of the request's tools")
+    return tools, name
+
+
+def turn_params(session_params: dict, req: S.SessionChatRequest) -> P.SamplingParams:
+    """The session's sampling params with the request's OpenAI overrides."""
+    merged = dict(session_params)
+    if max_tokens := req.max_completion_tokens or req.max_tokens:
+        merged["max_new_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(req, name) is not None:
+            merged[name] = getattr(req, name)
+    if req.stop is not None:
+        merged["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    try:
+        return P.SamplingParams(**merged)
+    except ValidationError as e:
+        raise Invalid(pydantic_fields(e.errors())) from None
+
+
+class ContextFull(Invalid):
+    """422: the session's tokens and the new messages leave no room in the model's context for a turn."""
+
+    def __init__(self, room: int):
+        super().__init__(
+            [{"field": "messages", "message": f"{max(room, 0)} tokens of context left: no room for a turn"}],
+            "the session fills the model's context",
+        )
+
+
+def fitted(params: P.SamplingParams, room: int) -> P.SamplingParams:
+    """The params with max_new_tokens cut to the room left in the context; ContextFull when there is none."""
+    if room < 1:
+        raise ContextFull(room)
+    return params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
+
+
+def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice) -> ParsedTurn:
+    """The sampled text's calls, unless tool_choice is none (then the text is all content). A NUL the model sampled
+    is shown as U+FFFD, as undecodable bytes are: no request may carry a NUL, and a client sends this text back in
+    its history (the session keeps the sampled ids themselves, whatever the text)."""
+    text = text.replace("\x00", "\ufffd")
+    return ParsedTurn(text.strip()) if tool_choice == "none" else fmt.parse(text, turn)
+
+
+def assistant_message(parsed: ParsedTurn) -> dict:
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [c.openai() for c in parsed.calls]
+    return message
+
+
+def completion(session: Session, head: Segment, index: int, model: str, pieces: list[str] | None) -> dict:
+    """Turn `index` of a segment as an OpenAI chat completion (a retry gets the same turn again)."""
+    turn = head.turns[index]
+    message = head.messages[turn.prompt_messages]
+    ids = head.token_ids[turn.start : turn.end]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": message["content"] or None, **pick(message, "tool_calls")},
+        "finish_reason": "tool_calls" if turn.tool_calls else turn.finish_reason,
+        "logprobs": None,
+    }
+    if pieces is not None:
+        lps = head.logprobs[turn.start : turn.end]
+        choice["logprobs"] = {
+            "content": [
+                {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, lps)
+            ]
+        }
+    return {
+        "id": f"chatcmpl-{session.id}-{head.id}-{index}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": turn.start, "completion_tokens": len(ids), "total_tokens": turn.end},
+        "farm": {
+            "session_id": session.id,
+            "segment_id": head.id,
+            "turn": index,
+            "token_ids": ids,
+            "weight_version": min(head.token_versions[turn.start : turn.end], default=-1),
+            "malformed_tool_calls": turn.malformed,
+            "trained": bool(ids) and head.loss_mask[turn.start] == 1,
+        },
+    }
+
+
+def pick(message: dict, key: str) -> dict:
+    return {key: message[key]} if message.get(key) else {}

@@ -1,0 +1,279 @@
+"""Sessions at the ingress: open, a turn at a time (token ids, or OpenAI chat with tools), reward, close, read the
+trajectory.
+
+A token turn (`generate`) appends the client's ids to the head segment, samples one completion of the whole segment
+through the rollout path (the same checks, fan-out and engines as POST /v1/rollouts), and appends the sampled ids as
+the engine returned them. `offset` rewrites: the head forks at that token and the turn goes on in the new segment.
+`turn` names the turn; a repeat of an answered turn with the same ids is a retry and gets the stored answer.
+
+A chat turn (`chat`) does the same from OpenAI messages: a history the head already answered is a retry; one that
+extends the head's renders only its new messages (on a replica, which holds the tokenizer); any other forks the head
+at the last message both share. The sampled text's tool calls are read by the session's tool format.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+
+from rollout_farm.services import metrics
+from rollout_farm.services import protocol as P
+from rollout_farm.services.episodes import chat_turns
+from rollout_farm.services.episodes.chat_turns import invalid
+from rollout_farm.services.episodes.segments import Segment, shared_messages
+from rollout_farm.services.episodes.session_store import Session, SessionStore
+from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, ParsedTurn
+from rollout_farm.services.errors import Conflict
+from rollout_farm.services.protocol import sessions as S
+
+Answer = Callable[[P.RolloutRequest], Awaitable[P.RolloutResponse]]  # the rollout path (Rollouts.answer)
+ReplicaRead = Callable[..., Awaitable]  # an idempotent call on one engine replica (Replicas.read)
+HELD_TAIL = 64  # the last ids of a segment a replica sees, to tell which closing tokens the sampled turn has
+
+
+class Sessions:
+    def __init__(self, answer: Answer, replica_read: ReplicaRead, store: SessionStore, model: str):
+        self.answer, self.replica_read, self.store, self.model = answer, replica_read, store, model
+
+    async def open(self, req: S.SessionCreate, base_url: str) -> S.SessionInfo:
+        if req.tool_format not in TOOL_FORMATS.names():
+            raise invalid("tool_format", f"unknown tool format {req.tool_format!r}: {', '.join(TOOL_FORMATS.names())}")
+        metrics.TOOL_CALLS.labels(req.tool_format)  # a series at 0 from the start: a parser that never reads shows
+        metrics.TOOL_PARSE_ERRORS.labels(req.tool_format)
+        session = Session(
+            id=uuid.uuid4().hex,
+            tool_format=req.tool_format,
+            sampling_params=req.sampling_params.model_dump(),
+            min_weight_version=req.min_weight_version,
+            ttl_s=req.ttl_s,
+            group_id=req.group_id,
+            malformed_tool_calls=req.malformed_tool_calls,
+            sampler=req.sampler.model_dump(),
+            segments=[Segment("0")],
+        )
+        await self.store.create(session)
+        return info(session, base_url)
+
+    async def sample(self, session: Session, tokens: list[int], params: P.SamplingParams) -> P.Sample:
+        """One completion of the session's tokens, through the rollout path."""
+        rollout = P.RolloutRequest(
+            prompts=[P.Prompt(token_ids=tokens)],
+            n=1,
+            sampling_params=params,
+            sampler=P.SamplerSpec(**session.sampler),
+            min_weight_version=session.min_weight_version,
+            routing_key=session.id,  # its home replica, and the KV cache kept there between turns
+        )
+        return (await self.answer(rollout)).groups[0].samples[0]
+
+    async def chat(self, session_id: str, req: S.SessionChatRequest, context: int | None = None) -> dict:
+        """An OpenAI chat turn on the session's tokens (see the module's docstring). With `context` (the model's, for
+        episodes run in the farm) the turn's max tokens shrink to what still fits, and ContextFull when none does."""
+        tools, forced = chat_turns.checked_tools(req)
+        messages = [m.as_chat() for m in req.messages]
+        async with self.store.locked(session_id):
+            session = await self.open_session(session_id)
+            fmt = TOOL_FORMATS.get(session.tool_format)()
+            for segment in session.segments:
+                if (turn := segment.answered(messages)) is not None:  # a retry
+                    return await self.completion(session, segment, segment.turns.index(turn), req.logprobs)
+            head = self.chat_head(session, messages)
+            new = messages[len(head.messages) :]
+            if not new or new[-1]["role"] == "assistant":
+                raise invalid("messages", "the last message is the assistant's: end with the one the model answers")
+            opening = fmt.opening(forced) if forced else ""
+            tail, after_assistant = head.token_ids[-HELD_TAIL:], head.ends_with_assistant()
+            got = await self.replica_read("chat_turn", tail, after_assistant, new, tools, not head.messages, opening)
+            if "error" in got:
+                metrics.TOKEN_MISMATCH.labels("template").inc()
+                raise invalid("messages", f"no exact token continuation: {got['error']}")
+            close, rendered, prompt, opened = got["ids"]
+            head.add_context(close, [])
+            head.add_context(rendered, new)
+            head.add_context(prompt + opened, [])
+            if not head.token_ids:
+                raise invalid("messages", "they render to no tokens through the model's chat template: give some text")
+            params = chat_turns.turn_params(session.sampling_params, req)
+            if context is not None:
+                params = chat_turns.fitted(params, context - len(head.token_ids))
+            sample = await self.sample(session, head.token_ids, params)
+            parsed = chat_turns.parsed_turn(fmt, opening + sample.text, len(head.turns), req.tool_choice)
+            append_sample(head, sample, parsed, not (parsed.malformed and session.malformed_tool_calls == "mask"))
+            metrics.SESSION_TURNS.labels("chat").inc()
+            metrics.TOOL_CALLS.labels(fmt.name).inc(len(parsed.calls))
+            metrics.TOOL_PARSE_ERRORS.labels(fmt.name).inc(len(parsed.malformed))
+            await self.store.save(session)
+            return await self.completion(session, head, len(head.turns) - 1, req.logprobs)
+
+    def chat_head(self, session: Session, messages: list[dict]) -> Segment:
+        """The segment a chat history goes on in: the head when it extends it, else a fork of the segment sharing
+        the most messages with it (the latest on a tie), cut at the last shared message. A head built from token ids
+        alone has no messages to match: 409."""
+        head = session.head
+        if head.token_ids and not head.messages:
+            metrics.TOKEN_MISMATCH.labels("token_session").inc()
+            raise Conflict(f"session {session.id} was built from token ids: go on with its /generate")
+        if not head.messages or head.extended_by(messages):
+            return head
+        parent = max(reversed(session.segments), key=lambda s: shared_messages(s.messages, messages))
+        session.segments.append(parent.fork(str(len(session.segments)), messages))
+        metrics.SESSION_FORKS.labels("messages").inc()
+        return session.head
+
+    async def completion(self, session: Session, segment: Segment, index: int, logprobs: bool) -> dict:
+        turn = segment.turns[index]
+        pieces = None
+        if logprobs:
+            pieces = (await self.replica_read("token_pieces", [segment.token_ids[turn.start : turn.end]]))[0]
+        return chat_turns.completion(session, segment, index, self.model, pieces)
+
+    async def open_session(self, session_id: str) -> Session:
+        session = await self.store.load(session_id)
+        if session.closed:
+            raise Conflict(f"session {session_id} is closed: open another")
+        return session
+
+    async def info(self, session_id: str, base_url: str) -> S.SessionInfo:
+        return info(await self.store.load(session_id), base_url)
+
+    async def generate(self, session_id: str, req: S.SessionGenerate) -> S.SessionTurn:
+        async with self.store.locked(session_id):
+            session = await self.open_session(session_id)
+            if (answered := retried(session.head, req)) is not None:
+                return turn_answer(session, answered)
+            head = rewritten(session, req)
+            tokens = head.token_ids + req.append_token_ids
+            if not tokens:
+                raise invalid("append_token_ids", "the session holds no tokens yet: send the prompt's ids")
+            sample = await self.sample(
+                session, tokens, req.sampling_params or P.SamplingParams(**session.sampling_params)
+            )
+            head.add_context(req.append_token_ids, [])
+            append_sample(head, sample, ParsedTurn(sample.text))
+            metrics.SESSION_TURNS.labels("generate").inc()
+            await self.store.save(session)
+            return turn_answer(session, len(head.turns) - 1)
+
+    async def reward(self, session_id: str, req: S.SessionReward, base_url: str) -> S.SessionInfo:
+        async with self.store.locked(session_id):
+            session = await self.store.load(session_id)
+            if req.turn is None:
+                session.reward = req.reward
+            elif req.turn < len(session.head.turns):
+                session.head.turns[req.turn].reward = req.reward
+            else:
+                raise invalid("turn", f"the head segment has {len(session.head.turns)} turns: give one of them")
+            await self.store.save(session)
+            return info(session, base_url)
+
+    async def close(self, session_id: str, base_url: str) -> S.SessionInfo:
+        async with self.store.locked(session_id):
+            session = await self.store.load(session_id)
+            session.closed = True
+            await self.store.save(session)
+            return info(session, base_url)
+
+    async def trajectory(self, session_id: str) -> S.Trajectory:
+        session = await self.store.load(session_id)
+        return S.Trajectory(
+            session_id=session.id,
+            group_id=session.group_id,
+            closed=session.closed,
+            reward=session.reward,
+            segments=[segment_out(s) for s in session.segments],
+        )
+
+    async def list(self) -> S.SessionList:
+        return S.SessionList(sessions=await self.store.ids())
+
+    async def delete(self, session_id: str) -> dict:
+        return {"session_id": session_id, "deleted": await self.store.delete(session_id)}
+
+
+def append_sample(head: Segment, sample: P.Sample, parsed: ParsedTurn, trained: bool = True) -> None:
+    """The sampled ids verbatim, with their logprobs and versions, and the assistant message they read as."""
+    n = len(sample.token_ids)
+    head.add_sampled(
+        sample.token_ids,
+        sample.logprobs,
+        sample.sampling_logprobs or [0.0] * n,
+        sample.token_weight_versions or [sample.weight_version] * n,
+        sample.finish_reason,
+        chat_turns.assistant_message(parsed),
+        parsed.calls,
+        parsed.malformed,
+        trained,
+    )
+
+
+def retried(head: Segment, req: S.SessionGenerate) -> int | None:
+    """The turn a request repeats (same turn index, same ids after the same tokens), None for a new turn; 409 for an
+    answered turn with other ids, 422 for a turn past the next one."""
+    if req.turn is None or req.turn == len(head.turns):
+        return None
+    if req.turn > len(head.turns):
+        raise invalid("turn", f"the next turn of this session is {len(head.turns)}")
+    start = head.turns[req.turn - 1].end if req.turn else head.parent_tokens
+    sent = head.token_ids[start : head.turns[req.turn].start]
+    if req.offset not in (None, start) or req.append_token_ids != sent:
+        metrics.TOKEN_MISMATCH.labels("retry_conflict").inc()
+        raise Conflict(
+            f"turn {req.turn} was generated already from other tokens: to rewrite it, send offset={start} "
+            "(a new segment)"
+        )
+    return req.turn
+
+
+def rewritten(session: Session, req: S.SessionGenerate) -> Segment:
+    """The segment this turn extends: the head, or a fork of it at `offset`."""
+    head = session.head
+    if req.offset is None or req.offset == len(head.token_ids):
+        return head
+    if req.offset > len(head.token_ids):
+        raise invalid("offset", f"the session holds {len(head.token_ids)} tokens: give an offset up to that")
+    session.segments.append(head.fork_at(str(len(session.segments)), req.offset))
+    metrics.SESSION_FORKS.labels("offset").inc()
+    return session.head
+
+
+def turn_answer(session: Session, index: int) -> S.SessionTurn:
+    head, t = session.head, session.head.turns[index]
+    return S.SessionTurn(
+        session_id=session.id,
+        segment_id=head.id,
+        turn=index,
+        prompt_tokens=t.start,
+        token_ids=head.token_ids[t.start : t.end],
+        logprobs=head.logprobs[t.start : t.end],
+        sampling_logprobs=head.sampling_logprobs[t.start : t.end],
+        finish_reason=t.finish_reason,
+        weight_version=min(head.token_versions[t.start : t.end], default=-1),
+        token_weight_versions=head.token_versions[t.start : t.end],
+    )
+
+
+def segment_out(s: Segment) -> S.SegmentOut:
+    return S.SegmentOut(
+        segment_id=s.id,
+        parent=s.parent,
+        parent_tokens=s.parent_tokens,
+        token_ids=s.token_ids,
+        loss_mask=s.loss_mask,
+        logprobs=s.logprobs,
+        sampling_logprobs=s.sampling_logprobs,
+        token_versions=s.token_versions,
+        turns=[S.TurnSpan(start=t.start, end=t.end, finish_reason=t.finish_reason, reward=t.reward) for t in s.turns],
+    )
+
+
+def info(session: Session, base_url: str) -> S.SessionInfo:
+    return S.SessionInfo(
+        session_id=session.id,
+        base_url=f"{base_url.rstrip('/')}/v1/sessions/{session.id}",
+        group_id=session.group_id,
+        tool_format=session.tool_format,
+        turns=len(session.head.turns),
+        tokens=len(session.head.token_ids),
+        segments=len(session.segments),
+        closed=session.closed,
+    )

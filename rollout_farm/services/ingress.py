@@ -1,0 +1,115 @@
+"""The ingress deployment: it holds the domain objects that the routes in rollout_farm/services/api/ call.
+
+Replicas          the engine replicas' handle: calls to one or to every replica
+WeightPush        two-phase pushes; the committed version (the version floor of every rollout)
+PolicyStatsBoard  what the trainer reports; the samplers' sampling plans
+RequestChecks     422s for names, sampler params and token ids
+Fanout            a rollout spread over the replicas (and the group filter's scheduler)
+Rollouts          the request_id table, streaming, cancellation
+TrajectoryQueue   the pull-mode queue
+OpenAICompat      the OpenAI-shaped endpoints
+SGLangNative      SGLang's native endpoints, translated onto the objects above
+Sessions          multi-turn sessions: token level, and OpenAI chat with tools (rollout_farm/services/episodes/)
+Episodes          multi-turn episodes run in the farm against environment plug-ins (rollout_farm/services/episodes/)
+
+Their shared state (queue, request_id records, sessions, committed version, policy stats) is in Redis
+(rollout_farm/services/state/redis_client.py), so any number of ingress replicas (FARM_INGRESS_REPLICAS) serve one farm,
+and a restarted one loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rollout_farm.services import errors, logs, metrics
+from rollout_farm.services.compat.openai_api import OpenAICompat
+from rollout_farm.services.compat.sglang_native import SGLangNative
+from rollout_farm.services.episodes.episodes import Episodes
+from rollout_farm.services.episodes.session_store import SessionStore
+from rollout_farm.services.episodes.sessions import Sessions
+from rollout_farm.services.plugins import load_plugins
+from rollout_farm.services.queue.trajectory_queue import TrajectoryQueue
+from rollout_farm.services.replica.handle import Replicas
+from rollout_farm.services.rollout.fanout import Fanout
+from rollout_farm.services.rollout.jobs import RolloutJobs
+from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
+from rollout_farm.services.rollout.request_checks import RequestChecks
+from rollout_farm.services.rollout.rollouts import Rollouts
+from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.state import redis_client as state
+from rollout_farm.services.weights.push import WeightPush
+
+log = logging.getLogger("farm.service")
+FOLLOW_S = 0.5  # how often a replica reads the committed version and the policy stats back from Redis
+
+
+class Ingress:
+    async def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
+        load_plugins(settings)
+        logs.setup_farm_loggers(settings.log_level)
+        self.settings = settings
+        self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
+        self.replicas = Replicas(engine)
+        self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
+        self.policy = PolicyStatsBoard(self.redis, prefix)
+        self.checks = RequestChecks(self.replicas, settings)
+        self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy)
+        self.jobs = RolloutJobs(settings, self.redis, prefix)
+        self.rollouts = Rollouts(self.fanout, self.checks, self.jobs)
+        self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
+        store = SessionStore(self.redis, prefix)
+        # a session's chat turns are rendered here, with the replicas' tokenizer
+        # (rollout_farm/services/compat/chat_render.py)
+        self.sessions = Sessions(self.rollouts.answer, self.openai.chat_render.read, store, self.openai.model_name)
+        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
+        self.queue = TrajectoryQueue(
+            self.redis,
+            prefix,
+            self.fanout.generate_for_queue,
+            self.episodes.generate_for_queue,
+            self.weights.refresh,
+            batch_groups=4 * settings.replicas,
+        )
+        self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
+        await self.follow_once()
+        self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]
+
+    def local_metrics(self) -> tuple[str, str]:
+        """(this replica's id, its Prometheus text)."""
+        return serve.get_replica_context().replica_id.unique_id, metrics.local()
+
+    async def ingress_metrics(self) -> tuple[str, dict[str, str]]:
+        """This replica's id, and every ingress replica's Prometheus text by replica id (this one's alone if the
+        others do not answer in time). This replica's state gauges are read from Redis just now."""
+        await self.follow_once()
+        me, text = self.local_metrics()
+        peers = serve.get_deployment_handle("ingress", self.settings.app_name)
+        try:
+            answers = await peers.broadcast("local_metrics").results_async(timeout_s=5, return_exceptions=True)
+        except Exception as e:
+            log.warning("ingress_metrics_partial", extra={"error": errors.described(e)})
+            answers = []
+        return me, {**dict(a for a in answers if isinstance(a, tuple)), me: text}
+
+    async def follow_once(self) -> None:
+        metrics.VERSION.set(await self.weights.refresh())
+        await self.policy.refresh()
+
+    async def follow(self) -> None:
+        """Forever: the committed version and the policy stats as Redis has them (other replicas write them too)."""
+        failing = False
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                await self.follow_once()
+                if failing:
+                    log.info("state_reachable_again", extra={"committed": self.weights.committed})
+                failing = False
+            except errors.STATE_ERRORS as e:
+                if not failing:
+                    log.warning("state_unreachable", extra={"error": errors.described(e)})
+                failing = True

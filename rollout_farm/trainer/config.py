@@ -1,0 +1,364 @@
+"""Trainer configuration with verl's key names: a YAML file plus dotted overrides.
+
+    farm train --config rollout_farm/trainer/presets/design.yaml actor_rollout_ref.rollout.n=16
+    algorithm.kl_ctrl.target_kl=0.02
+
+Only the keys this trainer uses exist; an unknown key, a wrong type or an out-of-range value is an error
+that names the dotted key and says what to put there. Values of overrides are parsed as YAML
+(`x=0.1`, `x=true`, `x=[1,2]`, `x=null`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollout_farm.trainer.guards import GuardConfig
+from rollout_farm.trainer.minibatches import updates_per_epoch
+
+PRESETS = Path(__file__).parent / "presets"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Optim(_Strict):
+    lr: float = Field(5e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ModelConfig(_Strict):
+    path: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny'; must be what the service serves")
+
+
+class RolloutConfig(_Strict):
+    n: int = Field(8, ge=1, le=64, description="samples per prompt")
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    sampler: str = Field("plain", description="the service's sampler (GET /v1/samplers)")
+    sampler_params: dict = Field(default_factory=dict)
+
+
+class ActorConfig(_Strict):
+    optim: Optim = Field(default_factory=Optim)
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: int = Field(
+        32, ge=1, description="in prompts (groups), as verl; above data.train_batch_size it is one mini-batch"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="samples per forward/backward pass; the gradients of a mini-batch's "
+        "micro-batches add up to one optimizer step. Also sizes the no-grad passes (reference, "
+        "recomputed old logprobs). None: a process's whole share of the mini-batch at once",
+    )
+    clip_ratio: float = Field(0.2, gt=0, lt=1)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages; must exceed 1")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm's constant divisor (verl's); None: the response length limit"
+    )
+    entropy_coeff: float = Field(0.0, ge=0)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    grad_clip: float = Field(1.0, gt=0)
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "recompute",
+        description="recompute: a forward pass of the trainer's policy gives the PPO ratio's old logprobs, and "
+        "algorithm.rollout_correction weights what remains against the distribution that sampled (verl's decoupled "
+        "mode); rollout: the ratio is taken against the distribution that sampled (verl's bypass mode: no separate "
+        "importance weights)",
+    )
+    logits_temperature: Literal["sampled", "none"] = Field(
+        "sampled",
+        description="sampled: the policy's logits are divided by the temperature each sample was drawn at, for "
+        "the ratio, the reference and the KL, as verl does; none: raw logits (the update on tempered samples then "
+        "optimises the sampler, not the policy)",
+    )
+
+
+class ActorRolloutRef(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+
+
+class CriticConfig(_Strict):
+    enable: bool | None = Field(
+        None, description="None: on when the estimator needs values (gae, adaptive_gae, control_variate)"
+    )
+    optim: Optim = Field(default_factory=lambda: Optim(lr=1e-5, weight_decay=0.01))
+    cliprange_value: float = Field(0.5, gt=0)
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="samples per critic forward/backward pass; None: the actor's"
+    )
+
+
+class KLCtrl(_Strict):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    horizon: int = Field(10000, ge=1)
+    target_kl: float = Field(0.1, gt=0)
+
+
+class RolloutCorrection(_Strict):
+    """verl's algorithm.rollout_correction keys (rollout_farm/trainer/rollout_correction.py says what each does)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        "token", description="importance weights per token, per sequence (their product), or none"
+    )
+    rollout_is_threshold: float | str = Field(
+        2.0,
+        description="a number: cap the weights there (truncated IS); 'lower_upper' (e.g. '0.5_5.0'): zero "
+        "the weights outside (masked IS)",
+    )
+    rollout_is_batch_normalize: bool = Field(False, description="scale the weights to mean 1 over the batch")
+    rollout_rs: str | None = Field(
+        None, description="rejection: comma-separated verl options, e.g. token_k1 or seq_mean_k3; null: none"
+    )
+    rollout_rs_threshold: float | str | None = Field(None, description="rollout_rs's bound(s); required with it")
+
+    @model_validator(mode="after")
+    def _verl_accepts(self) -> "RolloutCorrection":
+        from verl.trainer.ppo import rollout_corr_helper as h
+
+        try:
+            h._parse_rollout_is_threshold(self.rollout_is_threshold)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"rollout_is_threshold: {e}") from None
+        if self.rollout_rs is not None:
+            unknown = {o.strip() for o in self.rollout_rs.split(",")} - h.SUPPORTED_ROLLOUT_RS_OPTIONS
+            if unknown:
+                options = ", ".join(sorted(h.SUPPORTED_ROLLOUT_RS_OPTIONS))
+                raise ValueError(f"rollout_rs: unknown {', '.join(sorted(unknown))}; use some of {options}")
+            if self.rollout_rs_threshold is None:
+                raise ValueError("rollout_rs_threshold: required with rollout_rs (e.g. 2.0, or 0.5_2.0 for k1)")
+        return self
+
+
+class Algorithm(_Strict):
+    adv_estimator: str = Field(
+        "grpo",
+        description="gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, adaptive_gae, control_variate",
+    )
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_ctrl: KLCtrl = Field(default_factory=KLCtrl)
+    kl_temperature: float | None = Field(
+        1.0,
+        gt=0,
+        description="the one temperature at which the trainer reads the KL to the reference that the adaptive "
+        "controller, the guards and the samplers' policy stats use (kl_ref, kl_ref_before); the reading at each "
+        "sample's own temperature is logged beside it (kl_ref_sampled). null: read at each sample's temperature",
+    )
+    variance_threshold: float = Field(
+        0.2, gt=0, description="adaptive_gae: the reward variance at which lambda is 0.95"
+    )
+    long_response_length: int | None = Field(
+        512, ge=1, description="adaptive_gae: lambda 0.98 when the batch's mean response length reaches this"
+    )
+    rollout_correction: RolloutCorrection = Field(default_factory=lambda: RolloutCorrection())
+
+
+class Data(_Strict):
+    train_batch_size: int = Field(32, ge=1, le=512, description="prompts per step")
+    max_response_length: int | None = Field(None, ge=1, le=4096, description="None: the task's default")
+    oversample: float = Field(
+        1.0, ge=1, le=16, description="prompts sent per step / train_batch_size (dynamic_group_filter)"
+    )
+    env: str | None = Field(
+        None,
+        description="an environment (calculator, or pkg.module:Class on the service): each group is n multi-turn "
+        "episodes against it, trained on their sampled tokens only; None: single-turn rollouts",
+    )
+    env_params: dict = Field(default_factory=dict, description="the environment's params")
+    max_turns: int = Field(4, ge=1, le=64, description="sampled turns per episode at most (with env)")
+
+
+class TrainerConfig(_Strict):
+    total_training_steps: int = Field(40, ge=1)
+    seed: int = 0
+    task: str = "arith"
+    reward: str | None = Field(None, description="the service's reward function; None: the task's (gsm8k)")
+    service_url: str = "http://127.0.0.1:8000"
+    eval_size: int = Field(0, ge=0, description="held-out problems scored greedily before and after; 0 skips")
+    test_freq: int = Field(
+        -1, description="also score them every this many steps (val_accuracy in metrics.jsonl); -1: never"
+    )
+    default_local_dir: str | None = Field(None, description="metrics.jsonl, summary.json and checkpoints go here")
+    save_freq: int = Field(-1, description="checkpoint every this many steps; -1: only at the end (and step 0)")
+    rollout_source: Literal["request", "queue"] = Field(
+        "request",
+        description="request: POST /v1/rollouts each step; queue: the service's "
+        "trajectory queue (pull, ack after the step): a restarted trainer gets its unacked groups again",
+    )
+    queue_source: str | None = Field(None, description="queue source name; default farm-trainer-<task>-<seed>")
+    queue_lease_s: float = Field(
+        120.0, gt=0, le=86400, description="seconds until pulled-but-unacked groups are delivered again"
+    )
+    queue_max_staleness: int = Field(
+        0,
+        ge=0,
+        description="drop (and regenerate) groups this many versions behind; above 0 needs old_logprobs=recompute",
+    )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve the trainer's Prometheus metrics on this port"
+    )
+    weight_sync: Literal["full", "bucketed", "delta"] = Field(
+        "full",
+        description="how each step's weights go to the service: full (every tensor; the fastest on one machine), "
+        "bucketed (only the tensors that changed) or delta (changed tensors as compressed XOR: the fewest bytes, "
+        "for a slow link); both fall back to full when a replica is not on the version they diff against",
+    )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where the trainer's models live: auto (a GPU if there is "
+        "one; under torchrun each rank takes cuda:LOCAL_RANK), cpu, cuda or cuda:i",
+    )
+    resume_mode: Literal["auto", "disable"] = Field(
+        "auto", description="auto: continue from the newest checkpoint in default_local_dir"
+    )
+
+
+class AsyncTraining(_Strict):
+    """verl's async_training keys (its fully-async trainer), counted in whole weight versions here."""
+
+    staleness_threshold: int = Field(
+        0,
+        ge=0,
+        le=64,
+        validation_alias=AliasChoices("staleness_threshold", "max_head_offpolicyness"),
+        description="0: synchronous (each step's prompts are fed when it starts). s > 0: the trainer keeps s steps "
+        "of prompts fed ahead to its queue source, so the service generates them while it trains, and no sample "
+        "whose oldest token is more than s versions behind the trainer's reaches it (AReaL's "
+        "max_head_offpolicyness, accepted as an alias). Needs trainer.rollout_source=queue",
+    )
+    partial_rollout: bool = Field(
+        True,
+        description="with staleness_threshold > 0: true pushes weights with the in-flight policy 'partial' (samples "
+        "in flight go on with the new weights: one sample may span versions); false pushes with 'abort' (they are "
+        "cut and run again on the new weights)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.staleness_threshold > 0
+
+
+class Config(_Strict):
+    data: Data = Field(default_factory=Data)
+    actor_rollout_ref: ActorRolloutRef = Field(default_factory=ActorRolloutRef)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    algorithm: Algorithm = Field(default_factory=Algorithm)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    guards: GuardConfig = Field(default_factory=GuardConfig)
+    async_training: AsyncTraining = Field(default_factory=AsyncTraining)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        from rollout_farm.trainer import stale_samples
+        from rollout_farm.trainer.estimators import ESTIMATORS
+
+        estimator = self.algorithm.adv_estimator
+        if estimator not in ESTIMATORS.names():
+            raise ValueError(
+                f"algorithm.adv_estimator: unknown {estimator!r}; use one of {', '.join(ESTIMATORS.names())}"
+            )
+        if self.trainer.queue_max_staleness > 0 and self.actor_rollout_ref.actor.old_logprobs == "rollout":
+            raise ValueError(
+                "trainer.queue_max_staleness: above 0 the queue delivers samples from older weights; "
+                "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
+            )
+        stale_samples.check(self)
+        g, groups = self.guards, self.data.train_batch_size
+        mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
+        if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):
+            raise ValueError(
+                f"guards.raised_mini_batch_size: raising ppo_mini_batch_size from {mini} to "
+                f"{g.raised_mini_batch_size} groups leaves {updates_per_epoch(groups, mini)} optimizer step(s) per "
+                f"epoch over data.train_batch_size={groups} groups, so the guard would change nothing: make "
+                "ppo_mini_batch_size smaller than train_batch_size and the raised size bigger than it (both count "
+                "groups: rollout.n samples each)"
+            )
+        micro = self.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        samples = mini * self.actor_rollout_ref.rollout.n
+        if g.variance_statistic == "grad_noise_scale" and (micro is None or micro >= samples):
+            raise ValueError(
+                f"guards.variance_statistic: grad_noise_scale compares micro-batch gradients with the mini-batch's, "
+                f"so set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu below the {samples} samples of a "
+                f"mini-batch ({mini} groups x {self.actor_rollout_ref.rollout.n}), e.g. {max(1, samples // 4)}"
+            )
+        if self.critic.enable is False and estimator in NEEDS_CRITIC:
+            raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
+        return self
+
+    @property
+    def critic_enabled(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator in NEEDS_CRITIC
+
+
+NEEDS_CRITIC = {"gae", "adaptive_gae", "control_variate"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted key and the fix."""
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """The YAML file (or the defaults), then each `dotted.key=value` override, validated."""
+    tree = yaml.safe_load(Path(path).read_text()) if path else {}
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections (data, actor_rollout_ref, critic, algorithm, trainer)"
+        )
+    try:
+        merged = OmegaConf.create(tree)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {e}") from None
+    for item in overrides:
+        _override(merged, item)
+    return _validate(OmegaConf.to_container(merged))
+
+
+def _override(tree: DictConfig, item: str) -> None:
+    """Set one `dotted.key=value`, the value parsed as YAML. It replaces what was there (a mapping too, not merged)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: write dotted.key=value, e.g. actor_rollout_ref.rollout.n=16")
+    section = key.rpartition(".")[0]
+    if section and not isinstance(OmegaConf.select(tree, section, default={}), (DictConfig, dict)):
+        raise ConfigError(f"{key}: {section} is a value, not a section")
+    try:
+        OmegaConf.update(tree, key, yaml.safe_load(raw), merge=False)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _validate(tree: dict) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            hint = ""
+            if err["type"] == "extra_forbidden":
+                hint = " (not a key this trainer has: check the spelling against rollout_farm/trainer/config.py)"
+            lines.append(f"{key or 'config'}: {err['msg']}{hint}")
+        raise ConfigError("invalid trainer config:\n  " + "\n  ".join(lines)) from None
