@@ -274,7 +274,7 @@ def part_b(args, model: Path) -> dict:
     from common import log, start_service, stop_service
 
     from rollout_farm.trainer.evaluate import evaluate
-    from rollout_farm.trainer.rollouts import render_prompt
+    from rollout_farm.trainer.sync.rollouts import render_prompt
 
     torch.set_num_threads(1)
     url = start_service(model=str(model), replicas=1, engine_threads=1, log_level="WARNING")

@@ -25,26 +25,14 @@ docs/results.md's claims section and docs/img/claims_*.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import yaml
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import (  # noqa: E402
-    ROOT,
-    fresh_folder,
-    log,
-    provenance,
-    start_service,
-    stop_service,
-    train_run,
-    train_steps,
-    write_record,
-)
+from bench.common import ROOT, PairedRuns, fresh_folder, log, provenance, train_run, train_steps  # noqa: E402
 from rollout_farm.trainer.config import PRESETS  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "claims"
@@ -182,23 +170,6 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
     }
 
 
-def todo(a) -> list[tuple[str, int]]:
-    """The (arm, seed) runs still to do, seed by seed so that a partial benchmark holds paired runs."""
-    out = []
-    for seed in range(a.seeds):
-        for arm in a.arms:
-            path = a.data_dir / f"{arm}-seed{seed}.json"
-            if path.exists() and not a.force:
-                done = json.loads(path.read_text())
-                if (done.get("settings"), done.get("overrides")) != (settings(a), ARMS[arm]):
-                    sys.exit(
-                        f"{path} was run with other settings or overrides: --force replaces it; or another --data-dir"
-                    )
-                continue
-            out.append((arm, seed))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -209,23 +180,17 @@ def main() -> None:
     ap.add_argument("--data-dir", type=Path, default=DATA, help="where the per-run JSON files go")
     ap.add_argument("--force", action="store_true", help="run again the (arm, seed) runs that have a file")
     a = ap.parse_args()
-    a.data_dir.mkdir(parents=True, exist_ok=True)
-    runs = todo(a)
-    if not runs:
+    # a finished file counts if it has these settings and its arm's overrides
+    runs = PairedRuns(
+        a.data_dir, a.arms, a.seeds, a.force, lambda arm: {"settings": settings(a), "overrides": ARMS[arm]}
+    )
+    todo = runs.todo()
+    if not todo:
         log(f"every run has its file in {a.data_dir}; --force runs them again")
         return
-    url = start_service(model="arith-tiny")
-    try:
-        bar = tqdm(runs, desc="claims", unit="run", file=sys.stderr)
-        for arm, seed in bar:
-            bar.set_postfix_str(f"{arm} seed {seed}")
-            record = train_one(url, arm, seed, a)
-            write_record(a.data_dir / f"{arm}-seed{seed}.json", record)
-            log(f"{arm} seed {seed}: {record['wall_s']:.0f} s")
-    finally:
-        stop_service()
+    runs.run(todo, "arith-tiny", lambda url, arm, seed: train_one(url, arm, seed, a), "claims")
     report = "" if a.data_dir.resolve() == DATA else f" --data-dir {a.data_dir}"
-    log(f"wrote {len(runs)} files to {a.data_dir}; now: .venv/bin/python bench/claims_report.py{report}")
+    log(f"wrote {len(todo)} files to {a.data_dir}; now: .venv/bin/python bench/claims_report.py{report}")
 
 
 if __name__ == "__main__":

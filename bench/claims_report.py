@@ -20,17 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.claims_stats import (  # noqa: E402
-    ARM_ORDER,
-    CLAIMS,
-    RULE,
-    Comparison,
-    comparisons,
-    finite,
-    judge,
-    load_runs,
-    summaries,
-)
+from bench.claims_stats import ARM_ORDER, CLAIMS, RULE, Comparison, comparisons, finite, judge, load_runs, summaries  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "claims"
 MARKDOWN = ROOT / "docs" / "results.md"

@@ -201,41 +201,35 @@ def comparisons(s: dict, stopped: dict | None = None) -> list[Comparison]:
     """The claims' comparisons from {arm: {seed: summary}}; each claim's first is the one its verdict takes.
     `stopped` ({arm: {seed: summary}} of the runs that stopped early) adds claim 1's reading on the steps the
     recipe's stopped runs made: its ratio is within each run (the same batches), so a partial run still has it."""
-    own = [x for x in s.get(DESIGN, {}).values() if finite(x["adv_var_ratio"])]
-    partial = [x for x in (stopped or {}).get(DESIGN, {}).values() if finite(x["adv_var_ratio"])]
+    partial = against_rloo(
+        "the same, on the steps each stopped run of the recipe made before it stopped", (stopped or {}).get(DESIGN, {})
+    )
     return [
-        Comparison(
-            1,
+        against_rloo(
             "advantage variance, lower than RLOO's on the same batches and rewards (mean over steps of the ratio)",
-            "RLOO, same batches",
-            DESIGN,
-            mean(x["adv_var_rloo"] for x in own),
-            mean(x["adv_var"] for x in own),
-            [1 - x["adv_var_ratio"] for x in own],
-            len(s.get(DESIGN, {})),
-            0.15,
-            True,
+            s.get(DESIGN, {}),
         ),
         *(compare(s, *spec) for spec in PAIRED),
-        *(
-            [
-                Comparison(
-                    1,
-                    "the same, on the steps each stopped run of the recipe made before it stopped",
-                    "RLOO, same batches",
-                    DESIGN,
-                    mean(x["adv_var_rloo"] for x in partial),
-                    mean(x["adv_var"] for x in partial),
-                    [1 - x["adv_var_ratio"] for x in partial],
-                    len(stopped[DESIGN]),
-                    0.15,
-                    True,
-                )
-            ]
-            if partial
-            else []
-        ),
+        *([partial] if partial.effects else []),
     ]
+
+
+def against_rloo(what: str, recipe: dict) -> Comparison:
+    """Claim 1 within each of the recipe's runs ({seed: summary}): its advantage variance against RLOO's on the same
+    batches and rewards."""
+    own = [x for x in recipe.values() if finite(x["adv_var_ratio"])]
+    return Comparison(
+        1,
+        what,
+        "RLOO, same batches",
+        DESIGN,
+        mean(x["adv_var_rloo"] for x in own),
+        mean(x["adv_var"] for x in own),
+        [1 - x["adv_var_ratio"] for x in own],
+        len(recipe),
+        0.15,
+        True,
+    )
 
 
 def claim_verdicts(runs: dict, target: float) -> dict[int, str]:

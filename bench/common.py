@@ -14,7 +14,11 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from rollout_farm.services.net import free_port  # noqa: F401  (the benchmarks import it from here)
 
@@ -212,6 +216,64 @@ def write_record(path: Path, record: dict) -> None:
     else:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)
+
+
+@dataclass
+class PairedRuns:
+    """A bench's paired runs: each arm once per seed, run k of every arm with trainer.seed=k (the same prompts and
+    sampling seeds), so that the arms compare seed by seed. Each run's record is a JSON file in data_dir,
+    <arm>-seed<k>.json (seed<k>.json for the arm ""); a finished file is skipped unless force, so an interrupted
+    bench resumes."""
+
+    data_dir: Path
+    arms: list[str]
+    seeds: int
+    force: bool
+    same: Callable[[str], dict]  # arm -> the fields a finished record must have as they are (else the bench stops)
+
+    def path(self, arm: str, seed: int) -> Path:
+        return self.data_dir / (f"{arm}-seed{seed}.json" if arm else f"seed{seed}.json")
+
+    def todo(self) -> list[tuple[str, int]]:
+        """The (arm, seed) runs without a file, seed by seed, so that a partial benchmark holds paired runs."""
+        out = []
+        for seed in range(self.seeds):
+            for arm in self.arms:
+                path = self.path(arm, seed)
+                if path.exists() and not self.force:
+                    same, done = self.same(arm), json.loads(path.read_text())
+                    if {k: done.get(k) for k in same} != same:
+                        sys.exit(
+                            f"{path} was run with other {' or '.join(same)}: --force replaces it; or another --data-dir"
+                        )
+                    continue
+                out.append((arm, seed))
+        return out
+
+    def run(
+        self,
+        runs: list[tuple[str, int]],
+        model: str,
+        train_one: Callable[[str, str, int], dict],
+        desc: str,
+        note: Callable[[dict], str] = lambda record: "",
+        before: Callable[[str], None] = lambda url: None,
+    ) -> None:
+        """Start the service on `model`, call `before(url)`, then write `train_one(url, arm, seed)` (a record with its
+        wall_s) for each of `runs` to its file, logging `note(record)` after the time; the service stops either way."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        url = start_service(model=model)
+        try:
+            before(url)
+            bar = tqdm(runs, desc=desc, unit="run", file=sys.stderr)
+            for arm, seed in bar:
+                name = f"{arm} seed {seed}".lstrip()
+                bar.set_postfix_str(name)
+                record = train_one(url, arm, seed)
+                write_record(self.path(arm, seed), record)
+                log(f"{name}: {record['wall_s']:.0f} s{note(record)}")
+        finally:
+            stop_service()
 
 
 def machine() -> dict:

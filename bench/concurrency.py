@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke: no in-process engine arm, a short warm-up")
     args = ap.parse_args()
 
-    from rollout_farm.services.engine.torch_engine import TorchEngine
+    from rollout_farm.services.engine.torch import TorchEngine
     from rollout_farm.services.protocol import SamplingParams
 
     path = resolve(args.model)

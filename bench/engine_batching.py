@@ -35,10 +35,10 @@ def main() -> None:
 
     import torch
 
-    from rollout_farm.services.engine.torch_engine import TorchEngine
+    from rollout_farm.services.engine.torch import TorchEngine
     from rollout_farm.services.protocol import SamplingParams
     from rollout_farm.services.tasks import TASKS
-    from rollout_farm.trainer.rollouts import render_prompt
+    from rollout_farm.trainer.sync.rollouts import render_prompt
 
     class KeepFinishedRows(TorchEngine):
         """The engine before finished rows left the batch: every row stays until the longest one ends."""

@@ -4,7 +4,7 @@ model cannot work out in its head: `Q: 347*2918\\nA:` (rollout_farm/services/tas
 The model, `arith-tool`, is the embedded default's recipe (a 1.1M-parameter byte-level Llama) pretrained on a corpus
 that is half the arithmetic task and half products. TOOL_SHARE of the products are written as a calculator episode
 (the call, the farm's observation, the answer), the rest as a direct answer it can only guess. The episodes' tokens
-are rendered exactly as a session renders them (rollout_farm/services/episodes/chat_delta.py), so pretraining and the
+are rendered exactly as a session renders them (rollout_farm/services/chat/delta.py), so pretraining and the
 farm agree on every token. Greedy decoding takes the majority, a direct answer, so it starts near zero on products.
 
 Two arms, --seeds seeds each; run k of both arms has trainer.seed=k (the same prompts in the same order and the
@@ -32,27 +32,24 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT,
     TOKEN,
+    PairedRuns,
     fresh_folder,
     log,
     provenance,
     shown_path,
-    start_service,
-    stop_service,
     train_run,
     train_steps,
     write_record,
 )
 from rollout_farm.services import protocol as P  # noqa: E402
+from rollout_farm.services.chat.delta import opening, turn_context  # noqa: E402
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
 from rollout_farm.services.client import FarmClient  # noqa: E402
 from rollout_farm.services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
-from rollout_farm.services.episodes.chat_delta import opening, turn_context  # noqa: E402
-from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
 from rollout_farm.services.models import CACHE, EOS, Piece, byte_tokenizer, default_corpus, pretrain  # noqa: E402
 from rollout_farm.services.protocol import episodes as E  # noqa: E402
 from rollout_farm.services.tasks import ArithTask, ProductsTask  # noqa: E402
@@ -171,41 +168,28 @@ def train_one(url: str, arm: str, seed: int, a) -> dict:
     }
 
 
-def todo(a) -> list[tuple[str, int]]:
-    """The runs without a file, seed by seed, so that a partial benchmark holds paired runs."""
-    out = []
-    for seed in range(a.seeds):
-        for arm in ARMS:
-            path = a.data_dir / f"{arm}-seed{seed}.json"
-            if path.exists() and not a.force:
-                if json.loads(path.read_text())["settings"] != settings(a):
-                    sys.exit(f"{path} was run with other settings: --force replaces it; or another --data-dir")
-                continue
-            out.append((arm, seed))
-    return out
-
-
 def run(a) -> None:
-    a.data_dir.mkdir(parents=True, exist_ok=True)
-    runs, before = todo(a), a.data_dir / "before.json"
-    if not runs and before.exists() and not a.force:
+    runs = PairedRuns(a.data_dir, list(ARMS), a.seeds, a.force, lambda arm: {"settings": settings(a)})
+    todo, before = runs.todo(), a.data_dir / "before.json"
+    if not todo and before.exists() and not a.force:
         log(f"every run has its file in {a.data_dir}; --force runs them again")
         return
-    url = start_service(model=str(tool_model()))
-    try:
+
+    def score_before(url: str) -> None:
         if a.force or not before.exists():
             write_record(
                 before,
                 {"settings": settings(a), **provenance(), "score": score(FarmClient(url, token=TOKEN), a.eval_size)},
             )
-        bar = tqdm(runs, desc="episodes bench", unit="run", file=sys.stderr)
-        for arm, seed in bar:
-            bar.set_postfix_str(f"{arm} seed {seed}")
-            record = train_one(url, arm, seed, a)
-            write_record(a.data_dir / f"{arm}-seed{seed}.json", record)
-            log(f"{arm} seed {seed}: {record['wall_s']:.0f} s, after {record['after']}")
-    finally:
-        stop_service()
+
+    runs.run(
+        todo,
+        str(tool_model()),
+        lambda url, arm, seed: train_one(url, arm, seed, a),
+        "episodes bench",
+        note=lambda record: f", after {record['after']}",
+        before=score_before,
+    )
     log("now: .venv/bin/python bench/episodes.py --report")
 
 

@@ -35,7 +35,7 @@ def main() -> None:
     from rollout_farm.services.client import FarmClient
     from rollout_farm.services.tasks import TASKS
     from rollout_farm.trainer.evaluate import Accuracy, score
-    from rollout_farm.trainer.rollouts import render_prompt
+    from rollout_farm.trainer.sync.rollouts import render_prompt
 
     path = resolve(a.model)
     tok, task = AutoTokenizer.from_pretrained(path), TASKS.get("gsm8k")()

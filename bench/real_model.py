@@ -24,23 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.claims_stats import judge  # noqa: E402
-from bench.common import (  # noqa: E402
-    ROOT,
-    fresh_folder,
-    log,
-    provenance,
-    shown_path,
-    smollm2,
-    start_service,
-    stop_service,
-    train_run,
-    train_steps,
-    write_record,
-)
+from bench.common import ROOT, PairedRuns, fresh_folder, log, provenance, shown_path, smollm2, train_run, train_steps  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "real_model"
 RESULTS_MD = ROOT / "docs" / "results.md"
@@ -86,28 +72,19 @@ def train_one(url: str, model: Path, seed: int, a) -> dict:
 
 
 def run(a) -> None:
-    a.data_dir.mkdir(parents=True, exist_ok=True)
-    todo = []
-    for seed in range(a.seeds):
-        path = a.data_dir / f"seed{seed}.json"
-        if path.exists() and not a.force:
-            if json.loads(path.read_text())["overrides"] != overrides(a):
-                sys.exit(f"{path} was run with other settings: --force replaces it, or use another --data-dir")
-            continue
-        todo.append(seed)
+    runs = PairedRuns(a.data_dir, [""], a.seeds, a.force, lambda arm: {"overrides": overrides(a)})  # one arm a folder
+    todo = runs.todo()
     if not todo:
         log(f"every seed has its file in {a.data_dir}; --force runs them again")
         return
     model = smollm2()
-    url = start_service(model=str(model))
-    try:
-        for seed in tqdm(todo, desc="real model", unit="seed", file=sys.stderr):
-            record = train_one(url, model, seed, a)
-            write_record(a.data_dir / f"seed{seed}.json", record)
-            right = f"{record['before'].count('1')} -> {record['after'].count('1')} right"
-            log(f"seed {seed}: {right}, {record['wall_s']:.0f} s")
-    finally:
-        stop_service()
+    runs.run(
+        todo,
+        str(model),
+        lambda url, arm, seed: train_one(url, model, seed, a),
+        "real model",
+        note=lambda record: f", {record['before'].count('1')} -> {record['after'].count('1')} right",
+    )
     log("now: .venv/bin/python bench/real_model.py --report")
 
 

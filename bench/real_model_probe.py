@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, log, provenance, smollm2  # noqa: E402
 from rollout_farm.services.rewards import integers, last_number  # noqa: E402
 from rollout_farm.services.tasks import AdditionTask  # noqa: E402
-from rollout_farm.trainer.rollouts import render_prompt  # noqa: E402
+from rollout_farm.trainer.sync.rollouts import render_prompt  # noqa: E402
 
 OUT = ROOT / "docs" / "data" / "real_model" / "probe.json"
 RUNS = ROOT / "runs" / "bench-real-model"

@@ -3,7 +3,7 @@
 A bigram model with 3 tokens and responses of 3 or 4 (tests/unit/enumeration.py). Weight versions 5, 6 and 7 are
 successive random steps of `drift` (a standard normal per logit, times drift) from one another. Each sample's first
 token was drawn by version 5 and the rest by 6 (a partial rollout across a push); the trainer trains version 7
-(T = 1). For each correction, through the trainer's own rollout_farm/trainer/rollout_correction.py:
+(T = 1). For each correction, through the trainer's own rollout_farm/trainer/algorithms/rollout_correction.py:
   bias      |E_q[g] - grad J| / |grad J|, g the one-sample policy-gradient estimate (advantage r - E_q[r])
   variance  (E_q|g|^2 - |E_q g|^2) / |grad J|^2: a batch of N samples has 1/N of it
   rmse@256  sqrt(bias^2 + variance / 256): the relative error of one step's update at 32 prompts x 8 samples
@@ -24,15 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from rollout_farm.trainer.algorithms.stale_samples import STALE_SEQUENCE_CAP  # noqa: E402
 from rollout_farm.trainer.config import RolloutCorrection  # noqa: E402
-from rollout_farm.trainer.stale_samples import STALE_SEQUENCE_CAP  # noqa: E402
-from tests.unit.enumeration import (  # noqa: E402
-    drifted_versions,
-    estimator_moments,
-    exact_gradient,
-    sequences,
-    spanning_q,
-)
+from tests.unit.enumeration import drifted_versions, estimator_moments, exact_gradient, sequences, spanning_q  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "rollout_correction.json"
 DOC = ROOT / "docs" / "trainer.md"

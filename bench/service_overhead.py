@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from rollout_farm.services.client import FarmClient
-    from rollout_farm.services.engine.torch_engine import TorchEngine
+    from rollout_farm.services.engine.torch import TorchEngine
     from rollout_farm.services.protocol import Prompt, RolloutRequest, SamplingParams
 
     path = resolve(args.model)

@@ -41,10 +41,10 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from rollout_farm.services.engine.torch_engine import TorchEngine
+    from rollout_farm.services.engine.torch import TorchEngine
     from rollout_farm.services.protocol import SamplingParams
     from rollout_farm.services.tasks import TASKS
-    from rollout_farm.trainer.rollouts import render_prompt
+    from rollout_farm.trainer.sync.rollouts import render_prompt
 
     path = str(resolve(args.model))
     engines = {k: TorchEngine(path, threads=args.threads, speculative_tokens=k) for k in (args.k, 0)}

@@ -194,7 +194,7 @@ def ratio_cells(xs: list[float] | None) -> list:
 
 
 def train_steps(url: str, path, mode: str, args) -> dict:
-    """args.train_steps steps of `farm train` with rollout_farm.trainer.weight_sync=mode; each step's time and its
+    """args.train_steps steps of `farm train` with trainer.weight_sync=mode; each step's time and its
     push."""
     from rollout_farm.trainer.demo import DEMO_SETTINGS
 
@@ -203,9 +203,9 @@ def train_steps(url: str, path, mode: str, args) -> dict:
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC_STATS": stats}
     cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "train", "--service-url", url, "--model", str(path)]
     cmd += ["--steps", str(args.train_steps), "--eval-size", "0", "--out", out, "trainer.resume_mode=disable"]
-    cmd += [f"rollout_farm.trainer.weight_sync={mode}"]
+    cmd += [f"trainer.weight_sync={mode}"]
     cmd += [*DEMO_SETTINGS, *args.train_args.split()]
-    log(f"farm train, {args.train_steps} steps, rollout_farm.trainer.weight_sync={mode}")
+    log(f"farm train, {args.train_steps} steps, trainer.weight_sync={mode}")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train_step"' in x]
     pushes = [json.loads(x) for x in open(stats)][-len(steps) :]  # the first line is the start's push

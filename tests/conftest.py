@@ -11,12 +11,15 @@ The folders are the kinds of test, each marked by its conftest.py:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("FARM_CACHE", str(Path(__file__).parent.parent / ".venv" / "farm-cache"))
+# FARM_CACHE is left as the user has it: by default rollout_farm/services/models.py's ~/.cache/rollout-farm, outside
+# the checkout, shared by every test session and checkout (and by the user's own `farm` commands), so what is built
+# or downloaded there once is reused: the default model, the sglang wheel of tests/unit/test_sglang_contract.py. The
+# tests need no isolation there: whatever they cache is keyed by its version, and every service they start has its
+# own state folder under pytest's tmp_path (state_dir, FARM_STATE_DIR), never FARM_CACHE/state.
 TOKEN = "test-token-0123456789"
 MAX_WEIGHTS_BYTES = 4 << 20  # small, so the 413 test needs no huge upload
 MIN_VERSION_WAIT_S = 5.0  # short, so a rollout asking for a version nobody pushes gets its 409 soon

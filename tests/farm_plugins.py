@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, Hermes
 from rollout_farm.services.engine.bench_engine import BenchEngine
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, Environment, Step
-from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, Hermes
 from rollout_farm.services.rewards import REWARDS
 from rollout_farm.services.samplers import Sampler
 

@@ -62,9 +62,8 @@ class Ingress:
         self.rollouts = Rollouts(self.fanout, self.checks, self.jobs)
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)
         store = SessionStore(self.redis, prefix)
-        # a session's chat turns are rendered here, with the replicas' tokenizer
-        # (rollout_farm/services/compat/chat_render.py)
-        self.sessions = Sessions(self.rollouts.answer, self.openai.chat_render.read, store, self.openai.model_name)
+        # a session's chat turns are rendered here, with the replicas' tokenizer (chat/renderer.py)
+        self.sessions = Sessions(self.rollouts.answer, self.openai.renderer, store, self.openai.model_name)
         self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
         self.queue = TrajectoryQueue(
             self.redis,

@@ -162,109 +162,115 @@ class Snapshot:
         return self.families
 
 
-def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> bytes:
-    """Prometheus text: every ingress replica's metrics merged, plus each engine replica's version, tokens, busy time,
-    rollouts and batch sizes as read just now (P.ReplicaState; a replica that did not answer is left out)."""
-    scrape = CollectorRegistry()
-    version = Gauge(
+# The gauges read from each engine replica's state (P.ReplicaState) at scrape time: name, help, the labels after
+# "replica", and the state's values as (those labels' values, value) pairs.
+REPLICA_GAUGES = (
+    (
         "farm_replica_weight_version",
         "Weight version each replica serves (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    tokens = Gauge(
+        (),
+        lambda st: [((), st.weight_version)],
+    ),
+    (
         "farm_replica_generated_tokens",
         "Tokens each replica has generated since it started (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    busy = Gauge(
+        (),
+        lambda st: [((), st.generated_tokens)],
+    ),
+    (
         "farm_replica_busy_seconds",
         "Seconds each replica's engine had at least one sample generating, since it started (read at scrape time; "
         "rollout idle ratio: 1 - deriv(farm_replica_busy_seconds[5m]), a gauge)",
-        ["replica"],
-        registry=scrape,
-    )
-    running = Gauge(
+        (),
+        lambda st: [((), st.busy_seconds)],
+    ),
+    (
         "farm_replica_rollouts_running",
         "Rollout calls each replica runs (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    waiting = Gauge(
+        (),
+        lambda st: [((), st.rollouts_running)],
+    ),
+    (
         "farm_replica_rollouts_waiting",
         "Rollout calls waiting for a slot on each replica (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    prefill = Gauge(
+        (),
+        lambda st: [((), st.rollouts_waiting)],
+    ),
+    (
         "farm_replica_prefill_tokens",
         "Prompt tokens each replica's engine fed through the model since it started (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    cache_hits = Gauge(
+        (),
+        lambda st: [((), st.prefill_tokens)],
+    ),
+    (
         "farm_replica_session_cache_tokens",
         "Prompt tokens a cache saved from each replica's prefill since it started: a session's KV cache (torch), any "
         "radix-cache prefix hit (SGLang) (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    shared = Gauge(
+        (),
+        lambda st: [((), st.session_cache_tokens)],
+    ),
+    (
         "farm_replica_prefill_shared_tokens",
         "Prompt tokens the group cache saved from each replica's prefill since it started: a prompt fed once for all "
         "the samples that share it, or found in the prompt cache (torch) (read at scrape time)",
-        ["replica"],
-        registry=scrape,
-    )
-    drafts = Gauge(
+        (),
+        lambda st: [((), st.prefill_shared_tokens)],
+    ),
+    (
         "farm_replica_draft_tokens",
         "Speculative decoding (torch, FARM_ENGINE_SPECULATIVE_TOKENS): drafted tokens verified (outcome=proposed) "
         "and accepted (outcome=accepted) by each replica's engine since it started (read at scrape time)",
-        ["replica", "outcome"],
-        registry=scrape,
-    )
-    by_sampler = Gauge(
+        ("outcome",),
+        lambda st: [(("proposed",), st.draft_tokens), (("accepted",), st.draft_accepted_tokens)],
+    ),
+    (
         "farm_sampler_draft_tokens",
         "Speculative decoding: drafted tokens verified (outcome=proposed) and accepted (outcome=accepted) for each "
         "sampler's rollouts on each replica since it started; acceptance rate per sampler = accepted / proposed "
         "(read at scrape time)",
-        ["replica", "sampler", "outcome"],
-        registry=scrape,
-    )
-    sizes = {
-        "batch_rows": HistogramMetricFamily(
-            "farm_engine_batch_size", "Samples decoded together, per engine decode step", labels=["replica"]
-        ),
-        "batch_calls": HistogramMetricFamily(
-            "farm_engine_batch_calls",
-            "Generate calls (rollout requests' engine calls) sharing one engine decode step",
-            labels=["replica"],
-        ),
-    }
-    for st in replica_states:
-        if not isinstance(st, Exception):
-            version.labels(st.replica).set(st.weight_version)
-            tokens.labels(st.replica).set(st.generated_tokens)
-            busy.labels(st.replica).set(st.busy_seconds)
-            running.labels(st.replica).set(st.rollouts_running)
-            waiting.labels(st.replica).set(st.rollouts_waiting)
-            prefill.labels(st.replica).set(st.prefill_tokens)
-            cache_hits.labels(st.replica).set(st.session_cache_tokens)
-            shared.labels(st.replica).set(st.prefill_shared_tokens)
-            drafts.labels(st.replica, "proposed").set(st.draft_tokens)
-            drafts.labels(st.replica, "accepted").set(st.draft_accepted_tokens)
-            for sampler, counts in st.drafts_by_sampler.items():
-                by_sampler.labels(st.replica, sampler, "proposed").set(counts.drafted)
-                by_sampler.labels(st.replica, sampler, "accepted").set(counts.accepted)
-            for field, family in sizes.items():
-                h = getattr(st, field)
-                if h.bounds:
-                    cumulative = list(itertools.accumulate(h.counts))
-                    buckets = [(str(b), c) for b, c in zip(h.bounds, cumulative)] + [("+Inf", cumulative[-1])]
-                    family.add_metric([st.replica], buckets, h.sum)
-    scrape.register(Snapshot(list(sizes.values())))
+        ("sampler", "outcome"),
+        lambda st: [
+            ((sampler, outcome), value)
+            for sampler, counts in st.drafts_by_sampler.items()
+            for outcome, value in (("proposed", counts.drafted), ("accepted", counts.accepted))
+        ],
+    ),
+)
+# The histograms over each engine replica's decode steps: name, help, the state's P.BatchSizes.
+REPLICA_HISTOGRAMS = (
+    ("farm_engine_batch_size", "Samples decoded together, per engine decode step", lambda st: st.batch_rows),
+    (
+        "farm_engine_batch_calls",
+        "Generate calls (rollout requests' engine calls) sharing one engine decode step",
+        lambda st: st.batch_calls,
+    ),
+)
+
+
+def exposition(replica_states: list, ingress_texts: dict[str, str], me: str) -> bytes:
+    """Prometheus text: every ingress replica's metrics merged, plus each engine replica's version, tokens, busy time,
+    rollouts and batch sizes as read just now (P.ReplicaState; a replica that did not answer is left out)."""
+    states = [st for st in replica_states if not isinstance(st, Exception)]
+    scrape = CollectorRegistry()
+    for name, documentation, labels, read in REPLICA_GAUGES:
+        gauge = Gauge(name, documentation, ["replica", *labels], registry=scrape)
+        for st in states:
+            for values, value in read(st):
+                gauge.labels(st.replica, *values).set(value)
+    scrape.register(Snapshot([histogram(*row, states) for row in REPLICA_HISTOGRAMS]))
     return merged(ingress_texts, me) + generate_latest(scrape)
+
+
+def histogram(name: str, documentation: str, read, states: list) -> HistogramMetricFamily:
+    """A histogram family with each replica's `read(state)` (a P.BatchSizes; one without buckets is left out)."""
+    family = HistogramMetricFamily(name, documentation, labels=["replica"])
+    for st in states:
+        h = read(st)
+        if h.bounds:
+            cumulative = list(itertools.accumulate(h.counts))
+            buckets = [(str(b), c) for b, c in zip(h.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+            family.add_metric([st.replica], buckets, h.sum)
+    return family
 
 
 def local() -> str:

@@ -19,7 +19,11 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FARM_", frozen=True)
 
     model: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny' for the embedded default.")
-    api_token: SecretStr = Field(..., min_length=8, description="Bearer token for mutating endpoints (FARM_API_TOKEN).")
+    api_token: SecretStr = Field(
+        ...,
+        min_length=8,
+        description="Bearer token that the mutating endpoints require (`Authorization: Bearer ...`).",
+    )
     require_token_for_generation: bool = Field(
         False,
         description="The routes that generate (rollouts, OpenAI, SGLang's /generate, sessions, episodes) need the "
@@ -35,11 +39,16 @@ class ServiceSettings(BaseSettings):
         "about a third of the CPU per request at the front, but while no ingress replica is up it "
         "answers 500, not 503, and requests in flight to a replica that dies are cut). Read when Ray starts.",
     )
-    app_name: str = Field("farm", description="Ray Serve application name.")
+    app_name: str = Field(
+        "farm",
+        description="The Ray Serve application's name, and the prefix of its Redis keys (`farm:<name>:`): services "
+        "that share one Redis need different names.",
+    )
     engine: str = Field(
         "torch",
         description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'bench' (no model; service-layer "
-        "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS.",
+        "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS; checked when "
+        "the app is built.",
     )
     bench_token_latency_s: float = Field(0.01, ge=0, description="Seconds per decode step of the 'bench' engine.")
     replicas: int = Field(1, ge=1, description="Engine replicas (the initial number when autoscaling).")
@@ -90,7 +99,8 @@ class ServiceSettings(BaseSettings):
         le=16,
         description="Speculative decoding on the torch engine: up to this many tokens drafted per row and step from "
         "the farm's own history (earlier rollouts of the same prompt, and its group's siblings), verified in one "
-        "forward pass with the exact acceptance rule (samples and logprobs are the plain path's); 0: off.",
+        "forward pass with the exact acceptance rule (samples and logprobs are the plain path's); 0: off. With it "
+        "on, a seed no longer repeats the same samples, only their distribution.",
     )
     sessions_per_replica: int = Field(
         4096,
@@ -98,7 +108,9 @@ class ServiceSettings(BaseSettings):
         description="Sessions an engine replica is the sticky home of at most (Serve's multiplexing, least recently "
         "used first out); a session routed elsewhere re-prefills once.",
     )
-    ingress_max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight at the ingress.")
+    ingress_max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests each ingress replica has in flight at once; Serve's proxy holds the rest."
+    )
     control_resource: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -159,8 +171,8 @@ class ServiceSettings(BaseSettings):
     log_level: Annotated[str, BeforeValidator(str.upper)] = Field(
         "INFO",
         pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
-        description="Level of the service's JSON log (any case: `debug` is DEBUG) "
-        "lines (the replicas' too, which Ray copies to `farm serve`'s output).",
+        description="Level of the service's JSON log lines (the replicas' too, which Ray copies to `farm serve`'s "
+        "output); any case: `debug` is DEBUG.",
     )
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="Longest wait for every replica to load a push.")
     redis_url: str | None = Field(

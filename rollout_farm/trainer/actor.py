@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_farm.trainer import distributed, losses
+from rollout_farm.trainer import distributed
+from rollout_farm.trainer.algorithms import losses
+from rollout_farm.trainer.algorithms.forward import response_logprobs, temperatures
+from rollout_farm.trainer.algorithms.noise_scale import MicroGradients, noise_parts
 from rollout_farm.trainer.batch import Batch
 from rollout_farm.trainer.config import ActorConfig
-from rollout_farm.trainer.forward import response_logprobs, temperatures
 from rollout_farm.trainer.minibatches import MiniBatch, micro_batches
-from rollout_farm.trainer.noise_scale import MicroGradients, noise_parts
 
 PPO_STATS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # verl's, averaged over this rank's micro-batches
 
@@ -42,7 +43,7 @@ def update_actor(x: ActorInputs, optimizer: torch.optim.Optimizer, mb: MiniBatch
     mini-batch's token and sample counts (loss_agg_mode), so the gradients summed over micro-batches and ranks are
     the mini-batch's. Returns its pg_loss, kl_loss and entropy (summed over ranks), grad_norm and the PPO
     statistics; with measure_noise, also the two parts of the gradient noise scale
-    (rollout_farm/trainer/noise_scale.py)."""
+    (rollout_farm/trainer/algorithms/noise_scale.py)."""
     policy, b, a = x.policy, x.batch, x.cfg
     totals, parts = torch.zeros(3, device=b.response_mask.device), {k: [] for k in PPO_STATS}
     optimizer.zero_grad()

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             sys.exit(str(e))
         if args.log_file:
-            from rollout_farm.trainer.console import log_to_file
+            from rollout_farm.trainer.outputs.console import log_to_file
 
             log_to_file(args.log_file, cfg.trainer.total_training_steps)
         train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout_farm.trainer.guards import GuardConfig
+from rollout_farm.trainer.guards.checks import GuardConfig
 from rollout_farm.trainer.minibatches import updates_per_epoch
 
 PRESETS = Path(__file__).parent / "presets"
@@ -111,7 +111,8 @@ class KLCtrl(_Strict):
 
 
 class RolloutCorrection(_Strict):
-    """verl's algorithm.rollout_correction keys (rollout_farm/trainer/rollout_correction.py says what each does)."""
+    """verl's algorithm.rollout_correction keys (rollout_farm/trainer/algorithms/rollout_correction.py says what each
+    does)."""
 
     rollout_is: Literal["token", "sequence"] | None = Field(
         "token", description="importance weights per token, per sequence (their product), or none"
@@ -269,8 +270,8 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
-        from rollout_farm.trainer import stale_samples
-        from rollout_farm.trainer.estimators import ESTIMATORS
+        from rollout_farm.trainer.algorithms import stale_samples
+        from rollout_farm.trainer.algorithms.estimators import ESTIMATORS
 
         estimator = self.algorithm.adv_estimator
         if estimator not in ESTIMATORS.names():

@@ -6,9 +6,9 @@ import torch
 from verl.trainer.ppo import core_algos
 
 from rollout_farm.trainer import distributed
+from rollout_farm.trainer.algorithms.forward import response_values
 from rollout_farm.trainer.batch import Batch
 from rollout_farm.trainer.config import Config
-from rollout_farm.trainer.forward import response_values
 from rollout_farm.trainer.minibatches import MiniBatch, micro_batches
 
 

@@ -2,9 +2,9 @@
 
     pull rollouts -> advantages -> update actor and critic -> push weights -> guards -> log -> checkpoint
 
-Each phase lives in its own module: rollout_farm/trainer/rollouts.py, advantages.py, actor.py, critic.py,
-weight_sync.py, guards.py and guard_actions.py, step_metrics.py, checkpoint.py. The run's state is a TrainingRun
-(rollout_farm/trainer/run.py).
+Each phase lives in its own module: sync/rollouts.py, algorithms/advantages.py, actor.py, critic.py, sync/weights.py,
+guards/checks.py and guards/actions.py, outputs/step_metrics.py, outputs/checkpoint.py (all under
+rollout_farm/trainer/). The run's state is a TrainingRun (rollout_farm/trainer/run.py).
 """
 
 from __future__ import annotations
@@ -21,27 +21,28 @@ import torch
 from tqdm import tqdm
 
 from rollout_farm.services import protocol as P
-from rollout_farm.trainer import (
-    distributed,
-    guard_actions,
-    last_good,
-    losses,
-    rollout_correction,
-    rollouts,
-    staleness_metrics,
-    step_metrics,
-)
+from rollout_farm.trainer import distributed
 from rollout_farm.trainer.actor import ActorInputs, update_actor
-from rollout_farm.trainer.advantages import compute_advantages
+from rollout_farm.trainer.algorithms import losses, rollout_correction
+from rollout_farm.trainer.algorithms.advantages import compute_advantages
+from rollout_farm.trainer.algorithms.forward import (
+    in_micro_batches,
+    policy_and_reference,
+    response_values,
+    temperatures,
+)
+from rollout_farm.trainer.algorithms.noise_scale import noise_scale
 from rollout_farm.trainer.batch import Batch, broadcast_batch
 from rollout_farm.trainer.config import TrainerConfig
 from rollout_farm.trainer.critic import update_critic
 from rollout_farm.trainer.evaluate import evaluate
-from rollout_farm.trainer.forward import in_micro_batches, policy_and_reference, response_values, temperatures
-from rollout_farm.trainer.guards import GUARD_ACTIONS
+from rollout_farm.trainer.guards import last_good
+from rollout_farm.trainer.guards.actions import carry_out
+from rollout_farm.trainer.guards.checks import GUARD_ACTIONS
 from rollout_farm.trainer.minibatches import mini_batches
-from rollout_farm.trainer.noise_scale import noise_scale
+from rollout_farm.trainer.outputs import staleness_metrics, step_metrics
 from rollout_farm.trainer.run import TrainingRun
+from rollout_farm.trainer.sync import rollouts
 
 log = logging.getLogger("farm.trainer")
 
@@ -77,7 +78,7 @@ def train(run: TrainingRun) -> dict:
             metrics |= step_metrics.pull_metrics(run.pull_stats, seconds) | {"elapsed_s": time.perf_counter() - began}
             report(run, metrics, variance["reward_var"])
         for action in actions:
-            guard_actions.carry_out(run, action)
+            carry_out(run, action)
         if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
             run.save()
         if "rollback" not in actions and last_good.wanted(run):

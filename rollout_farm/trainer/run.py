@@ -19,10 +19,11 @@ from rollout_farm.services.client import FarmClient
 from rollout_farm.services.models import resolve_model
 from rollout_farm.services.tasks import TASKS
 from rollout_farm.services.weights.pusher import WeightPusher
-from rollout_farm.trainer import checkpoint, distributed, step_metrics
+from rollout_farm.trainer import distributed
 from rollout_farm.trainer.config import Config, Optim
-from rollout_farm.trainer.guards import Guard
-from rollout_farm.trainer.weight_sync import push_weights
+from rollout_farm.trainer.guards.checks import Guard
+from rollout_farm.trainer.outputs import checkpoint, step_metrics
+from rollout_farm.trainer.sync.weights import push_weights
 
 log = logging.getLogger("farm.trainer")
 
@@ -58,9 +59,9 @@ class TrainingRun:
         self.redelivered = 0  # queue groups that came back from an earlier (killed) trainer's lease
         self.pulls = 0  # steps' rollouts pulled; with async training the queue is fed this + staleness_threshold
         self.last_good = (
-            None  # what a rollback returns to (rollout_farm/trainer/last_good.py), kept after each good step
+            None  # what a rollback returns to (rollout_farm/trainer/guards/last_good.py), kept after each good step
         )
-        self.pull_stats: dict = {}  # the last pull's wait and drops (rollout_farm/trainer/rollouts.py)
+        self.pull_stats: dict = {}  # the last pull's wait and drops (rollout_farm/trainer/sync/rollouts.py)
         self.queue_clock: tuple[float, float] | None = None  # the queue source's generation busy/idle s, last pull
         self.out = Path(t.default_local_dir) if t.default_local_dir else None
         if self.out:

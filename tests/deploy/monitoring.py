@@ -7,8 +7,10 @@ tests/e2e/test_trainer_metrics.py (a real `farm train`'s)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import promql_parser
@@ -27,7 +29,18 @@ JOBS = {
     "ray": ("ray", "rollout-farm-ray"),
     "trainer": ("trainer", "rollout-farm-trainer"),
 }
-RAY = Path(__file__).resolve().parents[2] / ".venv" / "lib" / "python3.11" / "site-packages" / "ray"
+
+
+def installed_package(name: str) -> Path:
+    """The folder of an installed package, wherever the running interpreter finds it (any virtual environment, any
+    Python version), without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"{name} is not installed in {sys.prefix}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+RAY = installed_package("ray")
 # Ray's metrics the dashboard and the rules query (Ray 2.60, exported on its metrics port with the ray_ prefix): the
 # type, the file of the installed ray package that defines it, and the name as written there. Counters are queried
 # by their _total series: Ray also exports each counter without _total as a deprecated gauge. Metrics defined in
@@ -199,8 +212,8 @@ def farm_metric_types() -> dict[str, str]:
 
     import rollout_farm.services.metrics
     import rollout_farm.services.queue.gauges  # noqa: F401  (registers the queue's collector)
-    import rollout_farm.trainer.guards  # noqa: F401
-    import rollout_farm.trainer.step_metrics  # noqa: F401
+    import rollout_farm.trainer.guards.checks  # noqa: F401
+    import rollout_farm.trainer.outputs.step_metrics  # noqa: F401
 
     text = generate_latest(REGISTRY).decode() + rollout_farm.services.metrics.exposition([], {}, "scrape").decode()
     return {n: t for n, t in sample_types(text).items() if n.startswith(FARM_PREFIX)}

@@ -15,8 +15,9 @@ import time
 import httpx
 import pytest
 
-from rollout_farm.trainer import rollouts, staleness_metrics
 from rollout_farm.trainer.config import load
+from rollout_farm.trainer.outputs import staleness_metrics
+from rollout_farm.trainer.sync import rollouts
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, replicas
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
 from rollout_farm.services.weights.pusher import WeightPusher
-from rollout_farm.trainer.weight_sync import push_weights
+from rollout_farm.trainer.sync.weights import push_weights
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, farm_train, serve_env, stop
 

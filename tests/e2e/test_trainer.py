@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
+from rollout_farm.trainer.algorithms.estimators import adaptive_lambda
 from rollout_farm.trainer.config import load
-from rollout_farm.trainer.estimators import adaptive_lambda
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_train
 
@@ -67,7 +67,7 @@ def test_each_estimator_trains_a_step_against_the_service(service, tiny_model, t
     summary = train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["step"] == 1 and summary["final_weight_version"] == trainer.version
-    from rollout_farm.trainer.step_metrics import STEP_GAUGES
+    from rollout_farm.trainer.outputs.step_metrics import STEP_GAUGES
 
     assert STEP_GAUGES["weight_version"]._value.get() == trainer.version and STEP_GAUGES["step"]._value.get() == 1
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())  # the policy moved
@@ -126,7 +126,7 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     weights."""
     from transformers import AutoModelForCausalLM
 
-    from rollout_farm.trainer.guards import ACTIONS
+    from rollout_farm.trainer.guards.checks import ACTIONS
     from rollout_farm.trainer.loop import train
     from rollout_farm.trainer.run import TrainingRun
 
@@ -175,7 +175,7 @@ def test_the_variance_guard_raises_the_mini_batch_and_the_next_step_takes_fewer_
 ):
     """4 groups in mini-batches of 1: 4 optimizer steps a step. A variance threshold every batch crosses raises the
     mini-batch to 2 groups after step 1, so step 2 takes 2; the raise is logged and counted."""
-    from rollout_farm.trainer.guards import ACTIONS
+    from rollout_farm.trainer.guards.checks import ACTIONS
     from rollout_farm.trainer.loop import train
     from rollout_farm.trainer.run import TrainingRun
 

@@ -12,10 +12,11 @@ from rollout_farm.services.net import free_port
 from tests.conftest import TOKEN
 from tests.deploy.monitoring import missing, queried
 from tests.e2e.commands import farm_train
+from tests.metrics_text import samples, value
 
 
 def step_of(text: str) -> float:
-    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith("farm_trainer_step ")), 0.0)
+    return next((v for _, v in samples(text, "farm_trainer_step")), 0.0)
 
 
 def scrape_after_first_step(url: str, proc: subprocess.Popen, log) -> str:
@@ -58,6 +59,4 @@ def test_every_trainer_metric_the_dashboard_and_alerts_query_is_served_by_farm_t
     assert missing({"farm_trainer_stepp"}, text) == {"farm_trainer_stepp"}  # the check can fail
     for action in ("rollback", "raise_mini_batch"):  # no guard acted (guards are off): exported at 0 all the same
         assert f'farm_trainer_guard_actions_total{{action="{action}"}} 0.0' in text
-    assert (
-        float(next(line for line in text.splitlines() if line.startswith("farm_trainer_step_seconds ")).split()[1]) > 0
-    )
+    assert value(text, "farm_trainer_step_seconds") > 0

@@ -1,4 +1,4 @@
-"""Concurrent generate calls share the torch engine's batches (rollout_farm/services/engine/torch_scheduler.py), and
+"""Concurrent generate calls share the torch engine's batches (rollout_farm/services/engine/torch/scheduler.py), and
 each call gets what it would get alone: calls are merged by pausing the engine, submitting them, and resuming (they are
 admitted together), or by submitting one while another runs (it joins at a step boundary). That they shared decode steps
 is read from the engine's own counters (engine.stats), never from timings."""
@@ -11,11 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
 from rollout_farm.services.protocol import SamplingParams
 from tests.service.helpers import wait_until
 
-LONG = 400  # tokens: long enough that the other calls join and leave while it runs
+# tokens: long enough that the other calls join and leave while it runs, and a commit lands in it; the margin is
+# 1000 steps (over a second) after the test sees it run, so what is left to chance is a stall of the test's thread that
+# long. 4 * LONG fits the tiny model's context.
+LONG = 1000
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def together(engine, calls: list[tuple[list[list[int]], SamplingParams]], cancel
             asyncio.ensure_future(engine.agenerate(p, s, cancels[i] if cancels else None))
             for i, (p, s) in enumerate(calls)
         ]
-        await asyncio.sleep(0.2)  # every call is in the engine's queue
+        await asyncio.sleep(0)  # each task ran to its first await: agenerate queued its call (no timing involved)
         engine.resume()
         return await asyncio.gather(*tasks)
 
@@ -223,7 +226,7 @@ def test_policy_abort_ends_every_running_call_on_the_old_version_and_serves_the_
 def test_policy_finish_waits_for_the_running_calls_and_holds_new_ones_for_the_new_version(fresh_engine, tiny_model):
     first, second, out = run_long_calls(fresh_engine)
     commit = push(fresh_engine, tiny_model, 1, "finish")
-    wait_until(lambda: fresh_engine._commit == "finish", "the commit waiting for the running calls")
+    wait_until(lambda: fresh_engine.scheduler._commit == "finish", "the commit waiting for the running calls")
     later = fresh_engine.generate([ids(fresh_engine, "x")], SamplingParams(temperature=0, max_new_tokens=3))[0]
     first.join(120), second.join(120), commit.join(60)
     for o in out:

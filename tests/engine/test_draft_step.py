@@ -1,4 +1,4 @@
-"""Speculative decoding in the torch engine (rollout_farm/services/engine/torch_draft_step.py): drafts from the engine's
+"""Speculative decoding in the torch engine (rollout_farm/services/engine/torch/draft_step.py): drafts from the engine's
 own history, verified in one forward pass. The engine's samples must be the plain engine's: greedy tokens equal and
 logprobs within 1e-5; sampled outcomes indistinguishable by a chi-squared test over 10^4 samples, which must tell a
 deliberately wrong acceptance rule (accept every draft) apart; stops cut where one token at a time would stop."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from rollout_farm.services.engine import torch_speculative
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
+from rollout_farm.services.engine.torch import speculative as torch_speculative
 from rollout_farm.services.protocol import SamplingParams
 
 PROMPTS = [[40, 41, 42, 43], [50, 51, 52]]
@@ -43,7 +43,7 @@ def outcomes(engine, params, seed: int, rounds: int = 8, rows: int = 1280) -> li
     rule passes, whatever the 1% of seeds a chi-squared test at p > 0.01 would fail by chance."""
     out = []
     for r in range(rounds):
-        engine._gen.manual_seed(seed * 100 + r)
+        engine.scheduler.draws.gen.manual_seed(seed * 100 + r)
         out += [tuple(o.token_ids) for o in engine.generate([PROMPTS[0]] * rows, params)]
     return out
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollout_farm.services.engine import WeightsRejected
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
 from rollout_farm.services.protocol import SamplingParams
 from rollout_farm.services.weights.state_dict import canonical_state_dict
 

@@ -1,4 +1,4 @@
-"""The group cache (rollout_farm/services/engine/torch_prefill.py, torch_batch.py `fan_out`): the rows of one prompt
+"""The group cache (rollout_farm/services/engine/torch/prefill.py, batch.py `fan_out`): the rows of one prompt
 share its prefill, and a prompt prefilled before on the same weights is found in the prompt cache. Every sample must
 be what the unshared engine (share_prompts=False: each row prefills its own prompt) gives with the same seed, tokens
 equal and logprobs within 1e-5, for each kind of sampling the samplers ask of the engine. Counts are the engine's own
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from rollout_farm.services.engine.torch_batch import Batch
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
+from rollout_farm.services.engine.torch.batch import Batch
 from rollout_farm.services.protocol import SamplingParams
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]

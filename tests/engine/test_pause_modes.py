@@ -1,4 +1,4 @@
-"""SGLang's pause modes on the torch engine's scheduler (rollout_farm/services/engine/torch_hold.py): "in_place" holds
+"""SGLang's pause modes on the torch engine's scheduler (rollout_farm/services/engine/torch/hold.py): "in_place" holds
 the running rows at a step boundary with their KV cache, "retract" puts them back in the queue to continue from prompt +
 tokens so far; a weight commit while held lands at once and the held rows finish on it, their per-token versions
 switching where they were held. Held or retracted calls that are cancelled end "abort" with the tokens they had."""
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rollout_farm.services.engine.bench_engine import BenchEngine
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
 from rollout_farm.services.errors import EngineVerbMissing
 from rollout_farm.services.protocol import SamplingParams
 from tests.engine.test_batching import push
@@ -28,7 +28,7 @@ def engine(tiny_model):
 
 
 def steps(engine) -> list[int]:
-    b = engine.batch
+    b = engine.scheduler.batch
     return b.t["step"].tolist() if len(b) else []
 
 
@@ -80,8 +80,8 @@ def test_retract_requeues_the_rows_and_they_continue_from_the_tokens_so_far(engi
     alone = engine.generate(PROMPTS, SEEDED)
     t, out = start(engine)
     engine.pause("retract")
-    assert not len(engine.batch) and not engine.busy and len(engine._pending) == 1
-    k = len(engine._pending[0].carried[0][0])
+    assert not len(engine.scheduler.batch) and not engine.busy and len(engine.scheduler._pending) == 1
+    k = len(engine.scheduler._pending[0].carried[0][0])
     assert 0 < k < LONG
     engine.resume()
     t.join(120)
@@ -94,7 +94,7 @@ def test_retract_then_a_weight_push_continues_on_the_new_version(engine, tiny_mo
     alone = engine.generate(PROMPTS, SEEDED)
     t, out = start(engine)
     engine.pause("retract")
-    ks = [len(c[0]) for c in engine._pending[0].carried]
+    ks = [len(c[0]) for c in engine.scheduler._pending[0].carried]
     push(engine, tiny_model, 1, "finish").join(60)
     engine.resume()
     t.join(120)

@@ -1,4 +1,4 @@
-"""The torch engine keeps a session's KV cache between turns (rollout_farm/services/engine/torch_session_cache.py): a
+"""The torch engine keeps a session's KV cache between turns (rollout_farm/services/engine/torch/session_cache.py): a
 turn whose prompt extends the session's last sequence prefills only its new tokens and the last sampled one, and samples
 what it would sample from a full prefill. Prefill counts are the engine's own counters (engine.stats), never timings."""
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
 from rollout_farm.services.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)

@@ -1,18 +1,21 @@
-"""Speculative decoding from the farm's history (rollout_farm/services/engine/torch_speculative.py): the drafts History
-proposes, and verify(), whose samples, logprobs and sampling logprobs are the plain path's (torch_sampling.draw).
+"""Speculative decoding from the farm's history (rollout_farm/services/engine/torch/speculative.py): the drafts History
+proposes, and verify(), whose samples, logprobs and sampling logprobs are the plain path's (sampling.draw).
 
 The distribution tests run on an enumerable "model": fixed random logits over V tokens for every context of up to
 two generated tokens, so the exact probability of each of the V**3 three-token samples is known. Tens of thousands
 of rows decode together, three params sets side by side, each with its own generator; a chi-squared test compares
-each set's samples with the exact probabilities."""
+each set's samples with the exact probabilities.
+
+Seeded: every generator here has a fixed seed, so each chi-squared test gives the same p on every run (an exact rule
+passes at p > 0.01 whatever the 1% of seeds that would fail it by chance; the broken rules are rejected at p < 1e-6)."""
 
 import pytest
 import torch
 from scipy.special import chdtrc
 
-from rollout_farm.services.engine import torch_speculative
-from rollout_farm.services.engine.torch_sampling import Group, draw, processed_rows
-from rollout_farm.services.engine.torch_speculative import History, verify
+from rollout_farm.services.engine.torch import speculative as torch_speculative
+from rollout_farm.services.engine.torch.sampling import Group, draw, processed_rows
+from rollout_farm.services.engine.torch.speculative import History, verify
 
 V, T, PAD = 8, 3, 0
 PROMPT = [5, 1, 6]
@@ -253,7 +256,7 @@ def test_regex_rows_pick_their_token_and_one_with_no_allowed_token_ends_before_i
         def pick(self, ids, raw, proc, gen):
             return self.token
 
-    logits = torch.randn((3, 1, 6))
+    logits = torch.randn((3, 1, 6), generator=torch.Generator().manual_seed(2))
     off, one = torch.zeros(3, dtype=torch.long), torch.ones(3)
     groups = [Group([1], torch.Generator(), Fixed(None)), Group([2], torch.Generator(), Fixed(5))]
     for g in groups:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rollout_farm.services.engine.torch_engine import TorchEngine
+from rollout_farm.services.engine.torch import TorchEngine
 from rollout_farm.services.protocol import SamplingParams
 from tests.conftest import TOKEN
 from tests.e2e.test_trainer import config

@@ -2,12 +2,15 @@
 
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import TOKEN
+from tests.metrics_text import by_label, scrape
+from tests.metrics_text import value as sample_value
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -39,6 +42,24 @@ def wait_until(cond, what: str, timeout_s: float = 120.0):
     return value
 
 
+@contextmanager
+def second_app(service: str, name: str, **settings):
+    """Another app in the session's Serve instance, under /<name> (the session's port and token; one torch thread and
+    no Ray CPU per engine replica, WARNING logs, unless `settings` say otherwise); yields its URL, then deletes it."""
+    from ray import serve
+
+    from rollout_farm.services import server
+    from rollout_farm.services.settings import ServiceSettings
+
+    settings = {"engine_threads": 1, "engine_num_cpus": 0, "log_level": "WARNING", **settings}
+    port = int(service.rsplit(":", 1)[1])
+    server.start(ServiceSettings(api_token=TOKEN, port=port, app_name=name, **settings), route_prefix=f"/{name}")
+    try:
+        yield f"{service}/{name}"
+    finally:
+        serve.delete(name)
+
+
 def replicas(service: str) -> list[dict]:
     r = httpx.get(f"{service}/readyz", timeout=30)
     assert r.status_code == 200, r.text
@@ -55,12 +76,7 @@ def versions(service: str) -> dict:
 
 def replica_metric(service: str, name: str) -> dict[str, float]:
     """replica id -> value of a per-replica Prometheus gauge."""
-    out = {}
-    for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('replica="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
+    return by_label(scrape(service), name, "replica")
 
 
 def push(
@@ -104,12 +120,9 @@ def tokens(resp: httpx.Response) -> list[list[int]]:
     return [s["token_ids"] for g in resp.json()["groups"] for s in g["samples"]]
 
 
-def metric(service: str, name: str) -> float:
-    """The value of one Prometheus sample, e.g. 'farm_samples_total{sampler="plain"}'."""
-    for line in httpx.get(f"{service}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
+def metric(service: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample, e.g. metric(service, "farm_samples_total", sampler="plain")."""
+    return sample_value(scrape(service), name, **labels)
 
 
 def request(n=4, **params) -> dict:

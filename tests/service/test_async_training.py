@@ -1,9 +1,10 @@
-"""Async training against the real service: the trainer's own queue code (rollout_farm/trainer/rollouts.py lease_groups,
-which feeds s steps ahead and leases with the bound) between weight pushes, and the batch it builds from what arrives.
+"""Async training against the real service: the trainer's own queue code (rollout_farm/trainer/sync/rollouts.py
+lease_groups, which feeds s steps ahead and leases with the bound) between weight pushes, and the batch it builds from
+what arrives.
 
   - the staleness bound: no sample whose oldest token is more than s versions behind the trainer arrives, even when
     versions jump past the groups generated ahead; with a larger s the same old groups do arrive (the test can fail);
-  - a weight commit landing while the queue generates, pushed the trainer's way (rollout_farm/trainer/weight_sync.py's
+  - a weight commit landing while the queue generates, pushed the trainer's way (rollout_farm/trainer/sync/weights.py's
     push_weights with the async in-flight policy, bucketed): with "partial" each sample's tokens switch version
     mid-way and the batch records each token's version and the staleness of the oldest; with "abort" the samples
     run again on the new weights, one version each;
@@ -23,10 +24,11 @@ from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
 from rollout_farm.services.tasks import TASKS
 from rollout_farm.services.weights.pusher import WeightPusher
-from rollout_farm.trainer import rollouts, staleness_metrics
 from rollout_farm.trainer.batch import make_batch
 from rollout_farm.trainer.config import load
-from rollout_farm.trainer.weight_sync import push_weights
+from rollout_farm.trainer.outputs import staleness_metrics
+from rollout_farm.trainer.sync import rollouts
+from rollout_farm.trainer.sync.weights import push_weights
 from tests.conftest import TOKEN
 from tests.service.helpers import AUTH, LONG_TOKENS, in_thread, perturbed, replicas, wait_until
 

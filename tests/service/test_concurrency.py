@@ -13,8 +13,17 @@ import httpx
 import pytest
 
 from rollout_farm.services.errors import QUEUES_FULL
-from tests.conftest import TOKEN
-from tests.service.helpers import AUTH, LONG_TOKENS, any_busy, in_thread, replica_metric, replicas, wait_until
+from tests.metrics_text import by_label, scrape
+from tests.service.helpers import (
+    AUTH,
+    LONG_TOKENS,
+    any_busy,
+    in_thread,
+    replica_metric,
+    replicas,
+    second_app,
+    wait_until,
+)
 
 ONGOING, QUEUED = 8, 4
 
@@ -22,28 +31,17 @@ ONGOING, QUEUED = 8, 4
 @pytest.fixture(scope="module")
 def conc(service, tiny_model, tmp_path_factory):
     """The app under /conc, in the session's Serve instance."""
-    from ray import serve
-
-    from rollout_farm.services import server
-    from rollout_farm.services.settings import ServiceSettings
-
-    settings = ServiceSettings(
-        api_token=TOKEN,
-        port=int(service.rsplit(":", 1)[1]),
-        app_name="conc",
+    with second_app(
+        service,
+        "conc",
         model=str(tiny_model),
         replicas=1,
         ingress_replicas=1,
-        engine_threads=1,
-        engine_num_cpus=0,
         engine_max_ongoing_requests=ONGOING,
         engine_max_queued_requests=QUEUED,
-        log_level="WARNING",
         state_dir=str(tmp_path_factory.mktemp("conc-state")),
-    )
-    server.start(settings, route_prefix="/conc")
-    yield f"{service}/conc"
-    serve.delete("conc")
+    ) as url:
+        yield url
 
 
 def one_sample(i: int, max_new_tokens: int = 16) -> dict:
@@ -62,20 +60,12 @@ def rollouts(url: str) -> tuple[float, float]:
 
 
 def overload_count(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith('farm_overload_rejections_total{kind="replica_full"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return by_label(scrape(url), "farm_overload_rejections_total", "kind").get("replica_full", 0.0)
 
 
 def batch_calls_buckets(url: str) -> dict[str, float]:
     """le -> cumulative decode steps of the one replica's farm_engine_batch_calls histogram."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("farm_engine_batch_calls_bucket{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('le="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
+    return by_label(scrape(url), "farm_engine_batch_calls_bucket", "le")
 
 
 async def post_all(url: str, path: str, bodies: list[dict]) -> list[httpx.Response]:

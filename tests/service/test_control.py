@@ -9,7 +9,7 @@ import pytest
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
 from tests.conftest import TOKEN
-from tests.service.helpers import in_thread
+from tests.service.helpers import in_thread, wait_until
 
 LONG = P.RolloutRequest(
     prompts=[P.Prompt(token_ids=[40, 41, 42])],
@@ -61,15 +61,34 @@ def test_ignore_eos_generates_exactly_max_new_tokens(client):
     assert all(len(s.token_ids) == 40 and s.finish_reason == "length" for s in client.rollouts(req).groups[0].samples)
 
 
-async def test_full_engine_queues_answer_429_with_retry_after(service, client):
+def test_full_engine_queues_answer_429_with_retry_after(service, client):
+    """Twelve rollouts at once: the replicas take what they hold, the rest get 429. Nothing left to chance: they are
+    sent while the replicas are paused, so none finishes and frees a place before the others arrive (two replicas
+    hold 2 x (2 running + their share of 2 waiting) < 12); resumed once a 429 came back."""
     body = LONG.model_copy(
         update={"sampling_params": LONG.sampling_params.model_copy(update={"max_new_tokens": 400})}
     ).model_dump()
-    async with httpx.AsyncClient(timeout=300) as http:
-        responses = await asyncio.gather(*[http.post(f"{service}/v1/rollouts", json=body) for _ in range(12)])
-    codes = [r.status_code for r in responses]
+    answered: list[httpx.Response] = []
+
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as http:
+
+            async def one() -> httpx.Response:
+                answered.append(r := await http.post(f"{service}/v1/rollouts", json=body))
+                return r
+
+            return await asyncio.gather(*[one() for _ in range(12)])
+
+    assert all(s.paused for s in client.control("pause").replicas)
+    try:
+        t, out = in_thread(lambda: asyncio.run(post_all()))
+        wait_until(lambda: any(r.status_code == 429 for r in answered), "a 429 while the paused replicas hold the rest")
+    finally:
+        assert not any(s.paused for s in client.control("resume").replicas)
+    t.join(300)
+    codes = [r.status_code for r in out[0]]
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
-    rejected = next(r for r in responses if r.status_code == 429)
+    rejected = next(r for r in out[0] if r.status_code == 429)
     assert rejected.headers["retry-after"] == "1" and "FARM_ENGINE_MAX_QUEUED_REQUESTS" in rejected.json()["error"]
 
 

@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 from rollout_farm.services import protocol as P
+from tests import metrics_text
 from tests.service.helpers import metric, request
 
 
@@ -11,23 +12,21 @@ def test_health_metrics_and_docs(service, client, fresh_weights):
     h = client.health()
     assert h.status == "ok" and h.generated_token_id >= 0
     samples, groups = (
-        metric(service, 'farm_samples_total{sampler="plain"}'),
-        metric(service, 'farm_groups_total{sampler="plain"}'),
+        metric(service, "farm_samples_total", sampler="plain"),
+        metric(service, "farm_groups_total", sampler="plain"),
     )
     client.rollouts(P.RolloutRequest.model_validate(request(n=2)))
     assert (
-        metric(service, 'farm_samples_total{sampler="plain"}') == samples + 6
-        and metric(service, 'farm_groups_total{sampler="plain"}') == groups + 3
+        metric(service, "farm_samples_total", sampler="plain") == samples + 6
+        and metric(service, "farm_groups_total", sampler="plain") == groups + 3
     )
     assert metric(service, "farm_weight_version") == fresh_weights
     assert (
-        metric(service, 'farm_generated_tokens_total{sampler="plain"}') > 0
+        metric(service, "farm_generated_tokens_total", sampler="plain") > 0
         and metric(service, "farm_weight_sync_bytes_total") > 0
     )
     text = httpx.get(f"{service}/metrics").text
-    replica_versions = [
-        float(line.split()[1]) for line in text.splitlines() if line.startswith("farm_replica_weight_version{")
-    ]
+    replica_versions = [v for _, v in metrics_text.samples(text, "farm_replica_weight_version")]
     assert replica_versions == [fresh_weights, fresh_weights]  # both replicas, each labelled
     assert "farm_trajectory_staleness_versions_bucket" in text
     assert 'farm_request_seconds_bucket{le="0.01",path="/v1/rollouts"}' in httpx.get(f"{service}/metrics").text

@@ -19,18 +19,19 @@ SERVER_ONLY = ("torch", "ray", "verl", "transformers", "fastapi", "uvicorn", "py
 # Run by the light venv's python: one rollout, then what it could import and what it did import.
 SCRIPT = """
 import importlib.util, json, sys
-import rollout_farm.services.client
-from rollout_farm.services.protocol import RolloutRequest
+import rollout_farm
+from rollout_farm import FarmClient
+from rollout_farm.protocol import RolloutRequest
 
 url, token, request, heavy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
-with rollout_farm.services.client.FarmClient(url, token) as c:
+with FarmClient(url, token) as c:
     response = c.rollouts(RolloutRequest.model_validate_json(request))
 print(json.dumps({
     "response": response.model_dump(mode="json"),
-    "client": rollout_farm.services.client.__file__,
+    "client": rollout_farm.__file__,
     "installed": [m for m in heavy if importlib.util.find_spec(m)],
     "imported": sorted(m for m in sys.modules if m.split(".")[0] in heavy),
-    "services": sorted(m for m in sys.modules if m.split(".")[0] == "services"),
+    "ours": sorted(m for m in sys.modules if m.split(".")[0] == "rollout_farm"),
 }))
 """
 
@@ -75,9 +76,13 @@ def test_the_client_alone_installs_light_and_runs_a_rollout(service, client, tmp
     got = json.loads(run(args, timeout=120, cwd=tmp_path))
 
     assert got["installed"] == [] and got["imported"] == []
-    assert {m.split(".")[1] for m in got["services"] if "." in m} == {
-        "client",
-        "protocol",
+    # the public surface (rollout_farm, rollout_farm.protocol) pulls in only the client and the wire models
+    assert {".".join(m.split(".")[:3]) for m in got["ours"]} == {
+        "rollout_farm",
+        "rollout_farm.protocol",
+        "rollout_farm.services",
+        "rollout_farm.services.client",
+        "rollout_farm.services.protocol",
     }  # no rollout_farm.services.settings
     assert Path(got["client"]).resolve().is_relative_to((tmp_path / "venv").resolve())  # not the checkout's copy
     light = P.RolloutResponse.model_validate(got["response"])

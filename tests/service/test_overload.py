@@ -8,6 +8,7 @@ from collections import Counter
 import httpx
 
 from rollout_farm.services.errors import QUEUES_FULL
+from tests.metrics_text import by_label, scrape
 from tests.service.helpers import any_busy, greedy, wait_until
 
 FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running + 1 waiting, its share of 2 queued)
@@ -15,12 +16,7 @@ FLOOD = 240  # concurrent rollouts; the fixture admits 2 replicas x (2 running +
 
 def rejections(service: str) -> dict[str, float]:
     """farm_overload_rejections_total by kind."""
-    out = {}
-    for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines():
-        if line.startswith("farm_overload_rejections_total{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
+    return by_label(scrape(service), "farm_overload_rejections_total", "kind")
 
 
 async def test_a_flood_of_rollouts_is_answered_200_or_our_429(service):

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
+from rollout_farm.trainer.algorithms.forward import response_logprobs
 from rollout_farm.trainer.batch import make_batch
-from rollout_farm.trainer.forward import response_logprobs
 from tests.conftest import TOKEN
 from tests.service.helpers import metric, request
 
@@ -111,7 +111,7 @@ def test_out_of_vocabulary_token_ids_get_422(service):
 
 async def test_request_id_replays_the_first_result_and_generates_nothing(service):
     body = {**request(n=3, temperature=1.0, seed=None), "request_id": "idem-1"}
-    samples = metric(service, 'farm_samples_total{sampler="plain"}')
+    samples = metric(service, "farm_samples_total", sampler="plain")
     async with httpx.AsyncClient(timeout=120) as http:
         first, *repeats = await asyncio.gather(
             *[http.post(f"{service}/v1/rollouts", json=body) for _ in range(3)]
@@ -120,7 +120,7 @@ async def test_request_id_replays_the_first_result_and_generates_nothing(service
         other = await http.post(f"{service}/v1/rollouts", json={**body, "n": 2})
     assert first.status_code == 200 and all(r.json() == first.json() for r in [*repeats, later])
     assert (
-        metric(service, 'farm_samples_total{sampler="plain"}') == samples + 9
+        metric(service, "farm_samples_total", sampler="plain") == samples + 9
     )  # generated and counted once (3 prompts x 3)
     assert metric(service, "farm_idempotent_replays_total") >= 3
     assert other.status_code == 409 and "different request" in other.json()["error"]

@@ -8,6 +8,7 @@ import pytest
 
 from rollout_farm.services import protocol as P
 from tests.conftest import TOKEN
+from tests.metrics_text import by_label
 from tests.service import helpers
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -23,7 +24,7 @@ def rollout(service, sampler_params, n=16):
     body = {
         "prompts": [{"text": "hello"}, {"text": "Q: 3+4\nA:"}],
         "n": n,
-        "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "seed": 1},  # seeded: the same samples each run
         "sampler": {"name": "kl_adaptive_temperature", "params": sampler_params},
     }
     r = httpx.post(f"{service}/v1/rollouts", json=body, timeout=120)
@@ -38,6 +39,8 @@ def post(service, body, status=200):
 
 
 def test_the_temperature_follows_the_reported_kl(service):
+    """Seeded (rollout()'s sampling_params.seed): the distinct-sample and mean-logprob checks see the same samples on
+    every run."""
     cool = {
         "base_temperature": 2.0,
         "low_temperature": 0.0,
@@ -176,16 +179,7 @@ def test_pattern_filter_returns_only_matches_and_counts_rejections(service):
     assert sum(g["rejected"] for g in groups) > 0
 
     def rejected(text):
-        return float(
-            next(
-                (
-                    line.split()[-1]
-                    for line in text.splitlines()
-                    if line.startswith('farm_sampler_rejected_total{sampler="pattern_conditional"}')
-                ),
-                0,
-            )
-        )
+        return by_label(text, "farm_sampler_rejected_total", "sampler").get("pattern_conditional", 0.0)
 
     assert rejected(httpx.get(f"{service}/metrics").text) - rejected(before) == sum(g["rejected"] for g in groups)
 
@@ -255,9 +249,14 @@ def test_group_filter_drops_zero_variance_groups_by_std_not_by_exact_floats(serv
     assert report["waste_fraction"] == pytest.approx(1 - report["kept_tokens"] / report["generated_tokens"])
 
 
+def settled(service) -> bool:
+    """No replica generating, running or holding a rollout."""
+    return not any(s["busy"] or s["rollouts_running"] or s["rollouts_waiting"] for s in helpers.replicas(service))
+
+
 def test_group_filter_stops_at_the_target_and_its_abort_frees_engine_work(service):
     """Over-sample 40 prompts for 2 informative groups: once 2 are kept, the running calls are cancelled and the rest
-    never start."""
+    never start. Nothing left to chance: the cancelled calls are waited for (every replica idle), not only slept on."""
     import time
 
     prompts, n, t = 40, 4, 48
@@ -274,7 +273,8 @@ def test_group_filter_stops_at_the_target_and_its_abort_frees_engine_work(servic
 
     before = tokens()
     out = post(service, body)
-    time.sleep(1.0)  # cancelled calls stop at their next token
+    time.sleep(1.0)  # a cancelled engine call still on its way to a replica arrives (and stops at its first token)
+    helpers.wait_until(lambda: settled(service), "the cancelled calls stopped")  # at their next token
     spent = tokens() - before
     report = out["filter"]
     assert len(out["groups"]) == 2 and report["kept_groups"] == 2 and report["target_reached"]

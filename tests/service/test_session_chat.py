@@ -17,6 +17,7 @@ import pytest
 from openai import OpenAI
 
 from rollout_farm.services.models import byte_tokenizer
+from tests.service.helpers import metric
 
 CALC = {
     "type": "function",
@@ -52,13 +53,6 @@ def call_text(expression: str) -> str:
 def calculator(expression: str) -> str:
     a, op, b = re.fullmatch(r"(\d+)([*+-])(\d+)", expression).groups()
     return str({"*": int(a) * int(b), "+": int(a) + int(b), "-": int(a) - int(b)}[op])
-
-
-def metric(bench: str, name: str, fmt: str) -> float:
-    text = httpx.get(f"{bench}/metrics", timeout=30).text
-    found = re.findall(rf'^{name}\{{format="{fmt}"\}} (\S+)$', text, re.M)
-    assert found, f"{name}{{format={fmt!r}}} is not exported"
-    return sum(map(float, found))
 
 
 def test_an_openai_sdk_tool_loop_runs_on_the_session_url(bench_service):
@@ -151,12 +145,12 @@ def scripted_episode(bench: str, seed: int, tool_format: str = "hermes") -> dict
 @pytest.fixture(scope="module")
 def episodes(bench_service):
     before = {
-        name: metric(bench_service, name, "hermes")
+        name: metric(bench_service, name, format="hermes")
         for name in ("farm_tool_calls_total", "farm_tool_parse_errors_total")
     }
     with ThreadPoolExecutor(16) as pool:
         done = list(pool.map(lambda seed: scripted_episode(bench_service, seed), range(200)))
-    after = {name: metric(bench_service, name, "hermes") for name in before}
+    after = {name: metric(bench_service, name, format="hermes") for name in before}
     return done, {name: after[name] - before[name] for name in before}
 
 
@@ -208,8 +202,8 @@ def test_a_parser_that_never_matches_shows_no_tool_calls(bench_service, episodes
     for ep in done:
         assert not any(a["choices"][0]["message"].get("tool_calls") for a in ep["answers"])
         assert "<tool_call>" in ep["answers"][0]["choices"][0]["message"]["content"]
-    assert metric(bench_service, "farm_tool_calls_total", "test_wrong_tag") == 0
-    assert metric(bench_service, "farm_tool_parse_errors_total", "test_wrong_tag") == 0
+    assert metric(bench_service, "farm_tool_calls_total", format="test_wrong_tag") == 0
+    assert metric(bench_service, "farm_tool_parse_errors_total", format="test_wrong_tag") == 0
     assert episodes[1]["farm_tool_calls_total"] > 200
 
 

@@ -3,12 +3,12 @@ dies, the session's next turn prefills once on the other replica and sticks ther
 counters on /metrics (farm_replica_prefill_tokens, farm_replica_session_cache_tokens), never from timings. At the end
 both replicas serve again, for the tests after this one."""
 
-import re
 import time
 
 import httpx
 import ray
 
+from tests.metrics_text import by_label
 from tests.service.helpers import wait_until
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -17,9 +17,9 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 def counters(service: str) -> dict[str, tuple[float, float]]:
     """replica id -> (prefill tokens, session cache tokens)."""
     text = httpx.get(f"{service}/metrics", timeout=60).text
-    fed = dict(re.findall(r'^farm_replica_prefill_tokens\{replica="([^"]+)"\} (\S+)$', text, re.M))
-    saved = dict(re.findall(r'^farm_replica_session_cache_tokens\{replica="([^"]+)"\} (\S+)$', text, re.M))
-    return {r: (float(fed[r]), float(saved.get(r, 0))) for r in fed}
+    fed = by_label(text, "farm_replica_prefill_tokens", "replica")
+    saved = by_label(text, "farm_replica_session_cache_tokens", "replica")
+    return {r: (fed[r], saved.get(r, 0.0)) for r in fed}
 
 
 def turn(service: str, sid: str, ids: list[int]) -> dict:

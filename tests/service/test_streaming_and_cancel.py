@@ -13,6 +13,7 @@ from tests.service.helpers import (
     greedy,
     in_thread,
     long_rollout,
+    metric,
     replica_metric,
     rollout,
     wait_until,
@@ -118,11 +119,7 @@ def test_a_retry_after_a_dropped_connection_picks_up_the_running_rollout(service
     body = {**long_rollout(n=4), "request_id": "dropped-then-retried"}
 
     def replays():
-        return next(
-            float(line.split()[-1])
-            for line in httpx.get(f"{service}/metrics", timeout=30).text.splitlines()
-            if line.startswith("farm_idempotent_replays_total ")
-        )
+        return metric(service, "farm_idempotent_replays_total")
 
     before, replayed = _generated(service), replays()
     post_and_drop(service, body)

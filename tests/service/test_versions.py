@@ -1,7 +1,5 @@
 """Weight versions in flight: version routing, the in-flight policies, replicas that catch up, per-replica versions."""
 
-import time
-
 from safetensors.torch import load_file, save
 
 from tests.conftest import MIN_VERSION_WAIT_S, TOKEN
@@ -46,14 +44,20 @@ def test_min_weight_version_never_pushed_gets_409_naming_the_field(service):
     assert versions(service)["version"] == current
 
 
+# The rollout the in-flight policies are pushed into: the most tokens a sample may have, seconds of decoding. Left to
+# chance: the push (its body made before the rollout starts) landing within them, a stall of the machine that long.
+PUSH_TOKENS = 2 * LONG_TOKENS
+
+
 def _push_during_long_rollout(service, tiny_model, policy: str) -> tuple[int, list[dict]]:
     """Start a long greedy rollout (one group: one replica), push a new version with `policy` while it decodes;
     the old version and the rollout's samples."""
     wait_until(lambda: not any_busy(service), "replicas idle before the test")
     old = versions(service)["version"]
-    t, out = in_thread(lambda: rollout(service, long_rollout(n=2)))
+    blob = save(perturbed(tiny_model, seed=3, scale=0.1))
+    t, out = in_thread(lambda: rollout(service, long_rollout(n=2, max_new_tokens=PUSH_TOKENS)))
     wait_until(lambda: any_busy(service), "a replica busy with the rollout")
-    r = push(service, save(perturbed(tiny_model, seed=3, scale=0.1)), old + 1, policy=policy)
+    r = push(service, blob, old + 1, policy=policy)
     assert r.status_code == 200 and r.json()["version"] == old + 1, r.text
     t.join(300)
     assert out and out[0].status_code == 200, out
@@ -63,20 +67,20 @@ def _push_during_long_rollout(service, tiny_model, policy: str) -> tuple[int, li
 def test_policy_partial_switches_weights_mid_sample(service, tiny_model):
     old, samples = _push_during_long_rollout(service, tiny_model, "partial")
     assert all(
-        s["weight_version"] == old and len(s["token_ids"]) == LONG_TOKENS and s["finish_reason"] == "length"
+        s["weight_version"] == old and len(s["token_ids"]) == PUSH_TOKENS and s["finish_reason"] == "length"
         for s in samples
     )
     mixed = [s["token_weight_versions"] for s in samples if s["token_weight_versions"]]
     assert mixed, "no sample saw the commit"
     for v in mixed:
-        assert len(v) == LONG_TOKENS and v[0] == old and v[-1] == old + 1 and v == sorted(v)
+        assert len(v) == PUSH_TOKENS and v[0] == old and v[-1] == old + 1 and v == sorted(v)
 
 
 def test_policy_abort_reruns_in_flight_samples_on_the_new_weights(service, tiny_model):
     old, samples = _push_during_long_rollout(service, tiny_model, "abort")
     for s in samples:
         assert (
-            s["finish_reason"] == "length" and s["weight_version"] == old + 1 and len(s["token_ids"]) == LONG_TOKENS
+            s["finish_reason"] == "length" and s["weight_version"] == old + 1 and len(s["token_ids"]) == PUSH_TOKENS
         ), {k: s[k] for k in ("finish_reason", "weight_version")}
         assert s["token_weight_versions"] is None
 
@@ -91,12 +95,14 @@ def test_policy_finish_lets_in_flight_samples_end_on_the_old_weights(service, ti
 def test_an_abort_push_reaches_replicas_whose_request_slots_are_full(service, tiny_model):
     """The fixture allows two ongoing requests per replica: four one-group rollouts fill both replicas. The push's
     stage and commit calls must still reach them, so every sample, the running ones included, ends on the new
-    version."""
+    version. The push is sent once all four are at a replica (polled, not slept on). Left to chance: the push
+    landing within the seconds their 2 * LONG_TOKENS tokens take, a stall of the machine that long."""
     from rollout_farm.services import protocol as P
     from rollout_farm.services.client import FarmClient
 
     wait_until(lambda: not any_busy(service), "replicas idle before the test")
     old = versions(service)["version"]
+    blob = save(perturbed(tiny_model, seed=4, scale=0.1))
     with FarmClient(
         service, TOKEN, retries=100, backoff_s=0.05, max_backoff_s=0.5
     ) as c:  # retries the 429s of a full engine queue
@@ -109,10 +115,14 @@ def test_an_abort_push_reaches_replicas_whose_request_slots_are_full(service, ti
             )
             for i in range(4)
         ]
-        time.sleep(
-            1.5
-        )  # let them take the replicas' slots (not an assertion: a late one simply runs on the new version)
-        r = push(service, save(perturbed(tiny_model, seed=4, scale=0.1)), old + 1, policy="abort")
+        wait_until(  # every rollout at a replica, both replicas decoding
+            lambda: (
+                all(x["busy"] for x in replicas(service))
+                and sum(x["rollouts_running"] + x["rollouts_waiting"] for x in replicas(service)) == 4
+            ),
+            "the four rollouts in the replicas' slots",
+        )
+        r = push(service, blob, old + 1, policy="abort")
         assert r.status_code == 200, r.text
         for t, _ in runs:
             t.join(300)

@@ -12,7 +12,7 @@ import redis
 
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 from rollout_farm.services.weights.store import Store, weights_key
-from tests.service.helpers import AUTH, greedy, push_path, replicas, wait_until
+from tests.service.helpers import AUTH, greedy, push_path, replicas, second_app, wait_until
 
 PREFIX = "farm:store-test"
 
@@ -82,31 +82,13 @@ def test_a_store_never_lowers_the_record_and_says_what_it_cannot_load(service, r
 @pytest.fixture
 def lost_app(service, tiny_model, tmp_path):
     """An app started on a Redis whose record names an upload it cannot have: as a new cluster after an upgrade."""
-    from ray import serve
-
-    from rollout_farm.services import server
-    from rollout_farm.services.settings import ServiceSettings
-    from tests.conftest import TOKEN
-
     embedded = EmbeddedRedis(tmp_path / "redis")
     url = embedded.start()
     redis.Redis.from_url(url).hset(
         weights_key("farm:lost"), mapping={"version": 7, "kind": "bytes", "path": "", "chain_bytes": 0}
     )
-    settings = ServiceSettings(
-        api_token=TOKEN,
-        port=int(service.rsplit(":", 1)[1]),
-        app_name="lost",
-        model=str(tiny_model),
-        replicas=1,
-        engine_threads=1,
-        engine_num_cpus=0,
-        log_level="WARNING",
-        redis_url=url,
-    )
-    server.start(settings, route_prefix="/lost")
-    yield f"{service}/lost"
-    serve.delete("lost")
+    with second_app(service, "lost", model=str(tiny_model), replicas=1, redis_url=url) as app:
+        yield app
     embedded.stop()
 
 

@@ -11,12 +11,13 @@ import types
 
 import torch
 
-from rollout_farm.services.engine.torch_engine import processed_logits
+from rollout_farm.services.engine.torch.sampling import processed_logits
 from rollout_farm.services.protocol import SamplingParams
-from rollout_farm.trainer import rollout_correction
+from rollout_farm.trainer.algorithms import rollout_correction
+from rollout_farm.trainer.algorithms.forward import response_logprobs
 from rollout_farm.trainer.batch import Batch
 from rollout_farm.trainer.config import RolloutCorrection
-from rollout_farm.trainer.forward import response_logprobs
+from tests.unit.batches import response_batch
 
 BOS = 0
 
@@ -61,32 +62,18 @@ def exact_gradient(
 
 def every_sequence_batch(xs: torch.Tensor, q_tok: torch.Tensor, r: torch.Tensor, T: float) -> Batch:
     """One row per sequence, its per-token sampling logprobs `q_tok` as the service would report them."""
-    B, L = xs.shape
-    ids = torch.cat([torch.full((B, 1), BOS), xs], 1)
-    return Batch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        response_pos=torch.arange(L).repeat(B, 1),
-        response_ids=xs,
-        response_mask=torch.ones(B, L, dtype=torch.long),
-        rollout_logprobs=torch.zeros(B, L),  # raw logprobs: not used by the update
-        sampling_logprobs=q_tok,
-        sampling_known=torch.ones(B, dtype=torch.long),
-        temperatures=torch.full((B,), T),
-        importance_weights=torch.ones(B),
-        rewards=r,
-        group_ids=torch.zeros(B, dtype=torch.long),
-        weight_versions=torch.zeros(B, dtype=torch.long),
-    )
+    B, L = xs.shape  # the raw logprobs (0) are not used by the update
+    full = torch.ones(B, L, dtype=torch.long)
+    return response_batch(full, xs, BOS, sampling_logprobs=q_tok, temperatures=torch.full((B,), T), rewards=r)
 
 
 def estimator_moments(
     table: torch.Tensor, xs: torch.Tensor, r: torch.Tensor, T: float, q_tok: torch.Tensor, cfg: RolloutCorrection
 ) -> tuple[torch.Tensor, float]:
     """The trainer's one-sample policy-gradient estimate g(x) = (r(x) - E_q[r]) sum_t w_t(x) grad log pi_T(x_t),
-    the weights w from rollout_farm/trainer/rollout_correction.py under `cfg`, over x ~ q (per-token logprobs `q_tok`):
-    its expectation E_q[g] (to compare with grad J) and its total variance E_q[|g|^2] - |E_q[g]|^2 (a batch of N
-    samples has 1/N of it)."""
+    the weights w from rollout_farm/trainer/algorithms/rollout_correction.py under `cfg`, over x ~ q (per-token
+    logprobs `q_tok`): its expectation E_q[g] (to compare with grad J) and its total variance E_q[|g|^2] - |E_q[g]|^2
+    (a batch of N samples has 1/N of it)."""
     q = q_tok.sum(-1).exp()
     drawn = torch.nonzero(q > 0).squeeze(-1)
     xs, q_tok, q, r = xs[drawn], q_tok[drawn], q[drawn], r[drawn]

@@ -5,31 +5,17 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 
-from rollout_farm.trainer import losses
-from rollout_farm.trainer.advantages import compute_advantages
+from rollout_farm.trainer.algorithms import losses
+from rollout_farm.trainer.algorithms.advantages import compute_advantages
 from rollout_farm.trainer.batch import Batch
 from rollout_farm.trainer.config import load
 from rollout_farm.trainer.minibatches import mini_batches
+from tests.unit.batches import response_batch
 
 
 def batch(rewards: list[float], groups: list[int], lengths: list[int], R: int = 4) -> Batch:
-    B = len(rewards)
     mask = (torch.arange(R)[None] < torch.tensor(lengths)[:, None]).long()
-    return Batch(
-        input_ids=torch.zeros(B, R + 1, dtype=torch.long),
-        attention_mask=torch.ones(B, R + 1, dtype=torch.long),
-        response_pos=torch.arange(R).repeat(B, 1),
-        response_ids=torch.zeros(B, R, dtype=torch.long),
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(B, R),
-        sampling_logprobs=torch.zeros(B, R),
-        sampling_known=torch.ones(B, dtype=torch.long),
-        temperatures=torch.ones(B),
-        importance_weights=torch.ones(B),
-        rewards=torch.tensor(rewards),
-        group_ids=torch.tensor(groups),
-        weight_versions=torch.zeros(B, dtype=torch.long),
-    )
+    return response_batch(mask, rewards=torch.tensor(rewards), group_ids=torch.tensor(groups))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

@@ -1,5 +1,6 @@
-"""Stale and spanning samples are corrected at the sequence level by default (rollout_farm/trainer/stale_samples.py
-`correct_by_sequence`), and that default is the one that recovers the policy gradient.
+"""Stale and spanning samples are corrected at the sequence level by default
+(rollout_farm/trainer/algorithms/stale_samples.py `correct_by_sequence`), and that default is the one that recovers
+the policy gradient.
 
 Exact by enumeration (tests/unit/enumeration.py): each sample's first token drawn by weight version 5, the rest by
 version 6, the trainer at version 7. The negative control is the old default, token-level weights capped at 2.0,

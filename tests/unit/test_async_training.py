@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from rollout_farm.services import protocol as P
-from rollout_farm.trainer import rollout_correction, rollouts, staleness_bound, staleness_metrics, step_metrics
+from rollout_farm.trainer.algorithms import rollout_correction
 from rollout_farm.trainer.batch import make_batch
 from rollout_farm.trainer.config import ConfigError, RolloutCorrection, load
+from rollout_farm.trainer.outputs import staleness_metrics, step_metrics
+from rollout_farm.trainer.sync import rollouts, staleness_bound
 
 QUEUE = ["trainer.rollout_source=queue"]
 

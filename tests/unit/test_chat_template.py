@@ -4,7 +4,7 @@ never learned, and the demo scored 0.000 before and after RL)."""
 
 from rollout_farm.services.models import byte_tokenizer
 from rollout_farm.services.tasks import ArithTask
-from rollout_farm.trainer.rollouts import render_prompt
+from rollout_farm.trainer.sync.rollouts import render_prompt
 
 
 def test_a_user_message_renders_to_the_pretraining_prompt():

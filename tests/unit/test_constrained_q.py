@@ -1,6 +1,6 @@
 """A regex-constrained draw reports the logprob of the distribution it was drawn from: the processed distribution
 (temperature, top-k, top-p) restricted to the tokens the regex allows, renormalised
-(rollout_farm/services/engine/torch_sampling.py `draw` and `RegexMask.log_allowed_mass`). The trainer's importance ratio
+(rollout_farm/services/engine/torch/sampling.py `draw` and `RegexMask.log_allowed_mass`). The trainer's importance ratio
 divides by it, so a q off by 1/Z_allowed would scale every constrained token's weight (`pattern_conditional` in
 `constrained` mode).
 
@@ -9,7 +9,9 @@ control is the unconstrained q (what was reported before): its probabilities ove
 to 1 and the draws reject it.
 
 Mutations tried, each failing here: log Z left out of the sampling logprob, in the plain step or in the
-draft-verifying one; Z summed over the first allowed token only (the picked one)."""
+draft-verifying one; Z summed over the first allowed token only (the picked one).
+
+Seeded: the logits and the draws come from fixed-seed generators, so the chi-squared p is the same on every run."""
 
 import math
 import types
@@ -19,8 +21,8 @@ import torch
 from scipy import stats
 from transformers import AutoTokenizer
 
-from rollout_farm.services.engine.torch_sampling import Group, RegexMask, draw
-from rollout_farm.services.engine.torch_speculative import verify
+from rollout_farm.services.engine.torch.sampling import Group, RegexMask, draw
+from rollout_farm.services.engine.torch.speculative import verify
 
 DRAWS = 600
 
@@ -33,7 +35,7 @@ def tok(tiny_model):
 def constrained_draws(tok, top_k: int, speculative: bool = False):
     """DRAWS rows with the same random logits, a digit forced at the start of the text: the tokens drawn, their
     reported sampling logprobs, and the processed logprobs (B, V) they were drawn from. `speculative`: through the
-    draft-verifying step (torch_speculative.verify, regex rows get no drafts) instead of the plain one."""
+    draft-verifying step (speculative.verify, regex rows get no drafts) instead of the plain one."""
     V = len(tok)
     logits = torch.randn(V, generator=torch.Generator().manual_seed(0)).repeat(DRAWS, 1) * 0.5
     mask = RegexMask("[0-9]+", tok, {tok.eos_token_id})

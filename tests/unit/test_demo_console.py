@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from rollout_farm.trainer import cli, step_metrics
-from rollout_farm.trainer.console import StepLines, console_level, log_to_file
+from rollout_farm.trainer import cli
+from rollout_farm.trainer.outputs import step_metrics
+from rollout_farm.trainer.outputs.console import StepLines, console_level, log_to_file
 
 
 @pytest.fixture

@@ -1,15 +1,15 @@
-"""Episode groups as rollout groups (rollout_farm/services/episodes/episode_groups.py), and the trainer's batch of them:
-the observations between turns are context (loss mask 0), the reward lands on the last sampled token."""
+"""Episode groups as rollout groups (rollout_farm/services/protocol/episode_groups.py), and the trainer's batch of
+them: the observations between turns are context (loss mask 0), the reward lands on the last sampled token."""
 
 import pytest
 import torch
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.episodes.episode_groups import as_group
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol import sessions as S
+from rollout_farm.services.protocol.episode_groups import as_group
+from rollout_farm.trainer.algorithms.losses import outcome_to_token_rewards
 from rollout_farm.trainer.batch import make_batch
-from rollout_farm.trainer.losses import outcome_to_token_rewards
 
 PARAMS = P.SamplingParams(temperature=1.0, max_new_tokens=4)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_farm.trainer.estimators import (
+from rollout_farm.trainer.algorithms.estimators import (
     ESTIMATORS,
     AdvInput,
     adaptive_lambda,

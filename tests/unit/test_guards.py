@@ -46,7 +46,7 @@ def stats(p: float) -> dict:
 
 
 def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated_rollbacks():
-    from rollout_farm.trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards.checks import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True, max_rollbacks=2))
     assert guard.check(kl=0.01, stats=stats(0.5), mini_batch_size=8)[0] == ["raise_mini_batch"]
@@ -68,7 +68,7 @@ def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
     """Raised at a reward std above 0.3; lowered back to ppo_mini_batch_size (8) only after 3 steps in a row below
     half of it (0.15): a std between the two bounds keeps the raised size, and one noisy step restarts the count.
     Without the base size (the negative control) it is never lowered, as before."""
-    from rollout_farm.trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards.checks import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True), base_mini_batch_size=8)
     noisy, between, calm = stats(0.5), stats(0.03), stats(0.01)  # reward std 0.5, ~0.17, ~0.1
@@ -87,7 +87,7 @@ def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
 def test_the_default_variance_statistic_can_cross_the_threshold_on_0_1_rewards_and_reward_variance_cannot(p):
     """With 0/1 rewards the variance is p(1 - p) <= 0.25: compared with 0.3 it never trips. The reward std does,
     for any mean reward between 0.1 and 0.9."""
-    from rollout_farm.trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards.checks import Guard, GuardConfig
 
     assert Guard(GuardConfig(enable=True)).check(0.0, stats(p), 8)[0] == ["raise_mini_batch"]
     by_variance = Guard(GuardConfig(enable=True, variance_statistic="reward_var"))

@@ -5,6 +5,9 @@ A part is a sub-package (`rollout_farm/services/weights/`, `rollout_farm/service
 (`rollout_farm/services/errors.py`). Every import counts, also one inside a function or under `if TYPE_CHECKING:`: a
 reader follows those arrows too. An import from a part into itself is no arrow. The parts' graph must have no circle,
 and neither may the modules'.
+
+The trainer and the integrations sit beside the service, not on it: they import only its base modules (SERVICE_BASE),
+never the ingress's domain packages, and rollout_farm/trainer/cli.py also the server and its settings for `farm serve`.
 """
 
 import ast
@@ -18,6 +21,24 @@ PACKAGES = ("services", "trainer", "integrations")
 BUILDS_AT_IMPORT = {
     "rollout_farm.services.serve_entry"
 }  # `serve run`'s entry: importing it builds the app from FARM_* settings
+# What rollout_farm/trainer/ and rollout_farm/integrations/ may import of rollout_farm/services/ (docs/architecture.md,
+# the layers): the base modules, every module of protocol/ and the package itself (a docstring). rewards.py is one
+# (rollout_farm/trainer/evaluate.py grades the last number with it).
+SERVICE_BASE = {
+    "rollout_farm.services",
+    "rollout_farm.services.client",
+    "rollout_farm.services.protocol",
+    "rollout_farm.services.models",
+    "rollout_farm.services.tasks",
+    "rollout_farm.services.registry",
+    "rollout_farm.services.rewards",
+    "rollout_farm.services.logs",
+    "rollout_farm.services.net",
+    "rollout_farm.services.weights.pusher",
+    "rollout_farm.services.weights.state_dict",
+}
+CLI = "rollout_farm.trainer.cli"
+CLI_ALSO = {"rollout_farm.services.server", "rollout_farm.services.settings"}  # `farm serve`
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -82,6 +103,20 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def may_import(importer: str, target: str) -> bool:
+    """Whether a module of the trainer or the integrations may import `target`."""
+    if target != "rollout_farm.services" and not target.startswith("rollout_farm.services."):
+        return True
+    if target in SERVICE_BASE or target.startswith("rollout_farm.services.protocol."):
+        return True
+    return importer == CLI and target in CLI_ALSO
+
+
+def forbidden(mods: dict[str, pathlib.Path], known: set[str]) -> list[str]:
+    """'importer -> target' for each import of rollout_farm/services/ that the modules `mods` may not make."""
+    return sorted(f"{m} -> {t}" for m, p in mods.items() for t in imported(p, m, known) if not may_import(m, t))
+
+
 def services_graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(module graph, part graph) of services/."""
     mods = modules("services")
@@ -120,6 +155,36 @@ def test_weights_take_the_replicas_handle_and_do_not_import_it():
     assert "rollout_farm.services.replica" not in by_part["rollout_farm.services.weights"]
     # the replicas stage weights (rollout_farm/services/weights/stage.py)
     assert "rollout_farm.services.weights" in by_part["rollout_farm.services.replica"]
+
+
+def test_the_trainer_and_the_integrations_import_only_the_services_base_modules():
+    mods = modules("trainer") | modules("integrations")
+    known = set(modules("services")) | set(mods)
+    assert {CLI, "rollout_farm.trainer.sync.rollouts", "rollout_farm.integrations.verl.server"} <= set(mods)
+    bad = forbidden(mods, known)
+    assert not bad, (
+        "the trainer and the integrations import only the service's base modules (docs/architecture.md, the layers); "
+        "move what they need down to one (a pure function on the wire models goes to rollout_farm/services/protocol/): "
+        + ", ".join(bad)
+    )
+
+
+def test_the_trainer_rule_reports_a_forbidden_import(tmp_path):
+    """Negative control: a domain package imported lazily is reported, so is the server outside cli.py, and the base
+    modules (protocol/'s modules, weights/pusher.py) are not."""
+    src = tmp_path / "x.py"
+    src.write_text(
+        "from rollout_farm.services.protocol.episode_groups import as_group\n"
+        "from rollout_farm.services.weights.pusher import WeightPusher\n"
+        "def f():\n    from rollout_farm.services.episodes.episodes import Episodes\n"
+        "    from rollout_farm.services.server import run_forever\n"
+    )
+    known = set(modules("services"))
+    assert forbidden({"rollout_farm.trainer.x": src}, known) == [
+        "rollout_farm.trainer.x -> rollout_farm.services.episodes.episodes",
+        "rollout_farm.trainer.x -> rollout_farm.services.server",
+    ]
+    assert forbidden({CLI: src}, known) == [f"{CLI} -> rollout_farm.services.episodes.episodes"]
 
 
 def test_the_check_finds_a_circle_and_reads_every_kind_of_import(tmp_path):

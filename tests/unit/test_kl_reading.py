@@ -1,11 +1,12 @@
 """The KL to the reference the trainer reads (controller, rollback guard, the samplers' policy stats) is the exact
-one: per response position, summed over the vocabulary (rollout_farm/trainer/forward.py: policy_and_reference)."""
+one: per response position, summed over the vocabulary (rollout_farm/trainer/algorithms/forward.py:
+policy_and_reference)."""
 
 import torch
 
 from rollout_farm.services.protocol import SamplingParams
+from rollout_farm.trainer.algorithms.forward import policy_and_reference
 from rollout_farm.trainer.batch import Batch
-from rollout_farm.trainer.forward import policy_and_reference
 from rollout_farm.trainer.loop import kl_readings
 from tests.unit.enumeration import Bigram, every_sequence_batch, sequences, token_logprobs
 

@@ -1,6 +1,7 @@
-"""rollout_farm/trainer/last_good.py and the KL rollback (rollout_farm/trainer/guard_actions.py): a rollback returns to
-the last step the guards did not roll back, not to the step-0 checkpoint that save_freq=-1 leaves; a second rollback
-returns there again; rollback_to=checkpoint keeps the old behaviour (the negative control: it lands on step 0).
+"""rollout_farm/trainer/guards/last_good.py and the KL rollback (rollout_farm/trainer/guards/actions.py): a rollback
+returns to the last step the guards did not roll back, not to the step-0 checkpoint that save_freq=-1 leaves; a
+second rollback returns there again; rollback_to=checkpoint keeps the old behaviour (the negative control: it lands on
+step 0).
 
 The run is a small torch model with a real AdamW and verl's KL controller; its service client is a stub that
 records the pause, the push and the resume (the e2e test tests/e2e/test_trainer.py rolls back against the service)."""
@@ -11,8 +12,10 @@ import types
 import torch
 from verl.trainer.ppo import core_algos
 
-from rollout_farm.trainer import checkpoint, guard_actions, last_good
 from rollout_farm.trainer.config import load
+from rollout_farm.trainer.guards import actions as guard_actions
+from rollout_farm.trainer.guards import last_good
+from rollout_farm.trainer.outputs import checkpoint
 from rollout_farm.trainer.run import TrainingRun
 
 
@@ -29,6 +32,7 @@ def make_run(tmp_path, rollback_to: str):
         None,
         ["guards.enable=true", "actor_rollout_ref.actor.ppo_mini_batch_size=8", f"guards.rollback_to={rollback_to}"],
     )
+    torch.manual_seed(0)  # seeded: the policy's initial weights and every step's random inputs
     policy = torch.nn.Linear(4, 3)
     run = types.SimpleNamespace(
         cfg=cfg,

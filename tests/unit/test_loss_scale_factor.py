@@ -11,10 +11,12 @@ import types
 import pytest
 import torch
 
-from rollout_farm.trainer import loop, losses
+from rollout_farm.trainer import loop
+from rollout_farm.trainer.algorithms import losses
 from rollout_farm.trainer.batch import Batch
 from rollout_farm.trainer.config import load
 from rollout_farm.trainer.minibatches import mini_batches
+from tests.unit.batches import response_batch
 
 NORM = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"
 
@@ -23,21 +25,8 @@ def padded(width: int) -> Batch:
     """Two groups of two samples, responses of 2-5 tokens, padded to `width`."""
     lengths = torch.tensor([5, 2, 3, 4])
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    B = len(lengths)
-    return Batch(
-        input_ids=torch.zeros(B, width + 1, dtype=torch.long),
-        attention_mask=torch.ones(B, width + 1, dtype=torch.long),
-        response_pos=torch.arange(width).repeat(B, 1),
-        response_ids=torch.zeros(B, width, dtype=torch.long),
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(B, width),
-        sampling_logprobs=torch.zeros(B, width),
-        sampling_known=torch.zeros(B, dtype=torch.long),
-        temperatures=torch.ones(B),
-        importance_weights=torch.ones(B),
-        rewards=torch.zeros(B),
-        group_ids=torch.tensor([0, 0, 1, 1]),
-        weight_versions=torch.zeros(B, dtype=torch.long),
+    return response_batch(
+        mask, sampling_known=torch.zeros(len(lengths), dtype=torch.long), group_ids=torch.tensor([0, 0, 1, 1])
     )
 
 

@@ -1,4 +1,4 @@
-"""The PPO losses and KL estimators (rollout_farm/trainer/losses.py) against naive loops."""
+"""The PPO losses and KL estimators (rollout_farm/trainer/algorithms/losses.py) against naive loops."""
 
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_farm.trainer import losses
-from rollout_farm.trainer.estimators import ESTIMATORS, AdvInput
+from rollout_farm.trainer.algorithms import losses
+from rollout_farm.trainer.algorithms.estimators import ESTIMATORS, AdvInput
 
 
 def test_grpo_matches_naive_loop():

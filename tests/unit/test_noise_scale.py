@@ -1,14 +1,14 @@
-"""The gradient noise scale (rollout_farm/trainer/noise_scale.py): the estimator recovers a known tr(Σ)/|G|², the actor
-step measures each micro-batch's own mean gradient, and the guard can act on it."""
+"""The gradient noise scale (rollout_farm/trainer/algorithms/noise_scale.py): the estimator recovers a known
+tr(Σ)/|G|², the actor step measures each micro-batch's own mean gradient, and the guard can act on it."""
 
 import pytest
 import torch
 
 from rollout_farm.trainer.actor import ActorInputs, update_actor
+from rollout_farm.trainer.algorithms.forward import response_logprobs
+from rollout_farm.trainer.algorithms.noise_scale import noise_parts, noise_scale
 from rollout_farm.trainer.config import ConfigError, load
-from rollout_farm.trainer.forward import response_logprobs
 from rollout_farm.trainer.minibatches import MiniBatch
-from rollout_farm.trainer.noise_scale import noise_parts, noise_scale
 from tests.unit.enumeration import Bigram, sequences
 from tests.unit.test_kl_reading import every_sequence
 
@@ -82,7 +82,7 @@ def test_the_actor_step_measures_each_micro_batch_as_its_own_mini_batch(mode):
 
 
 def test_the_noise_scale_guard_raises_the_mini_batch_above_the_critical_batch():
-    from rollout_farm.trainer.guards import Guard, GuardConfig
+    from rollout_farm.trainer.guards.checks import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True, variance_statistic="grad_noise_scale", variance_raise=1.0))
     base = {"reward_std": 0.0, "reward_var": 0.0, "adv_var": 0.0}

@@ -5,6 +5,8 @@ tests/service/test_openenv_env.py."""
 import pytest
 from pydantic import ValidationError
 
+from rollout_farm.services.chat.tool_formats import ToolCall
+from rollout_farm.services.chat.tool_schemas import schema_problems
 from rollout_farm.services.episodes.openenv_remote import (
     OpenEnvParams,
     Refused,
@@ -14,8 +16,6 @@ from rollout_farm.services.episodes.openenv_remote import (
     shown,
     text_field,
 )
-from rollout_farm.services.episodes.tool_formats import ToolCall
-from rollout_farm.services.episodes.tool_schemas import schema_problems
 
 # what openenv-core 0.2.1's GET /schema answers for `class GuessAction(Action): guess: int; note: str`
 ACTION = {

@@ -1,7 +1,7 @@
 """The trainer trains the distribution that sampled: exact expected updates on a tiny vocabulary.
 
 Every sequence of a tiny bigram "model" (V tokens, L steps) is enumerated, so J(pi) = sum_x pi(x) r(x) and its
-gradient are exact, and so is the expected update: the trainer's own loss (rollout_farm/trainer/forward.py,
+gradient are exact, and so is the expected update: the trainer's own loss (rollout_farm/trainer/algorithms/forward.py,
 rollout_correction.py, losses.ppo_loss at ratio 1) on a batch holding every sequence the sampler can draw, each
 advantage weighted by the sequence's probability q(x) under the sampler (the engine's own processed_logits: temperature,
 top-p).
@@ -15,10 +15,10 @@ test_tempered_logprobs.py; the stale-sample defaults by test_async_correction.py
 import torch
 
 from rollout_farm.services.protocol import SamplingParams
-from rollout_farm.trainer import losses, rollout_correction
-from rollout_farm.trainer.batch import Batch
+from rollout_farm.trainer.algorithms import losses, rollout_correction
+from rollout_farm.trainer.algorithms.forward import response_logprobs
 from rollout_farm.trainer.config import RolloutCorrection
-from rollout_farm.trainer.forward import response_logprobs
+from tests.unit.batches import response_batch
 from tests.unit.enumeration import Bigram, cosine, every_sequence_batch, exact_gradient, sequences, token_logprobs
 
 
@@ -121,20 +121,13 @@ def test_the_mismatch_is_logged_and_masked_is_zeroes_tokens_outside_its_bounds()
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]] * B))
     sampled = old.clone()
     sampled[0, 0] = torch.log(torch.tensor(0.05))  # ratio 10 on one token
-    b = Batch(
-        input_ids=torch.zeros(B, L + 1, dtype=torch.long),
-        attention_mask=torch.ones(B, L + 1, dtype=torch.long),
-        response_pos=torch.arange(L).repeat(B, 1),
-        response_ids=torch.zeros(B, L, dtype=torch.long),
-        response_mask=torch.ones(B, L, dtype=torch.long),
+    b = response_batch(
+        torch.ones(B, L, dtype=torch.long),
         rollout_logprobs=old.clone(),
         sampling_logprobs=sampled,
         sampling_known=torch.tensor([1, 1, 1, 0]),
-        temperatures=torch.ones(B),
         importance_weights=torch.tensor([1.0, 3.0, 1.0, 1.0]),
-        rewards=torch.zeros(B),
         group_ids=torch.tensor([0, 0, 1, 1]),
-        weight_versions=torch.zeros(B, dtype=torch.long),
     )
     w, mask, m = rollout_correction.correction(old, b, RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0))
     assert w[0, 0] == 2.0  # truncated at 2, times its importance weight 1

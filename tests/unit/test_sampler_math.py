@@ -168,13 +168,13 @@ def test_importance_resampling_to_the_policy_ratio_reaches_the_raw_policy():
 def trainer_gradients(groups, weighted: bool, normalised: bool = False, n: int = 4):
     """The trainer's policy-gradient estimate per group, for a softmax policy pi = q over the arms: the importance
     weights as the service sent them on each term and in RLOO's leave-one-out baseline
-    (rollout_farm/trainer/estimators.py, rollout_farm/trainer/rollout_correction.py); `weighted=False` drops the weights
-    (the negative control), `normalised=True` divides them by their group's mean (self-normalising: biased for small
-    groups)."""
+    (rollout_farm/trainer/algorithms/estimators.py, rollout_farm/trainer/algorithms/rollout_correction.py);
+    `weighted=False` drops the weights (the negative control), `normalised=True` divides them by their group's mean
+    (self-normalising: biased for small groups)."""
     import numpy as np
     import torch
 
-    from rollout_farm.trainer.estimators import ESTIMATORS, AdvInput
+    from rollout_farm.trainer.algorithms.estimators import ESTIMATORS, AdvInput
 
     q = torch.tensor(ARMS_Q)
     out = []

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from rollout_farm.services.episodes import chat_delta
+from rollout_farm.services.chat import delta as chat_delta
+from rollout_farm.services.chat.tool_formats import Hermes
 from rollout_farm.services.episodes.segments import Segment
-from rollout_farm.services.episodes.tool_formats import Hermes
 
 QWEN25 = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
@@ -128,14 +128,14 @@ def test_each_prompt_is_the_last_prompt_and_its_sampled_ids_exactly(tok, canonic
 
 def test_the_deltas_equal_rendering_the_whole_chat_when_the_model_samples_canonically(tok):
     seg, messages, _ = episode(tok, canonical=True)
-    assert seg.token_ids == chat_delta.render(tok, hf_shaped(messages), TOOLS, True)
+    assert seg.token_ids == chat_delta.render_ids(tok, hf_shaped(messages), TOOLS, True)
 
 
 def test_re_encoding_the_sampled_text_breaks_token_equality(tok):
     """Negative control: a server that re-renders the chat from text (what the field moved away from) trains on
     other tokens than the model sampled, once a sample is not the canonical encoding of its text."""
     seg, messages, _ = episode(tok, canonical=False)
-    re_encoded = chat_delta.render(tok, hf_shaped(messages), TOOLS, True)
+    re_encoded = chat_delta.render_ids(tok, hf_shaped(messages), TOOLS, True)
     assert tok.decode(re_encoded) == tok.decode(seg.token_ids)  # the same text
     assert re_encoded != seg.token_ids  # but not the same tokens: the stored buffer is what was sampled
 
@@ -206,3 +206,24 @@ def test_re_encoding_breaks_token_equality_on_the_embedded_tokenizer_too():
     assert "\ufffd" in text
     assert seg.token_ids[-n:] == ids  # appended verbatim
     assert tok.encode(text, add_special_tokens=False) != ids  # the re-encoded text is other tokens
+
+
+def test_a_chat_turn_is_its_pieces_and_the_forced_opening_and_a_refused_role_is_not_append_only(tok):
+    """`turn`, what a session's chat turn asks the ingress's renderer for: [close, messages, prompt, forced]; the
+    template's own error (a role it refuses) comes back as NotAppendOnly with the template's text."""
+    seg, _, _ = episode(tok, canonical=True)
+    new = [{"role": "user", "content": "thanks"}]
+    forced = Hermes().opening("calculator")
+    close, messages, prompt, opened = chat_delta.turn(tok, seg.token_ids[-64:], False, new, TOOLS, False, forced)
+    d = chat_delta.delta(tok, new, TOOLS)
+    assert (close, messages, prompt) == ([], d.messages, d.prompt)
+    assert opened == tok.encode(forced, add_special_tokens=False)
+
+    class Refuses:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **_):
+            raise ValueError("Conversation roles must alternate")
+
+    with pytest.raises(chat_delta.NotAppendOnly, match="roles must alternate"):
+        chat_delta.turn(Refuses(), [], False, new, None, True, "")

@@ -1,7 +1,8 @@
 """The trainer's policy is the one it samples from: rollout_farm/trainer/loop.py policy_and_reference_pass (the no-grad
-pass of every step) divides the logits by the temperature each sample was drawn at (rollout_farm/trainer/forward.py
-`temperatures`). Checked against the tiny Llama's own logits divided by hand; `logits_temperature=none` is the negative
-control (the raw logprobs, which differ at T = 0.5). A mutant that divides by nothing fails here."""
+pass of every step) divides the logits by the temperature each sample was drawn at
+(rollout_farm/trainer/algorithms/forward.py `temperatures`). Checked against the tiny Llama's own logits divided by
+hand; `logits_temperature=none` is the negative control (the raw logprobs, which differ at T = 0.5). A mutant that
+divides by nothing fails here."""
 
 import types
 

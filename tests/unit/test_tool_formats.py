@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, Hermes, Plain
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, Hermes, Plain
 
 
 def test_hermes_reads_each_block_and_leaves_the_rest_as_content():
@@ -70,7 +70,7 @@ def test_the_registry_names_the_formats_and_a_wrong_parser_reads_nothing():
 
 
 def test_tool_definitions_are_checked_as_json_schema_naming_the_field():
-    from rollout_farm.services.episodes.tool_schemas import tool_problems
+    from rollout_farm.services.chat.tool_schemas import tool_problems
 
     good = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
     assert tool_problems([good, {"type": "function", "function": {"name": "noop"}}]) == []

@@ -15,6 +15,14 @@ from rollout_farm.services.weights.manifest import Manifest, digest, manifest_of
 from rollout_farm.services.weights.stream import Body, check_bucket, check_complete, receive
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seeded: every test's random tensors come from torch's generator set to 0 (restored after the test)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 def step(t: torch.Tensor, lr: float = 2e-5, seed: int = 0) -> torch.Tensor:
     """An Adam-like step: every element moves by about lr."""
     g = torch.Generator().manual_seed(seed)

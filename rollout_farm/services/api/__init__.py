@@ -4,6 +4,22 @@
 Each area module has `router` (open to all) and, where it has mutating endpoints, `admin`, included here behind
 the bearer token. The routers that generate (GENERATION) need the token too where FARM_REQUIRE_TOKEN_FOR_GENERATION
 is on. Errors map to statuses in errors.py.
+
+| module | owns |
+| --- | --- |
+| `deps.py` | what routes depend on: the ingress replica's domain objects, and `require_token` |
+| `errors.py` | the error body and the exception handlers (the status: rollout_farm/services/errors.py) |
+| `middleware.py` | the JSON body limit, and request counts and latency for Prometheus (plain ASGI) |
+| `uploads.py` | the queue's prompt uploads (JSON or JSONL) within `FARM_MAX_UPLOAD_BYTES`; `line N.<field>` errors |
+| `rollouts.py` | `POST /v1/rollouts` (JSON or NDJSON) and `DELETE /v1/rollouts/{request_id}` |
+| `sessions.py` | `/v1/sessions` and a session's `chat/completions`, `generate`, `reward`, `close`, `trajectory` |
+| `episodes.py` | `POST /v1/episodes` (JSON or NDJSON) and `GET /v1/environments` |
+| `samplers.py` | `GET /v1/samplers`, and the policy stats the trainer reports |
+| `queue.py` | the queue's sources, prompts, pulls and acks |
+| `weights.py` | weight pushes (upload, path, NCCL) and `GET /v1/weights/version` |
+| `control.py` | pause, resume, abort; `/healthz`, `/readyz`, `/metrics` |
+| `openai.py` | `/v1/models`, `/v1/completions`, `/v1/chat/completions` |
+| `sglang_native.py` | SGLang's native routes: `/generate`, model and server reads, health, weight and control routes |
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.compat.chat_render import ChatRenderer
+from rollout_farm.services.chat.renderer import ChatRenderer
 from rollout_farm.services.errors import Invalid, pydantic_fields
 from rollout_farm.services.rollout.jobs import Job
 
@@ -25,7 +26,8 @@ class OpenAICompat:
     def __init__(self, fanout: Fanout, replicas: Replicas, checks: RequestChecks, model: str, committed):
         self.fanout, self.replicas, self.checks, self.committed = fanout, replicas, checks, committed
         self.model_name = os.path.basename(model.rstrip("/"))
-        self.chat_render = ChatRenderer(replicas)  # the chat template rendered here, with a replica's tokenizer
+        # chats rendered here, with the tokenizer one replica hands over once
+        self.renderer = ChatRenderer(functools.partial(replicas.read, "chat_tokenizer"))
 
     async def models(self) -> dict:
         """GET /v1/models: the one served policy, with the committed weight version and the context length."""
@@ -50,7 +52,7 @@ class OpenAICompat:
 
     async def chat(self, req: P.ChatCompletionRequest) -> dict:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        text = await self.chat_render.render(messages)
+        text = await self.renderer.render(messages)
         if text is None:
             raise Invalid(
                 [{"field": "messages", "message": "no chat template"}],
@@ -65,7 +67,7 @@ class OpenAICompat:
             raise Invalid([{"field": "top_logprobs", "message": "needs logprobs=true"}])
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if await self.checks.context_length() is not None:  # counted here: no Ray call to a replica
-            counted = P.Prompt(token_ids=await self.chat_render.token_ids(text))
+            counted = P.Prompt(token_ids=await self.renderer.prompt_ids(text))
             await self.checks.fits([counted], max_tokens, "max_completion_tokens", "messages")
         groups = await self.generate([P.Prompt(text=text)], req.n, sampling(max_tokens, req, req.stop))
         top_k = req.top_logprobs or 0
@@ -98,7 +100,7 @@ class OpenAICompat:
         return (await self.fanout.produce(Job(len(prompts)), rollout)).groups
 
     async def pieces(self, groups: list[P.Group]) -> list[list[str]]:
-        return await self.chat_render.read("token_pieces", [s.token_ids for g in groups for s in g.samples])
+        return await self.renderer.token_pieces([s.token_ids for g in groups for s in g.samples])
 
     async def scored(self, groups: list[P.Group], top_k: int, echo: bool) -> list[dict]:
         """Each choice's tokens scored in one pass over prompt and completion: logprobs and the top_k alternatives

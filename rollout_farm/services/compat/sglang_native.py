@@ -202,7 +202,7 @@ class SGLangNative:
 
     async def pause(self, req: S.PauseGenerationRequest) -> dict:
         """Nothing new is admitted; then what runs ends at its next token with its tokens so far ('abort'), or is
-        held by the engine ('in_place', 'retract': rollout_farm/services/engine/torch_hold.py; 501 from an engine that
+        held by the engine ('in_place', 'retract': rollout_farm/services/engine/torch/hold.py; 501 from an engine that
         cannot)."""
         if req.mode == "abort":
             await self.replicas.control("pause")

@@ -1,14 +1,18 @@
 """Engines: the lifecycle interface (base.py) and one registry of implementations.
 
-torch   any HF causal LM, on CPU or CUDA (the default; what CI and development use)
-sglang  SGLang's offline engine on GPUs (the optional `sglang` extra, imported when the engine starts)
-bench   fixed latency per decode step and no model: for benchmarks and tests of the service layer
+| module | owns |
+| --- | --- |
+| `base.py` | Engine, the lifecycle verbs every engine implements; EngineOutput; the ENGINES registry |
+| `torch/` | the torch engine (FARM_ENGINE=torch, the default; what CI and development use): any HF causal LM |
+| `sglang_engine.py` | SGLang's offline engine on GPUs (the optional `sglang` extra, imported when the engine starts) |
+| `bench_engine.py` | fixed latency per decode step and no model: for benchmarks and tests of the service layer |
+| `stats.py` | EngineStats: busy time, batch sizes, prefill and draft token counts |
 
 A user engine subclasses Engine and is named by dotted path, `my_pkg.engines:MyEngine`, with its module listed
 in FARM_PLUGINS (or registered by name from a FARM_PLUGINS module with `@ENGINES.register("mine")`).
 """
 
-from rollout_farm.services.engine import bench_engine, sglang_engine, torch_engine  # noqa: F401  (they register themselves)
+from rollout_farm.services.engine import bench_engine, sglang_engine, torch  # noqa: F401  (they register themselves)
 from rollout_farm.services.engine.base import ENGINES, Engine, EngineOutput
 from rollout_farm.services.errors import EngineVerbMissing
 from rollout_farm.services.weights.checks import WeightsRejected

@@ -13,7 +13,7 @@ commit_weights   serve the staged weights as the new version; `policy` says what
 discard_weights  drop what was staged (another replica refused it)
 pause / resume   stop and restart admitting new generate calls (`paused` says which); a generate call that waits
                  at the gate ends "abort" with no tokens if its `cancel` is set first. pause(mode): "in_place" and
-                 "retract" also hold the running rows (SGLang's modes; the torch engine, torch_hold.py)
+                 "retract" also hold the running rows (SGLang's modes; the torch engine, torch/hold.py)
 abort            end every in-flight generate call at its next token ("abort")
 health           prove the engine can sample one token (temperature 1)
 init_weights_update_group / update_weights_from_distributed
@@ -254,7 +254,7 @@ class Engine(abc.ABC):
         """Close the admit gate: new generate calls wait until resume; running ones go on ("wait"). The modes
         "in_place" (hold the running rows at a step boundary, keeping their KV cache) and "retract" (put them back
         in the waiting queue, to continue from prompt + tokens so far) are SGLang's; an engine whose scheduler can
-        hold rows overrides this (torch: torch_hold.py), the others refuse them (501)."""
+        hold rows overrides this (torch: torch/hold.py), the others refuse them (501)."""
         if mode != "wait":
             raise EngineVerbMissing.of(
                 self,

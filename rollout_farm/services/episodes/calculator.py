@@ -15,8 +15,8 @@ import operator
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.tool_formats import ToolCall
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
-from rollout_farm.services.episodes.tool_formats import ToolCall
 from rollout_farm.services.rewards import REWARDS
 
 CALCULATOR_TOOL = {

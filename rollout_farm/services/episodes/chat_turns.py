@@ -10,10 +10,10 @@ import time
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.tool_formats import ParsedTurn, ToolFormat
+from rollout_farm.services.chat.tool_schemas import tool_problems
 from rollout_farm.services.episodes.segments import Segment
 from rollout_farm.services.episodes.session_store import Session
-from rollout_farm.services.episodes.tool_formats import ParsedTurn, ToolFormat
-from rollout_farm.services.episodes.tool_schemas import tool_problems
 from rollout_farm.services.errors import Invalid, pydantic_fields
 from rollout_farm.services.protocol import sessions as S
 

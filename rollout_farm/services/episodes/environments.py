@@ -25,7 +25,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.episodes.tool_formats import ToolCall
+from rollout_farm.services.chat.tool_formats import ToolCall
 from rollout_farm.services.registry import Registry
 
 

@@ -24,15 +24,15 @@ from pydantic import ValidationError
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall
 from rollout_farm.services.episodes import calculator, openenv_remote  # noqa: F401  (register the built-in environments)
 from rollout_farm.services.episodes.chat_turns import ContextFull
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
-from rollout_farm.services.episodes.episode_groups import as_group
 from rollout_farm.services.episodes.sessions import Sessions
-from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, ToolCall
 from rollout_farm.services.errors import Invalid, Overloaded, as_service_error
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol import sessions as S
+from rollout_farm.services.protocol.episode_groups import as_group
 
 ContextLength = Callable[[], Awaitable[int | None]]
 EPISODE_STRIDE = 1_000_003  # seed offset between the episodes of a seeded request (turns step by 1)
@@ -69,7 +69,7 @@ class Episodes:
         return E.EpisodeResponse(groups=sorted(groups, key=lambda g: g.prompt_index))
 
     async def generate_for_queue(self, req: E.EpisodeRequest) -> list[P.Group]:
-        """An episode source's groups, as rollout groups (episode_groups.py)."""
+        """An episode source's groups, as rollout groups (rollout_farm/services/protocol/episode_groups.py)."""
         groups = [as_group(g, req.sampling_params) for g in (await self.run(req)).groups]
         return [g for g in groups if g is not None]
 

@@ -31,9 +31,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.tool_formats import ToolCall
+from rollout_farm.services.chat.tool_schemas import NAME, schema_problems
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
-from rollout_farm.services.episodes.tool_formats import ToolCall
-from rollout_farm.services.episodes.tool_schemas import NAME, schema_problems
 
 MAX_MESSAGE = 16 << 20  # bytes of one WebSocket message (an observation may carry an image); websockets' default: 1 MiB
 OPEN_TRIES = 3  # tries of GET /schema and of opening /ws when no server answers, before the episode fails

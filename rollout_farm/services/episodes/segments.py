@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from rollout_farm.services.episodes.tool_formats import ToolCall
+from rollout_farm.services.chat.tool_formats import ToolCall
 
 
 def normal(message: dict) -> tuple:
@@ -48,7 +48,7 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed: list[str] = field(
         default_factory=list
-    )  # calls that did not read (rollout_farm/services/episodes/tool_formats.py)
+    )  # calls that did not read (rollout_farm/services/chat/tool_formats.py)
     reward: float | None = None  # this turn's reward, when the client scores turns
 
 

@@ -7,33 +7,38 @@ the engine returned them. `offset` rewrites: the head forks at that token and th
 `turn` names the turn; a repeat of an answered turn with the same ids is a retry and gets the stored answer.
 
 A chat turn (`chat`) does the same from OpenAI messages: a history the head already answered is a retry; one that
-extends the head's renders only its new messages (on a replica, which holds the tokenizer); any other forks the head
-at the last message both share. The sampled text's tool calls are read by the session's tool format.
+extends the head's renders only its new messages (in the ingress, with the replicas' tokenizer:
+rollout_farm/services/chat/renderer.py); any other forks the head at the last message both share. The sampled text's
+tool calls are read by the session's tool format.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.delta import NotAppendOnly
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ParsedTurn
 from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
 from rollout_farm.services.episodes.segments import Segment, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
-from rollout_farm.services.episodes.tool_formats import TOOL_FORMATS, ParsedTurn
 from rollout_farm.services.errors import Conflict
 from rollout_farm.services.protocol import sessions as S
 
+if TYPE_CHECKING:
+    from rollout_farm.services.chat.renderer import ChatRenderer
+
 Answer = Callable[[P.RolloutRequest], Awaitable[P.RolloutResponse]]  # the rollout path (Rollouts.answer)
-ReplicaRead = Callable[..., Awaitable]  # an idempotent call on one engine replica (Replicas.read)
-HELD_TAIL = 64  # the last ids of a segment a replica sees, to tell which closing tokens the sampled turn has
+HELD_TAIL = 64  # the last ids of a segment a chat turn is rendered after, to tell which closing tokens it has
 
 
 class Sessions:
-    def __init__(self, answer: Answer, replica_read: ReplicaRead, store: SessionStore, model: str):
-        self.answer, self.replica_read, self.store, self.model = answer, replica_read, store, model
+    def __init__(self, answer: Answer, renderer: ChatRenderer, store: SessionStore, model: str):
+        self.answer, self.renderer, self.store, self.model = answer, renderer, store, model
 
     async def open(self, req: S.SessionCreate, base_url: str) -> S.SessionInfo:
         if req.tool_format not in TOOL_FORMATS.names():
@@ -83,11 +88,12 @@ class Sessions:
                 raise invalid("messages", "the last message is the assistant's: end with the one the model answers")
             opening = fmt.opening(forced) if forced else ""
             tail, after_assistant = head.token_ids[-HELD_TAIL:], head.ends_with_assistant()
-            got = await self.replica_read("chat_turn", tail, after_assistant, new, tools, not head.messages, opening)
-            if "error" in got:
+            try:
+                ids = await self.renderer.turn(tail, after_assistant, new, tools, not head.messages, opening)
+            except NotAppendOnly as e:
                 metrics.TOKEN_MISMATCH.labels("template").inc()
-                raise invalid("messages", f"no exact token continuation: {got['error']}")
-            close, rendered, prompt, opened = got["ids"]
+                raise invalid("messages", f"no exact token continuation: {e}") from None
+            close, rendered, prompt, opened = ids
             head.add_context(close, [])
             head.add_context(rendered, new)
             head.add_context(prompt + opened, [])
@@ -124,7 +130,7 @@ class Sessions:
         turn = segment.turns[index]
         pieces = None
         if logprobs:
-            pieces = (await self.replica_read("token_pieces", [segment.token_ids[turn.start : turn.end]]))[0]
+            pieces = (await self.renderer.token_pieces([segment.token_ids[turn.start : turn.end]]))[0]
         return chat_turns.completion(session, segment, index, self.model, pieces)
 
     async def open_session(self, session_id: str) -> Session:

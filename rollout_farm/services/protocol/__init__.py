@@ -1,9 +1,22 @@
 """Wire contracts of the rollout service, shared by the service and the client: `from rollout_farm.services import
-protocol as P`.
+protocol as P` inside the project, `from rollout_farm.protocol import ...` for users.
 
 Only data lives here: request and response models with a comment on each field, one module per API area.
 Field names follow SGLang's sampling params (temperature, top_p, top_k, max_new_tokens, stop_token_ids, seed)
 so that users of SGLang recognise them, and OpenAI's on the OpenAI-compatible endpoints.
+
+| module | owns |
+| --- | --- |
+| `common.py` | what every area shares: limits, `SamplingParams`, `Prompt`, the error body, the input checks |
+| `rollouts.py` | `POST /v1/rollouts` and its groups, streamed events, the filter report, policy stats |
+| `sessions.py` | sessions: open, a token turn, an OpenAI chat turn with tools, rewards, the trajectory's segments |
+| `episodes.py` | episodes run in the farm: the environment and its params, limits, episode groups, the stream's end |
+| `episode_groups.py` | `as_group`: an episode group as a rollout group (a pure function, for the queue and trainer) |
+| `queue.py` | the trajectory queue: sources, prompts, pulls, leases, acks |
+| `weights.py` | weight pushes (upload, path, NCCL) and the served versions |
+| `control.py` | health, readiness, and the control of every replica |
+| `openai.py` | the OpenAI-compatible requests; a field the farm cannot honour is a 422 naming it |
+| `sglang_native.py` | SGLang 0.5.14's native requests (`/generate`, weight and control routes), SGLang's names |
 """
 
 from rollout_farm.services.protocol.common import (

@@ -1,16 +1,19 @@
 """The engine replicas: the ingress's handle on them, and what each replica does with a call.
 
-A rollout chunk's path through this package:
+A rollout chunk goes handle (ingress) -> engine_server -> group_sampling (each replica). The engine itself (torch,
+SGLang, bench) is rollout_farm/services/engine/; weights staged on a replica come from
+rollout_farm/services/weights/stage.py; a prompt's ids and the token texts of a scored prompt come from
+rollout_farm/services/chat/. Chat rendering runs in the ingress (rollout_farm/services/chat/renderer.py), with the
+tokenizer a replica hands it once (`EngineServer.chat_tokenizer`).
 
-  handle.py          Replicas, in the ingress: one replica or all of them through Serve's handle; a full replica or
-                     Serve's back-pressure becomes a 429, a dead replica a 503
-  seeds.py           the seed of each chunk (ingress) and each sampler round (replica)
-  engine_server.py   EngineServer, one per replica: rollout slots and the waiting room, scoring, control and health
-  weight_verbs.py    its weight verbs: catch-up to the committed version, the two push phases, the NCCL transport
-  overload.py        the replica's Full answer (an expected 429, not an exception) and the rate-limited warnings
-  group_sampling.py  a chunk's groups: the sampler's rounds through engine.agenerate, decoding, rewards
-  token_pieces.py    each token's text, for logprobs answers (the replica holds the tokenizer)
-
-The engine itself (torch, SGLang, bench) is rollout_farm/services/engine/; weights staged on a replica come from
-rollout_farm/services/weights/stage.py.
+| module | owns |
+| --- | --- |
+| `handle.py` | `Replicas`, in the ingress: one replica or all through Serve's handle; full is a 429, dead a 503 |
+| `seeds.py` | the seed of each chunk (ingress) and each sampler round (replica) |
+| `engine_server.py` | `EngineServer`, one per replica: rollout slots and the waiting room, scoring, control, health |
+| `weight_verbs.py` | its weight verbs: catch-up to the committed version, the two push phases, the NCCL transport |
+| `overload.py` | the replica's `Full` answer (an expected 429, not an exception) and the rate-limited warnings |
+| `group_sampling.py` | a chunk's groups: the sampler's rounds through engine.agenerate, decoding, rewards |
+| `cuts.py` | `Cuts`: a rollout cut short by its request_id, keeping the tokens it generated |
+| `session_routes.py` | sticky sessions: a session's turns go to its home replica (Serve's model multiplexing) |
 """

@@ -22,16 +22,16 @@ from contextlib import nullcontext
 
 from rollout_farm.services import logs
 from rollout_farm.services import protocol as P
+from rollout_farm.services.chat.pieces import alternative, token_pieces
+from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
 from rollout_farm.services.engine.base import cancellable
 from rollout_farm.services.errors import EngineVerbMissing, Unavailable, VersionNotReached, described
 from rollout_farm.services.plugins import load_plugins
-from rollout_farm.services.replica.chat_template import chat_turn, render
 from rollout_farm.services.replica.cuts import Cut, Cuts
-from rollout_farm.services.replica.group_sampling import prompt_ids, sample_groups
+from rollout_farm.services.replica.group_sampling import sample_groups
 from rollout_farm.services.replica.overload import Full
 from rollout_farm.services.replica.session_routes import session_routes
-from rollout_farm.services.replica.token_pieces import alternative, token_pieces
 from rollout_farm.services.replica.weight_verbs import ReplicaWeights, replica_id
 from rollout_farm.services.samplers import make_sampler
 from rollout_farm.services.settings import ServiceSettings
@@ -267,23 +267,8 @@ class EngineServer(ReplicaWeights):
         return self.engine.vocab_size()
 
     def chat_tokenizer(self):
-        """The engine's tokenizer, for the ingress to render chat templates with
-        (rollout_farm/services/compat/chat_render.py)."""
+        """The engine's tokenizer, for the ingress to render chats with (rollout_farm/services/chat/renderer.py)."""
         return self.engine.tokenizer
-
-    def render_chat(self, messages: list[dict]) -> str | None:
-        """Messages through the model's chat template, ready for generation; None without a template (the ingress
-        renders chat requests itself: this is the reference its render is tested against)."""
-        return render(self.engine.tokenizer, messages)
-
-    def chat_turn(
-        self, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
-    ) -> dict:
-        """A session turn's context ids (rollout_farm/services/replica/chat_template.py; the ingress runs it itself)."""
-        return chat_turn(self.engine.tokenizer, held_tail, after_sampled, new, tools, opens, forced)
-
-    def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
-        return [token_pieces(self.engine.tokenizer, ids) for ids in samples]
 
     def context_length(self) -> int | None:
         return self.engine.context_length()

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services import rewards
+from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import EngineOutput
 from rollout_farm.services.errors import described
 from rollout_farm.services.replica.seeds import round_params
@@ -19,13 +20,6 @@ from rollout_farm.services.samplers import Sampler
 log = logging.getLogger("farm.service")
 
 Generate = Callable[[list[list[int]], P.SamplingParams], Awaitable[list[EngineOutput]]]
-
-
-def prompt_ids(tokenizer, prompt: P.Prompt) -> list[int]:
-    """A prompt's token ids: as given, or its text tokenized without special tokens."""
-    if prompt.token_ids is not None:
-        return prompt.token_ids
-    return tokenizer(prompt.text, add_special_tokens=False).input_ids
 
 
 async def sample_groups(

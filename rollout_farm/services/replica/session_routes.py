@@ -1,5 +1,5 @@
 """Sticky sessions: a session's turns go to one engine replica while it is healthy, so the KV cache the replica
-keeps for it (rollout_farm/services/engine/torch_session_cache.py) serves the next turn.
+keeps for it (rollout_farm/services/engine/torch/session_cache.py) serves the next turn.
 
 Built on Ray Serve's model multiplexing, not a router of our own: the ingress calls the replicas with the session's
 id as the multiplexed model id (Replicas.call's `key`), Serve's router sends it to a replica that has "loaded" it,

@@ -1,16 +1,15 @@
 """Rollouts at the ingress: from a checked request to groups, whole or streamed.
 
-The path of `POST /v1/rollouts` (rollout_farm/services/api/rollouts.py) through this package:
+`POST /v1/rollouts` (rollout_farm/services/api/rollouts.py) goes rollouts -> request_checks -> jobs -> fanout (over
+the engine replicas, rollout_farm/services/replica/handle.py). The queue (rollout_farm/services/queue/) and the
+OpenAI and SGLang-native surfaces (rollout_farm/services/compat/) generate through the same Fanout.
 
-  rollouts.py        Rollouts.start: check the request, start it or replay it under its request_id, answer or stream
-  request_checks.py  422s pydantic cannot know: reward and sampler names, sampler params, vocabulary, context length
-  jobs.py            the request_id table in Redis (replays, 409 on another body), NDJSON lines, the disconnect grace
-  fanout.py          Fanout.produce: chunks of prompts over the engine replicas
-  (rollout_farm/services/replica/handle.py), each with
-                     its seed (rollout_farm/services/replica/seeds.py) and the version floor
-  group_filter.py    dynamic_group_filter's scheduler, when the sampler filters groups: windowed calls, early cancel
-  policy_stats.py    the trainer's reported KL and reward variance, and each sampler's sampling plan from them
-
-The queue (rollout_farm/services/queue/) and the OpenAI and SGLang-native surfaces (rollout_farm/services/compat/)
-generate through the same Fanout.
+| module | owns |
+| --- | --- |
+| `rollouts.py` | `Rollouts`: check a request, start it or replay it under its request_id, answer or stream, cancel |
+| `request_checks.py` | 422s pydantic cannot know: reward and sampler names, sampler params, vocabulary, context |
+| `jobs.py` | request_id records in Redis: a retry finds its running job or its result; 409 on another body; NDJSON |
+| `fanout.py` | `Fanout`: chunks of prompts over the replicas, each with its seed and the version floor |
+| `group_filter.py` | `dynamic_group_filter`'s scheduler: windowed calls, early cancel, the `FilterReport` |
+| `policy_stats.py` | `PolicyStatsBoard`: what the trainer reports (in Redis), and each sampler's sampling plan |
 """

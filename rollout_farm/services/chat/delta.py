@@ -1,0 +1,102 @@
+"""The tokens a turn adds, rendered through the chat template without rendering the history again.
+
+A chat template renders a whole conversation; a session needs only what comes after the tokens it holds. A short
+stand-in history (`STAND_IN`) is rendered alone and then followed by the new messages: the new messages' tokens are
+what the second rendering adds to the first. The first's tokens must be a prefix of the second's; where they are
+not, the template is not append-only for these messages and the turn is refused (NotAppendOnly), never guessed.
+
+Three pieces, each appended as context (loss mask 0) by rollout_farm/services/episodes/segments.py:
+  close     after a sampled assistant turn, the tokens the template ends a turn with that the model did not sample
+            (Qwen's "\\n" after <|im_end|>; the whole `<|im_end|>\\n` when max_tokens cut the turn)
+  messages  the new messages (tool results, a user's reply), with `tools` rendered as the template does
+  prompt    the generation prompt that opens the assistant's turn (`<|im_start|>assistant\\n`)
+The first turn of a session renders its messages whole (`opening`). `turn` is what a session's chat turn asks for
+(rollout_farm/services/episodes/sessions.py, through rollout_farm/services/chat/renderer.py): the three pieces, then
+the opening of a call that tool_choice forces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout_farm.services.chat.template import for_template, render
+
+STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class NotAppendOnly(ValueError):
+    """The template renders the new messages differently after a history than alone: no exact delta exists."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    messages: list[int]
+    prompt: list[int]
+
+
+def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
+    """The chat template's tokens for these messages (the template writes every special token itself)."""
+    text = render(tokenizer, messages, tools, generation_prompt)
+    if text is None:
+        raise NotAppendOnly("the model's tokenizer has no chat template: send token ids (the session's /generate)")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def after(prefix: list[int], full: list[int], what: str) -> list[int]:
+    if full[: len(prefix)] != prefix:
+        raise NotAppendOnly(f"the chat template does not render {what} as an append to the history")
+    return full[len(prefix) :]
+
+
+def opening(tokenizer, messages: list[dict], tools: list[dict] | None) -> Delta:
+    """The first turn's tokens: every message, then the generation prompt."""
+    body = render_ids(tokenizer, messages, tools, False)
+    return Delta(body, after(body, render_ids(tokenizer, messages, tools, True), "the generation prompt"))
+
+
+def delta(tokenizer, new: list[dict], tools: list[dict] | None) -> Delta:
+    """The tokens of messages that follow a turn the session already holds, then the generation prompt."""
+    base = render_ids(tokenizer, STAND_IN, tools, False)
+    body = render_ids(tokenizer, STAND_IN + new, tools, False)
+    prompt = after(body, render_ids(tokenizer, STAND_IN + new, tools, True), "the generation prompt")
+    return Delta(after(base, body, "these messages"), prompt)
+
+
+def close(tokenizer, sampled: list[int], tools: list[dict] | None) -> list[int]:
+    """What the template ends an assistant turn with after its content, less what `sampled` already ends with."""
+    closed = render_ids(tokenizer, STAND_IN, tools, False)
+    content = tokenizer.encode(STAND_IN[1]["content"], add_special_tokens=False)
+    at = next((i for i in range(len(closed) - len(content), -1, -1) if closed[i : i + len(content)] == content), None)
+    if at is None:
+        raise NotAppendOnly("the chat template does not render an assistant turn's content as its own tokens")
+    ending = closed[at + len(content) :]
+    done = next((k for k in range(len(ending), 0, -1) if sampled[-k:] == ending[:k]), 0)
+    return ending[done:]
+
+
+def turn_context(
+    tokenizer, held: list[int], after_sampled: bool, new: list[dict], tools: list[dict] | None, opens: bool
+) -> list[list[int]]:
+    """The context a turn appends, as [close, messages, prompt]: `opens` for a segment with no messages yet (every
+    message rendered whole); `after_sampled` when `held` ends with a sampled assistant turn (its close goes first)."""
+    if opens:
+        first = opening(tokenizer, new, tools)
+        return [[], first.messages, first.prompt]
+    ending = close(tokenizer, held, tools) if after_sampled else []
+    d = delta(tokenizer, new, tools)
+    return [ending, d.messages, d.prompt]
+
+
+def turn(
+    tokenizer, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
+) -> list[list[int]]:
+    """A session turn's context ids as [close, messages, prompt, forced] (`forced`: the text of a call tool_choice
+    names, up to its arguments). NotAppendOnly when the template has no exact continuation for these messages, or
+    refuses them (a role it does not take: its own error's text)."""
+    try:
+        parts = turn_context(tokenizer, held_tail, after_sampled, for_template(new), tools, opens)
+    except NotAppendOnly:
+        raise
+    except Exception as e:  # the template's own error
+        raise NotAppendOnly(str(e) or type(e).__name__) from e
+    return [*parts, tokenizer.encode(forced, add_special_tokens=False) if forced else []]

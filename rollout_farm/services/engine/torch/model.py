@@ -1,0 +1,93 @@
+"""The model a torch engine serves: an HF causal LM and its tokenizer on one device, and its weights' lifecycle.
+
+A push stages its tensors next to the served ones (stage: copied to the device, the served weights unchanged); the
+scheduler (scheduler.py) applies them between two steps, holding the model lock, when the commit's policy says so
+(apply_staged); discard drops them. The lock also makes a scoring pass (score) wait for the step that runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_farm.services.engine.base import ScoredTokens
+from rollout_farm.services.weights.state_dict import canonical_state_dict, spec_of
+
+
+class ServedModel:
+    """Owns the HF `model` and `tokenizer` on `device`, the stop ids a call ends at unless it ignores EOS (`eos_ids`),
+    the `pad_id`, the model `lock` (one decode step, scoring pass or weight update at a time), the served weight
+    `version` and the staged weights (`staged`: (version, tensors) or None). The attributes are set here, once."""
+
+    def __init__(self, model_path: str, device: str, dtype: str):
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        )
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.lock = threading.Lock()  # the model: one decode step, scoring pass or weight update at a time
+        self._version = 0
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def version(self) -> int:
+        """The weight version served now."""
+        return self._version
+
+    @property
+    def staged(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The weights staged for the next commit, (version, tensors on the device), or None."""
+        return self._staged
+
+    # weights ---------------------------------------------------------------
+    def spec(self) -> dict[str, tuple[list[int], str]]:
+        return spec_of(canonical_state_dict(self.model))
+
+    def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Hold `state_dict` (checked by the caller) as `version`, on the device, next to the served weights."""
+        self._staged = (version, {n: t.to(self.device) for n, t in state_dict.items()})
+
+    def discard(self, version: int) -> None:
+        if self._staged is not None and self._staged[0] == version:
+            self._staged = None
+
+    def apply_staged(self) -> None:
+        """Copy the staged tensors into the model (the scheduler thread, holding the lock); nothing when they were
+        discarded meanwhile."""
+        staged = self._staged
+        if staged is not None:
+            version, tensors = staged
+            with torch.no_grad():
+                params = canonical_state_dict(self.model)
+                for name, t in tensors.items():
+                    params[name].copy_(t)
+            self._version, self._staged = version, None
+
+    # reading the model -----------------------------------------------------
+    def score(self, sequences: list[list[int]], top_k: int) -> list[ScoredTokens]:
+        """One forward pass per sequence, under the lock, on the weights being served."""
+        out = []
+        with self.lock, torch.inference_mode():
+            for ids in sequences:
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), -1)  # position j predicts j+1
+                chosen = logp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+                top = torch.topk(logp, top_k, -1) if top_k else None
+                alts = [list(zip(i.tolist(), v.tolist())) for v, i in zip(*top)] if top else [[] for _ in chosen]
+                out.append(ScoredTokens([None, *chosen], [[], *alts]))
+        return out
+
+    def vocab_size(self) -> int:
+        return max(len(self.tokenizer), self.model.config.vocab_size)
+
+    def health_token_id(self) -> int:
+        return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
+
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
