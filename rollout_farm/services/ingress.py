@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rollout_farm.services import errors, logs, metrics
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
 from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
 from rollout_farm.services.episodes.episodes import Episodes
@@ -39,6 +40,7 @@ from rollout_farm.services.rollout.jobs import RolloutJobs
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
 from rollout_farm.services.rollout.request_checks import RequestChecks
 from rollout_farm.services.rollout.rollouts import Rollouts
+from rollout_farm.services.samplers import SAMPLERS
 from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.state import redis_client as state
 from rollout_farm.services.weights.push import WeightPush
@@ -50,6 +52,7 @@ FOLLOW_S = 0.5  # how often a replica reads the committed version and the policy
 class Ingress:
     async def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
         load_plugins(settings)
+        metrics.init_registered(SAMPLERS.names(), TOOL_FORMATS.names())
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)

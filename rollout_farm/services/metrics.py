@@ -94,7 +94,8 @@ ENV_STEP_SECONDS = Histogram(
     buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
 )
 ENV_TIMEOUTS = Counter("farm_env_timeouts_total", "Environment resets and steps past tool_timeout_s", ["call"])
-SESSION_LABELS = {
+KNOWN_LABELS = {
+    FILTER_GROUPS: ("kept", "zero_variance", "surplus", "cancelled"),
     SESSION_TURNS: ("chat", "generate"),
     SESSION_FORKS: ("messages", "offset"),
     TOKEN_MISMATCH: ("template", "retry_conflict", "token_session"),
@@ -102,11 +103,25 @@ SESSION_LABELS = {
     ENV_TIMEOUTS: ("reset", "step"),
     ENV_STEP_SECONDS: ("reset", "step"),
 }
-for _counter, _labels in SESSION_LABELS.items():
+for _counter, _labels in KNOWN_LABELS.items():
     for _label in _labels:
         _counter.labels(_label)  # exported at 0 before the first one, for rate() and the dashboard
 
+SAMPLER_COUNTERS = (SAMPLES, TOKENS, ZERO_VAR, GROUPS, CANDIDATES, REJECTED)
+TOOL_FORMAT_COUNTERS = (TOOL_CALLS, TOOL_PARSE_ERRORS)
 QUEUE_COUNTERS = (QUEUE_GENERATED, QUEUE_REDELIVERED, QUEUE_STALE, QUEUE_ACKED)
+
+
+def init_registered(samplers: list[str], tool_formats: list[str]) -> None:
+    """Export the per-sampler and per-tool-format counters at 0 for every registered name (FARM_PLUGINS' included),
+    from the ingress's start: a labelled counter has no series before its first `.labels()`. A sampler named by
+    dotted path appears on its first use."""
+    for counter in SAMPLER_COUNTERS:
+        for name in samplers:
+            counter.labels(name)
+    for counter in TOOL_FORMAT_COUNTERS:
+        for name in tool_formats:
+            counter.labels(name)
 
 
 def init_source(name: str) -> None:

@@ -37,6 +37,20 @@ def config(service, tiny_model, tmp_path, *overrides):
     )  # rewards that vary
 
 
+def guarded_run(service, tiny_model, tmp_path, *overrides):
+    """A TrainingRun on config(...) with the guards on (guards.enable=true) and `overrides`."""
+    from rollout_farm.trainer.run import TrainingRun
+
+    return TrainingRun(config(service, tiny_model, tmp_path, "guards.enable=true", *overrides), TOKEN)
+
+
+def guard_actions(action: str) -> float:
+    """How many times the guards took `action` in this process (their Prometheus counter)."""
+    from rollout_farm.trainer.guards.checks import ACTIONS
+
+    return ACTIONS.labels(action)._value.get()
+
+
 @pytest.mark.parametrize(
     "estimator, extra",
     [
@@ -126,27 +140,21 @@ def test_the_kl_guard_rolls_back_and_the_service_serves_the_checkpoint(service, 
     weights."""
     from transformers import AutoModelForCausalLM
 
-    from rollout_farm.trainer.guards.checks import ACTIONS
     from rollout_farm.trainer.loop import train
-    from rollout_farm.trainer.run import TrainingRun
 
-    rollbacks = ACTIONS.labels("rollback")._value.get()
-    trainer = TrainingRun(
-        config(
-            service,
-            tiny_model,
-            tmp_path,
-            "guards.enable=true",
-            "guards.kl_rollback=1e-9",
-            "guards.variance_raise=10",  # this test is about the KL guard
-            "actor_rollout_ref.actor.optim.lr=0.05",
-        ),
-        TOKEN,
+    rollbacks = guard_actions("rollback")
+    trainer = guarded_run(
+        service,
+        tiny_model,
+        tmp_path,
+        "guards.kl_rollback=1e-9",
+        "guards.variance_raise=10",  # this test is about the KL guard
+        "actor_rollout_ref.actor.optim.lr=0.05",
     )
     start = trainer.version
     train(trainer)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert step["guard_actions"] == ["rollback"] and ACTIONS.labels("rollback")._value.get() == rollbacks + 1
+    assert step["guard_actions"] == ["rollback"] and guard_actions("rollback") == rollbacks + 1
     assert trainer.generated_tokens == step["generated_tokens"] > 0  # the work counter does not roll back
     assert (
         trainer.version == start + 2 and client.weights_version().version == trainer.version
@@ -175,32 +183,26 @@ def test_the_variance_guard_raises_the_mini_batch_and_the_next_step_takes_fewer_
 ):
     """4 groups in mini-batches of 1: 4 optimizer steps a step. A variance threshold every batch crosses raises the
     mini-batch to 2 groups after step 1, so step 2 takes 2; the raise is logged and counted."""
-    from rollout_farm.trainer.guards.checks import ACTIONS
     from rollout_farm.trainer.loop import train
-    from rollout_farm.trainer.run import TrainingRun
 
-    raises = ACTIONS.labels("raise_mini_batch")._value.get()
-    trainer = TrainingRun(
-        config(
-            service,
-            tiny_model,
-            tmp_path,
-            "trainer.total_training_steps=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-            "guards.enable=true",
-            "guards.kl_rollback=100",
-            "guards.variance_statistic=reward_std",
-            "guards.variance_raise=1e-6",
-            "guards.raised_mini_batch_size=2",
-        ),
-        TOKEN,
+    raises = guard_actions("raise_mini_batch")
+    trainer = guarded_run(
+        service,
+        tiny_model,
+        tmp_path,
+        "trainer.total_training_steps=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "guards.kl_rollback=100",
+        "guards.variance_statistic=reward_std",
+        "guards.variance_raise=1e-6",
+        "guards.raised_mini_batch_size=2",
     )
     train(trainer)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["optimizer_steps"] for s in steps] == [4, 2]
     assert [s["ppo_mini_batch_size"] for s in steps] == [1, 2]  # the size each step trained with
     assert steps[0]["guard_actions"] == ["raise_mini_batch"] and steps[1]["guard_actions"] == []
-    assert ACTIONS.labels("raise_mini_batch")._value.get() == raises + 1
+    assert guard_actions("raise_mini_batch") == raises + 1
 
 
 def test_the_noise_scale_guard_acts_on_the_measured_noise_scale(service, tiny_model, tmp_path):
@@ -208,25 +210,23 @@ def test_the_noise_scale_guard_acts_on_the_measured_noise_scale(service, tiny_mo
     and the guard raises the mini-batch exactly when that scale over the mini-batch's samples passes the threshold.
     (Two micro-batches give a noisy estimate, so the test checks the decision against the figure, not a sign.)"""
     from rollout_farm.trainer.loop import train
-    from rollout_farm.trainer.run import TrainingRun
 
-    cfg = config(
+    trainer = guarded_run(
         service,
         tiny_model,
         tmp_path,
         "trainer.total_training_steps=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "guards.enable=true",
         "guards.kl_rollback=100",
         "guards.variance_statistic=grad_noise_scale",
         "guards.variance_raise=0.5",
         "guards.raised_mini_batch_size=4",
     )
-    train(TrainingRun(cfg, TOKEN))
+    train(trainer)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first = steps[0]
-    samples = 2 * cfg.actor_rollout_ref.rollout.n
+    samples = 2 * trainer.cfg.actor_rollout_ref.rollout.n
     measured = math.inf if first["grad_noise_scale"] is None else first["grad_noise_scale"] / samples
     assert first["guard_variance"] == pytest.approx(measured, rel=1e-4)
     assert first["guard_actions"] == (["raise_mini_batch"] if measured > 0.5 else [])

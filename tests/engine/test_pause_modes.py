@@ -45,31 +45,40 @@ def assert_prefix(part, whole, k: int):
     assert part.logprobs[:k] == pytest.approx(whole.logprobs[:k], abs=1e-4)
 
 
-def test_in_place_holds_the_rows_and_resume_finishes_them_as_if_never_paused(engine):
+def paused_part_way(engine, mode: str, while_paused):
+    """PROMPTS sampled alone, then again with the engine paused in `mode` a few steps in, while_paused() run while it
+    is paused, and resumed: (the lone outputs, the paused call's, what while_paused returned)."""
     alone = engine.generate(PROMPTS, SEEDED)
     t, out = start(engine)
-    engine.pause("in_place")
-    held = steps(engine)
-    assert engine.paused and engine.busy and 0 < min(held) < LONG
-    time.sleep(0.3)
-    assert steps(engine) == held  # no step while held
+    engine.pause(mode)
+    seen = while_paused()
     engine.resume()
     t.join(120)
-    for o, a in zip(out[0], alone):
+    return alone, out[0], seen
+
+
+def test_in_place_holds_the_rows_and_resume_finishes_them_as_if_never_paused(engine):
+    def held_still():
+        held = steps(engine)
+        assert engine.paused and engine.busy and 0 < min(held) < LONG
+        time.sleep(0.3)
+        assert steps(engine) == held  # no step while held
+
+    alone, out, _ = paused_part_way(engine, "in_place", held_still)
+    for o, a in zip(out, alone):
         assert o.finish_reason == "length" and o.token_ids == a.token_ids
         assert o.logprobs == pytest.approx(a.logprobs, abs=1e-5) and set(o.token_versions) == {0}
 
 
 def test_in_place_pause_then_a_weight_push_gives_versions_that_switch_where_it_was_held(engine, tiny_model):
-    alone = engine.generate(PROMPTS, SEEDED)
-    t, out = start(engine)
-    engine.pause("in_place")
-    held = steps(engine)
-    push(engine, tiny_model, 1, "finish").join(60)  # lands while the rows are held: no wait for them to finish
-    assert engine.weight_version == 1 and steps(engine) == held
-    engine.resume()
-    t.join(120)
-    for o, a, k in zip(out[0], alone, held):
+    def push_while_held():
+        held = steps(engine)
+        push(engine, tiny_model, 1, "finish").join(60)  # lands while the rows are held: no wait for them to finish
+        assert engine.weight_version == 1 and steps(engine) == held
+        return held
+
+    alone, out, held = paused_part_way(engine, "in_place", push_while_held)
+    for o, a, k in zip(out, alone, held):
         assert o.finish_reason == "length" and len(o.token_ids) == LONG and o.weight_version == 0
         assert o.token_versions == [0] * k + [1] * (LONG - k)
         assert_prefix(o, a, k)
@@ -77,28 +86,25 @@ def test_in_place_pause_then_a_weight_push_gives_versions_that_switch_where_it_w
 
 
 def test_retract_requeues_the_rows_and_they_continue_from_the_tokens_so_far(engine):
-    alone = engine.generate(PROMPTS, SEEDED)
-    t, out = start(engine)
-    engine.pause("retract")
-    assert not len(engine.scheduler.batch) and not engine.busy and len(engine.scheduler._pending) == 1
-    k = len(engine.scheduler._pending[0].carried[0][0])
-    assert 0 < k < LONG
-    engine.resume()
-    t.join(120)
-    for o, a in zip(out[0], alone):  # prefilled again from prompt + tokens, drawing on from the same generator
+    def requeued():
+        assert not len(engine.scheduler.batch) and not engine.busy and len(engine.scheduler._pending) == 1
+        k = len(engine.scheduler._pending[0].carried[0][0])
+        assert 0 < k < LONG
+
+    alone, out, _ = paused_part_way(engine, "retract", requeued)
+    for o, a in zip(out, alone):  # prefilled again from prompt + tokens, drawing on from the same generator
         assert o.finish_reason == "length" and o.token_ids == a.token_ids
         assert o.logprobs == pytest.approx(a.logprobs, abs=1e-4) and set(o.token_versions) == {0}
 
 
 def test_retract_then_a_weight_push_continues_on_the_new_version(engine, tiny_model):
-    alone = engine.generate(PROMPTS, SEEDED)
-    t, out = start(engine)
-    engine.pause("retract")
-    ks = [len(c[0]) for c in engine.scheduler._pending[0].carried]
-    push(engine, tiny_model, 1, "finish").join(60)
-    engine.resume()
-    t.join(120)
-    for o, a, k in zip(out[0], alone, ks):
+    def push_while_retracted():
+        ks = [len(c[0]) for c in engine.scheduler._pending[0].carried]
+        push(engine, tiny_model, 1, "finish").join(60)
+        return ks
+
+    alone, out, ks = paused_part_way(engine, "retract", push_while_retracted)
+    for o, a, k in zip(out, alone, ks):
         assert len(o.token_ids) == LONG and o.token_versions == [0] * k + [1] * (LONG - k)
         assert_prefix(o, a, k)
 

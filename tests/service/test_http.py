@@ -9,6 +9,9 @@ from tests.service.helpers import metric, request
 
 
 def test_health_metrics_and_docs(service, client, fresh_weights):
+    """Health, the rollout counters, the gauges and histograms, the docs. The per-sampler counters are read before the
+    rollout and their increase asserted: the service exports them at 0 from its start, so the first read needs no
+    earlier rollout and the test passes alone and in any order."""
     h = client.health()
     assert h.status == "ok" and h.generated_token_id >= 0
     samples, groups = (

@@ -9,7 +9,11 @@ import httpx
 import pytest
 import yaml
 
+import tests.farm_plugins  # noqa: F401  (the service's FARM_PLUGINS: its samplers and tool formats registered here too)
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
+from rollout_farm.services.samplers import SAMPLERS
 from tests.deploy.monitoring import ALERTS, exported, missing, queried
+from tests.metrics_text import by_label
 from tests.service.helpers import AUTH, request, rollout
 
 SOURCE = "monitoring-q"
@@ -61,8 +65,9 @@ def test_every_service_metric_the_dashboard_and_alerts_query_is_exported(text):
 
 
 def test_labelled_counters_are_exported_at_zero_before_they_count(service):
-    """A 429 kind, or a queue source's redeliveries, exist at 0 before the first one: rate() and the alerts need
-    a series from the start."""
+    """A 429 kind, a queue source's redeliveries, every registered sampler's and tool format's counters (the
+    service's FARM_PLUGINS, tests.farm_plugins, included), the filter's outcomes, exist at 0 before the first one:
+    rate() and the alerts need a series from the start. It holds whatever ran before, so it needs no order."""
     spec = {"name": "monitoring-zero", "dataset": "arith", "n": 1, "target_groups": 1, "sampling_params": SHORT}
     assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
     try:
@@ -73,6 +78,12 @@ def test_labelled_counters_are_exported_at_zero_before_they_count(service):
         assert f'farm_overload_rejections_total{{kind="{kind}"}}' in text
     for counter in ("redeliveries_total", "stale_dropped_total", "acked_total", "generated_groups_total"):
         assert f'farm_queue_{counter}{{source="monitoring-zero"}}' in text
+    for name in ("samples", "generated_tokens", "zero_variance_groups", "groups", "sampler_candidates"):
+        assert set(SAMPLERS.names()) <= set(by_label(text, f"farm_{name}_total", "sampler")), name
+    assert set(SAMPLERS.names()) <= set(by_label(text, "farm_sampler_rejected_total", "sampler"))
+    for name in ("farm_tool_calls_total", "farm_tool_parse_errors_total"):  # the plugin's test_wrong_tag included
+        assert set(TOOL_FORMATS.names()) <= set(by_label(text, name, "format")), name
+    assert set(by_label(text, "farm_filter_groups_total", "outcome")) >= {"kept", "zero_variance", "surplus"}
 
 
 def test_a_misspelled_metric_in_a_rule_is_reported_missing(text):

@@ -220,14 +220,20 @@ def tie_and_spread(k):
     return [{"text": f"p{i}", "ground_truth": "tie" if i % 2 == 0 else None} for i in range(2 * k)]
 
 
-def test_group_filter_drops_zero_variance_groups_by_std_not_by_exact_floats(service):
-    body = {
-        "prompts": tie_and_spread(5),
-        "n": 4,
+def group_filter_body(k: int, n: int, max_new_tokens: int, seed: int, **params) -> dict:
+    """A rollout of tie_and_spread(k), n samples a prompt on float rewards, through dynamic_group_filter (`params`:
+    the sampler's)."""
+    return {
+        "prompts": tie_and_spread(k),
+        "n": n,
         "reward": "test_float_ties",
-        "sampling_params": {"max_new_tokens": 8, "seed": 4},
-        "sampler": {"name": "dynamic_group_filter"},
+        "sampling_params": {"max_new_tokens": max_new_tokens, "seed": seed},
+        "sampler": {"name": "dynamic_group_filter", **({"params": params} if params else {})},
     }
+
+
+def test_group_filter_drops_zero_variance_groups_by_std_not_by_exact_floats(service):
+    body = group_filter_body(5, n=4, max_new_tokens=8, seed=4)
     plain = post(service, {**body, "sampler": {"name": "plain"}})["groups"]
     assert any(
         len({s["reward"] for s in g["samples"]}) > 1 for g in plain[::2]
@@ -303,18 +309,8 @@ def test_pattern_filter_inside_the_group_filter(service):
     """Composition: each group is drawn by pattern_conditional, then the group filter drops zero-variance ones."""
     import regex
 
-    body = {
-        "prompts": tie_and_spread(3),
-        "n": 2,
-        "reward": "test_float_ties",
-        "sampling_params": {"max_new_tokens": 6, "seed": 8},
-        "sampler": {
-            "name": "dynamic_group_filter",
-            "params": {
-                "inner": {"name": "pattern_conditional", "params": {"pattern": r"(?s)[^0-9]*", "max_candidates": 16}}
-            },
-        },
-    }
+    inner = {"name": "pattern_conditional", "params": {"pattern": r"(?s)[^0-9]*", "max_candidates": 16}}
+    body = group_filter_body(3, n=2, max_new_tokens=6, seed=8, inner=inner)
     out = post(service, body)
     for g in out["groups"]:
         assert g["reward_std"] > 1e-6 and g["prompt_index"] % 2 == 1

@@ -144,6 +144,8 @@ def scripted_episode(bench: str, seed: int, tool_format: str = "hermes") -> dict
 
 @pytest.fixture(scope="module")
 def episodes(bench_service):
+    """200 scripted hermes episodes, and how much the tool-call counters rose meanwhile (read before and after; the
+    service exports them at 0 from its start, so no earlier session is needed and the tests pass alone)."""
     before = {
         name: metric(bench_service, name, format="hermes")
         for name in ("farm_tool_calls_total", "farm_tool_parse_errors_total")
@@ -187,6 +189,8 @@ def expected_tokens(tok, ep: dict) -> list[int]:
 
 
 def test_tool_calls_and_parse_errors_are_counted(episodes):
+    """The counters rose by the calls and malformed calls the answers show: an increase over the episodes' own
+    traffic, so it holds alone and in any order."""
     done, counted = episodes
     calls = sum(len(a["choices"][0]["message"].get("tool_calls") or []) for ep in done for a in ep["answers"])
     malformed = sum(len(a["farm"]["malformed_tool_calls"]) for ep in done for a in ep["answers"])
@@ -196,7 +200,8 @@ def test_tool_calls_and_parse_errors_are_counted(episodes):
 
 def test_a_parser_that_never_matches_shows_no_tool_calls(bench_service, episodes):
     """Negative control: the same scripts read by a format with a typo in its tag count no call and no parse error,
-    where hermes counted hundreds; the episodes still run (every call stays text in the content)."""
+    where hermes counted hundreds; the episodes still run (every call stays text in the content). Only this test uses
+    test_wrong_tag, exported at 0 from the service's start, so its absolute 0 holds alone and in any order."""
     with ThreadPoolExecutor(10) as pool:
         done = list(pool.map(lambda seed: scripted_episode(bench_service, seed, "test_wrong_tag"), range(10)))
     for ep in done:

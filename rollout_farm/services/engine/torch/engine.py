@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,7 @@ from rollout_farm.services.engine.base import (
     checked_health_token,
 )
 from rollout_farm.services.engine.torch.draft_step import Drafter
-from rollout_farm.services.engine.torch.hold import HOLD_MODES, Hold, HoldMode
+from rollout_farm.services.engine.torch.hold import HOLD_MODES, Hold
 from rollout_farm.services.engine.torch.model import ServedModel
 from rollout_farm.services.engine.torch.prefill import Prefill
 from rollout_farm.services.engine.torch.sampling import Draws
@@ -114,38 +115,15 @@ class TorchEngine(Engine):
             speculative_tokens=settings.engine_speculative_tokens,
         )
 
-    # what the service reads ------------------------------------------------
-    @property
-    def model(self):
-        return self.served.model
-
-    @property
-    def tokenizer(self):
-        return self.served.tokenizer
-
-    @property
-    def eos_ids(self) -> set[int]:
-        return self.served.eos_ids
-
-    @property
-    def pad_id(self) -> int:
-        return self.served.pad_id
-
-    @property
-    def weight_version(self) -> int:
-        return self.served.version
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.scheduler.generated_tokens
-
-    @property
-    def busy(self) -> bool:
-        return self.scheduler.busy
-
-    @property
-    def held(self) -> HoldMode | None:
-        return self.hold.mode
+    # what the service reads: its parts' state, read through (eos_ids: set[int], held: HoldMode | None) ----------
+    model = property(attrgetter("served.model"))
+    tokenizer = property(attrgetter("served.tokenizer"))
+    eos_ids = property(attrgetter("served.eos_ids"))
+    pad_id = property(attrgetter("served.pad_id"))
+    weight_version = property(attrgetter("served.version"))
+    generated_tokens = property(attrgetter("scheduler.generated_tokens"))
+    busy = property(attrgetter("scheduler.busy"))
+    held = property(attrgetter("hold.mode"))
 
     # lifecycle -------------------------------------------------------------
     def pause(self, mode: str = "wait") -> None:
