@@ -20,7 +20,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.claims_stats import ARM_ORDER, CLAIMS, RULE, Comparison, comparisons, finite, judge, load_runs, summaries  # noqa: E402
+from bench.claims_stats import (  # noqa: E402
+    ARM_ORDER,
+    CLAIMS,
+    POLICY_FIGURES,
+    RULE,
+    Comparison,
+    comparisons,
+    finite,
+    judge,
+    kept,
+    load_runs,
+    summaries,
+)
 
 DATA = ROOT / "docs" / "data" / "claims"
 MARKDOWN = ROOT / "docs" / "results.md"
@@ -251,7 +263,8 @@ def plot(runs: dict, img_dir: Path) -> list[Path]:
         for i, (arm, seeds) in enumerate(runs.items()):
             by_step: dict[int, list[float]] = {}
             for r in seeds.values():
-                pts = [(s["step"], s[key]) for s in r["steps"] if s.get(key) is not None]
+                shown_steps = kept(r["steps"]) if key in POLICY_FIGURES else r["steps"]  # the discarded policy's: out
+                pts = [(s["step"], s[key]) for s in shown_steps if s.get(key) is not None]
                 for step, v in pts:
                     by_step.setdefault(step, []).append(v)
                 if pts:

@@ -25,7 +25,8 @@ RULE = (
     "t-test against no effect (`scipy.stats.ttest_rel`). When every seed gives the same effect there is no spread "
     "for a t-test or an interval: p is then an exact sign test's (`scipy.stats.binomtest` on the seeds whose effect "
     "is not zero), and no interval is given. Fewer than 3 seeds are **inconclusive**, with no p. A comparison "
-    "**holds** if the mean effect is at least the claimed size and p < 0.05; it **fails** if the whole 95% "
+    "**holds** if the whole 95% interval lies at or above the claimed size (without an interval: every seed's "
+    "effect does) and p < 0.05; it **fails** if the whole 95% "
     "interval lies below the claimed size, or the effect has the wrong sign with p < 0.05; otherwise it is "
     "**inconclusive**. A claim's verdict is its first comparison's; the others are further readings."
 )
@@ -67,18 +68,29 @@ def steps_to_target(acc: list[tuple[int, float]], target: float) -> float:
     return NAN
 
 
+POLICY_FIGURES = ("val_accuracy", "val_number_accuracy", "kl_ref")  # read from the kept steps only
+
+
+def kept(steps: list[dict]) -> list[dict]:
+    """The steps the guards did not roll back. Before issue 36 the trainer scored and reported a step before its
+    guards rolled it back, so a rolled-back step's held-out score and KL are the discarded policy's: the figures of
+    the policy are read from these steps (the batch's figures from every step: the kept policy sampled it)."""
+    return [s for s in steps if "rollback" not in s.get("guard_actions", [])]
+
+
 def summarise(run: dict, target: float) -> dict:
-    """One run's figures: final scores, means over steps, steps to the target accuracy, guard actions."""
+    """One run's figures: final scores, means over steps, steps to the target accuracy, guard actions. The held-out
+    scores and the KL come from the kept steps only (`kept`)."""
     steps = run["steps"]
-    acc = [(s["step"], s["val_accuracy"]) for s in steps if s.get("val_accuracy") is not None]
-    number = [s["val_number_accuracy"] for s in steps if s.get("val_number_accuracy") is not None]
+    acc = [(s["step"], s["val_accuracy"]) for s in kept(steps) if s.get("val_accuracy") is not None]
+    number = [s["val_number_accuracy"] for s in kept(steps) if s.get("val_number_accuracy") is not None]
     actions = [a for s in steps for a in s.get("guard_actions", [])]
     return {
         "accuracy": acc[-1][1] if acc else NAN,
         "number_accuracy": number[-1] if number else NAN,
         "reward_std": mean(s.get("reward_std") for s in steps),
         "reward_var": mean(s["reward_std"] ** 2 for s in steps if "reward_std" in s),
-        "kl": mean(s.get("kl_ref") for s in steps),
+        "kl": mean(s.get("kl_ref") for s in kept(steps)),
         "adv_var": mean(s.get("adv_var") for s in steps),
         "adv_var_rloo": mean(s.get("adv_var_rloo") for s in steps),
         "adv_var_ratio": mean(s["adv_var"] / s["adv_var_rloo"] for s in steps if s.get("adv_var_rloo")),
@@ -138,7 +150,7 @@ def judge(effects: list[float], claimed: float | None) -> Judged:
         p = float(stats.ttest_rel(d, [0.0] * n).pvalue)  # the effects against no effect, pair by pair
     if claimed is None:
         verdict = ""
-    elif m >= claimed and p < 0.05:
+    elif (lo >= claimed if finite(lo) else m >= claimed) and p < 0.05:  # the interval clears the size, not only 0
         verdict = "holds"
     elif hi < claimed or (m < 0 and p < 0.05):
         verdict = "fails"

@@ -10,6 +10,7 @@ whatever its constructor takes.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 
 import redis
 from fastapi.exceptions import RequestValidationError
@@ -123,6 +124,25 @@ class ReplicaLost(Unavailable):
     """503 with Retry-After: the engine replica serving the call died or became unreachable (Serve restarts it)."""
 
     retry_after_s = 1
+
+
+class FarmPaused(Unavailable):
+    """503 with Retry-After: the request waited on a paused replica (POST /v1/pause, /pause_generation) for
+    FARM_PAUSE_WAIT_S, and nothing of it was kept (rollout_farm/services/replica/pause_bound.py)."""
+
+    retry_after_s = 1
+
+    @classmethod
+    def waited(cls, replica: str, paused_at: float, waited_s: float, limit_s: float) -> FarmPaused:
+        """`paused_at`: when the pause began (wall-clock seconds); `waited_s`: how long this request waited on it."""
+        since = datetime.fromtimestamp(paused_at, timezone.utc).isoformat(timespec="seconds")
+        return cls(
+            f"the farm is paused (POST /v1/pause or /pause_generation; replica {replica} since {since}): this request "
+            f"waited {waited_s:.1f} s for the resume, the most FARM_PAUSE_WAIT_S={limit_s:g} allows, and generated "
+            "nothing: send it again once the farm is resumed (POST /v1/resume or /continue_generation); a request_id "
+            "runs anew",
+            [{"field": "paused", "message": f"replica {replica} paused since {since}; waited {waited_s:.1f} s"}],
+        )
 
 
 class NotSupported(ServiceError):

@@ -60,6 +60,12 @@ class Sampler:
         """At the ingress: the sampling params to use, and metadata for each sample; by default the request's own."""
         return sampling, {}
 
+    def effective(self, sampling: P.SamplingParams, plugins: list[str] | None) -> P.SamplingParams:
+        """Not called by the service: the sampling params a request with `sampling` is drawn with, before any policy
+        stats are reported (plan's, at the initial state). A trainer reads its truncation (top_p, top_k, regex)
+        before it starts. `plugins`: as make_sampler's, for a sampler that builds another."""
+        return self.plan(sampling, SamplerState())[0]
+
     def candidates(self, n: int) -> int:
         """In the replica: the most samples to generate for a group of n."""
         return n
@@ -354,6 +360,9 @@ class DynamicGroupFilter(Sampler):
                     }
                 )
         return out
+
+    def effective(self, sampling: P.SamplingParams, plugins: list[str] | None) -> P.SamplingParams:
+        return make_sampler(self.params.inner, plugins).effective(sampling, plugins)  # each group: the inner's
 
     def zero_variance(self, group: P.Group) -> bool:
         return group.reward_std <= self.params.std_tolerance

@@ -161,6 +161,15 @@ class ServiceSettings(BaseSettings):
     min_version_wait_s: float = Field(
         60.0, ge=0, description="Longest wait of a rollout for its min_weight_version to be committed."
     )
+    pause_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="Longest wait of a generating request (rollouts, OpenAI, SGLang's /generate, session turns, "
+        "episodes) on a paused farm (POST /v1/pause, /pause_generation): long enough to sit out a trainer's pause "
+        "around a weight push; then it answers 503 with Retry-After, naming the pause, and keeps nothing (calls held "
+        "by a pause in mode in_place or retract too). The queue keeps its prompts and generates them after the "
+        "resume. 0: no bound (a request waits until the resume).",
+    )
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
     uploads_dir: str | None = Field(
         None,

@@ -33,10 +33,15 @@ class Batch:
     # (B, R) version of each response token (0 on padding): they differ within a sample when a weight commit with
     # the in-flight policy "partial" landed while it was generated. None: every token the sample's weight_version
     token_versions: torch.Tensor | None = None
+    # (B, R) the temperature each response token was drawn at: a multi-turn sample's turns may differ (a sampler
+    # changed it between them); context and padding have their sample's. None: every token its sample's temperature
+    token_temperatures: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.token_versions is None:
             self.token_versions = self.weight_versions[:, None] * self.response_mask.to(self.weight_versions.device)
+        if self.token_temperatures is None:
+            self.token_temperatures = self.temperatures[:, None].expand(-1, self.response_mask.shape[1]).contiguous()
 
     @property
     def oldest_versions(self) -> torch.Tensor:
@@ -62,7 +67,14 @@ class Batch:
 
 
 ON_DEVICE = {f.name for f in fields(Batch)} - {"group_ids", "weight_versions", "token_versions"}
-FLOATS = {"rollout_logprobs", "sampling_logprobs", "temperatures", "importance_weights", "rewards"}
+FLOATS = {
+    "rollout_logprobs",
+    "sampling_logprobs",
+    "temperatures",
+    "importance_weights",
+    "rewards",
+    "token_temperatures",
+}
 
 
 def make_batch(groups: list[Group], pad_id: int) -> Batch:
@@ -76,7 +88,7 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
     resp = torch.full((B, R), pad_id, dtype=torch.long)
     mask = torch.zeros((B, R), dtype=torch.long)
     versions = torch.zeros((B, R), dtype=torch.long)
-    raw, sampled = torch.zeros((B, R)), torch.zeros((B, R))
+    raw, sampled, temps = torch.zeros((B, R)), torch.zeros((B, R)), torch.ones((B, R))
     for i, (p, s, _) in enumerate(rows):
         n, m = len(p), len(s.token_ids)
         input_ids[i, : n + m] = torch.tensor(p + s.token_ids)
@@ -87,6 +99,9 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         versions[i, :m] = torch.tensor(s.token_weight_versions or [s.weight_version] * m, dtype=torch.long)
         raw[i, :m] = torch.tensor(s.logprobs)
         sampled[i, :m] = torch.tensor(s.sampling_logprobs if s.sampling_logprobs is not None else s.logprobs)
+        temps[i] = sample_temperature(s.sampled_with)
+        for turn in s.sampled_turns or []:
+            temps[i, turn.start : turn.end] = sample_temperature(turn.sampled_with)
     samples = [s for _, s, _ in rows]
     return Batch(
         input_ids,
@@ -97,21 +112,22 @@ def make_batch(groups: list[Group], pad_id: int) -> Batch:
         raw,
         sampled,
         sampling_known=torch.tensor([sampling_q_known(s) for s in samples], dtype=torch.long),
-        temperatures=torch.tensor([sample_temperature(s) for s in samples]),
+        temperatures=torch.tensor([sample_temperature(s.sampled_with) for s in samples]),
         importance_weights=torch.tensor([float(s.sampler_meta.get("importance_weight", 1.0)) for s in samples]),
         rewards=torch.tensor([s.reward for s in samples]),
         group_ids=torch.tensor([gi for _, _, gi in rows]),
         weight_versions=torch.tensor([s.weight_version for s in samples]),
         token_versions=versions,
+        token_temperatures=temps,
     )
 
 
 def raw_is_q(s) -> bool:
     """Whether the sample's raw logprobs are those of the distribution it was drawn from: temperature 1, no top-p,
-    no top-k and no regex constraint (then an engine that reports no sampling logprobs, SGLang, still gives the
-    trainer q)."""
-    w = s.sampled_with
-    return w is not None and w.temperature == 1.0 and w.top_p >= 1.0 and w.top_k <= 0 and not w.regex
+    no top-k and no regex constraint, in every turn of a multi-turn sample (then an engine that reports no sampling
+    logprobs, SGLang, still gives the trainer q)."""
+    drawn = [t.sampled_with for t in s.sampled_turns] if s.sampled_turns else [s.sampled_with]
+    return all(w is not None and w.raw_is_q() for w in drawn)
 
 
 def sampling_q_known(s) -> bool:
@@ -119,9 +135,9 @@ def sampling_q_known(s) -> bool:
     return s.sampling_logprobs is not None or raw_is_q(s)
 
 
-def sample_temperature(s) -> float:
-    """The temperature a sample was drawn at; 1 for greedy samples and when the service did not say."""
-    t = s.sampled_with.temperature if s.sampled_with is not None else 1.0
+def sample_temperature(w) -> float:
+    """The temperature of a draw's params (SampledWith); 1 for greedy draws and when the service did not say."""
+    t = w.temperature if w is not None else 1.0
     return t if t > 0 else 1.0
 
 
@@ -150,4 +166,5 @@ PER_TOKEN = {
     "rollout_logprobs",
     "sampling_logprobs",
     "token_versions",
+    "token_temperatures",
 }

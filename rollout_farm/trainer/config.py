@@ -16,7 +16,7 @@ from typing import Literal
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from rollout_farm.trainer.guards.checks import GuardConfig
 from rollout_farm.trainer.minibatches import updates_per_epoch
@@ -127,6 +127,9 @@ class RolloutCorrection(_Strict):
         None, description="rejection: comma-separated verl options, e.g. token_k1 or seq_mean_k3; null: none"
     )
     rollout_rs_threshold: float | str | None = Field(None, description="rollout_rs's bound(s); required with it")
+    # set when stale samples get the sequence ratio by default (rollout_farm/trainer/algorithms/stale_samples.py), not
+    # by the config's choice: the run then refuses stale samples drawn with truncation. Not a key.
+    _stale_default: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
     def _verl_accepts(self) -> "RolloutCorrection":

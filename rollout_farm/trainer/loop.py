@@ -1,6 +1,9 @@
 """The RL loop, one call per phase (slime's train.py is the model):
 
-    pull rollouts -> advantages -> update actor and critic -> push weights -> guards -> log -> checkpoint
+    pull rollouts -> advantages -> update actor and critic -> guards -> push weights -> log -> checkpoint
+
+The guards read the updated policy's KL before it is pushed: a step they roll back is never served, evaluated or
+reported to the samplers (under async training the queue never generates from it), and its metrics record why.
 
 Each phase lives in its own module: sync/rollouts.py, algorithms/advantages.py, actor.py, critic.py, sync/weights.py,
 guards/checks.py and guards/actions.py, outputs/step_metrics.py, outputs/checkpoint.py (all under
@@ -66,22 +69,23 @@ def train(run: TrainingRun) -> dict:
             continue
         batch = batch.to(run.device)
         metrics = train_step(run, batch)
-        pushed = time.perf_counter()
-        run.push()
-        metrics["push_seconds"] = time.perf_counter() - pushed
         run.step = step
         variance = variance_statistics(run, batch, metrics)
+        # before the push: a policy the guards roll back is never served, evaluated or reported to the samplers
         actions, flags = check_guards(run, metrics["kl_ref"], variance)
+        kept = "rollback" not in actions
+        if kept:
+            metrics["push_seconds"] = timed(run.push)
         if run.rank == 0:
             seconds = time.perf_counter() - start
             metrics |= step_metrics.batch_metrics(batch, seconds) | counters(run, flags, actions)
             metrics |= step_metrics.pull_metrics(run.pull_stats, seconds) | {"elapsed_s": time.perf_counter() - began}
-            report(run, metrics, variance["reward_var"])
+            report(run, metrics, variance["reward_var"], kept)
         for action in actions:
             carry_out(run, action)
-        if run.out and "rollback" not in actions and checkpoint_due(t, step):  # a rolled-back step saves nothing
+        if kept and run.out and checkpoint_due(t, step):  # a rolled-back step saves nothing
             run.save()
-        if "rollback" not in actions and last_good.wanted(run):
+        if kept and last_good.wanted(run):
             run.last_good = last_good.keep(run)
         rollouts.ack(run)  # after the checkpoint: killed before it, a trainer gets these groups again; after, not
         accuracy = metrics.get("val_accuracy", accuracy)  # held-out, every trainer.test_freq steps
@@ -234,17 +238,27 @@ def counters(run: TrainingRun, flags: dict, actions: list[str]) -> dict:
     }
 
 
-def report(run: TrainingRun, metrics: dict, reward_var: float) -> None:
-    """Rank 0: score the held-out problems every test_freq steps, tell the service the step's KL and reward
-    variance (its samplers may adapt to them), and record the metrics."""
+def report(run: TrainingRun, metrics: dict, reward_var: float, kept: bool) -> None:
+    """Rank 0: for a step the guards kept (`kept`), score the held-out problems every test_freq steps and tell the
+    service the step's KL and reward variance (its samplers may adapt to them); record the metrics of every step. A
+    rolled-back step's policy is discarded: nothing scores it, and the samplers keep the last kept step's stats."""
     t = run.cfg.trainer
-    if t.eval_size and t.test_freq > 0 and run.step % t.test_freq == 0:
+    if kept and t.eval_size and t.test_freq > 0 and run.step % t.test_freq == 0:
         scored = held_out_accuracy(run)
         metrics["val_accuracy"] = scored["accuracy"]
         if "number_accuracy" in scored:  # the right number in any format: the skill, not only the format
             metrics["val_number_accuracy"] = scored["number_accuracy"]
-    run.client.report_policy_stats(P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=run.step))
+    if kept:
+        stats = P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=run.step)
+        run.client.report_policy_stats(stats)
     step_metrics.record(run.out, metrics)
+
+
+def timed(call) -> float:
+    """Seconds `call()` took."""
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
 
 
 def held_out_accuracy(run: TrainingRun) -> dict:

@@ -284,3 +284,30 @@ def test_a_history_ending_with_the_assistant_and_unknown_sessions_are_refused(be
     assert chat(bench_service, "0" * 32, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 404
     r = httpx.post(f"{bench_service}/v1/sessions", json={"tool_format": "xml"}, timeout=30)
     assert r.status_code == 422 and "tool_format" in r.text
+
+
+def test_issue_36_session_refusals_over_http(bench_service):
+    """Issue 36 items 5-7 through the real routes (the unit tests in tests/unit/test_session_turns.py name the
+    mutations): a call whose arguments are not JSON is kept as sent (200, not a 500); a context overflow names the
+    chat request's fields; a chat turn on a session built from token ids is a 409, not a silent fork."""
+    sid = opened(bench_service)["session_id"]
+    first = [{"role": "user", "content": "hi say:‹yo›"}]
+    answer = chat(bench_service, sid, {"messages": first})
+    assert answer.status_code == 200, answer.text
+    bad_call = {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": "{oops"}}
+    history = first + [
+        answer.json()["choices"][0]["message"],
+        {"role": "user", "content": "go on"},
+        {"role": "assistant", "content": None, "tool_calls": [bad_call]},
+        {"role": "tool", "tool_call_id": "c0", "content": "error say:‹ok›"},
+    ]
+    r = chat(bench_service, sid, {"messages": history})
+    assert r.status_code == 200, r.text
+    long = [{"role": "user", "content": "x" * 6000}]
+    r = chat(bench_service, opened(bench_service)["session_id"], {"messages": long, "max_tokens": 4000})
+    assert r.status_code == 422 and [d["field"] for d in r.json()["detail"]] == ["max_tokens"], r.text
+    tokens = opened(bench_service)["session_id"]
+    r = httpx.post(f"{bench_service}/v1/sessions/{tokens}/generate", json={"append_token_ids": [65, 66]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert chat(bench_service, tokens, {"messages": first}).status_code == 409
+    assert len(trajectory(bench_service, tokens)["segments"]) == 1

@@ -65,13 +65,14 @@ def test_guards_raise_the_mini_batch_on_noisy_rewards_and_give_up_after_repeated
 
 
 def test_a_raised_mini_batch_is_lowered_after_calm_steps_with_hysteresis():
-    """Raised at a reward std above 0.3; lowered back to ppo_mini_batch_size (8) only after 3 steps in a row below
-    half of it (0.15): a std between the two bounds keeps the raised size, and one noisy step restarts the count.
-    Without the base size (the negative control) it is never lowered, as before."""
+    """Raised at a reward std above 0.3 (mean reward p in 0.1-0.9); lowered back to ppo_mini_batch_size (8) only after
+    3 steps in a row below the default lower bound, 0.218 (p below 0.05): a std between the two bounds keeps the
+    raised size, and one noisy step restarts the count. Without the base size (the negative control) it is never
+    lowered, as before."""
     from rollout_farm.trainer.guards.checks import Guard, GuardConfig
 
     guard = Guard(GuardConfig(enable=True), base_mini_batch_size=8)
-    noisy, between, calm = stats(0.5), stats(0.03), stats(0.01)  # reward std 0.5, ~0.17, ~0.1
+    noisy, between, calm = stats(0.5), stats(0.07), stats(0.04)  # reward std 0.5, ~0.255, ~0.196
     assert guard.check(0.0, noisy, 8)[0] == ["raise_mini_batch"]
     assert [guard.check(0.0, between, 16)[0] for _ in range(5)] == [[]] * 5  # inside the band: stays raised
     assert [guard.check(0.0, calm, 16)[0] for _ in range(2)] == [[], []]
@@ -104,3 +105,18 @@ def test_raising_the_mini_batch_halves_the_optimizer_steps_of_a_step():
     before = a.ppo_epochs * updates_per_epoch(groups, a.ppo_mini_batch_size)
     after = a.ppo_epochs * updates_per_epoch(groups, c.guards.raised_mini_batch_size)
     assert (before, after) == (48, 24)
+
+
+@pytest.mark.parametrize("p", [0.04, 0.96])
+def test_the_default_lower_bound_is_reached_on_0_1_rewards_once_the_reward_leaves_the_middle(p):
+    """Issue 36: the default lower bound halves variance_raise in the mean reward p, not in the std. At p = 0.04 or
+    0.96 (std 0.196) the raised size comes back after 3 steps; half the std, 0.15 (the old default, the mutation
+    seen failing here), needs p below 0.023 or above 0.977, which a learning run rarely reaches. The reward variance
+    gets the same bound in its own units; the advantage variance keeps half of variance_raise."""
+    from rollout_farm.trainer.guards.checks import Guard, GuardConfig, default_lower
+
+    guard = Guard(GuardConfig(enable=True), base_mini_batch_size=8)
+    assert [guard.check(0.0, stats(p), 16)[0] for _ in range(3)] == [[], [], ["lower_mini_batch"]]
+    assert default_lower("reward_std", 0.3) == pytest.approx((0.05 * 0.95) ** 0.5)
+    assert default_lower("reward_var", 0.09) == pytest.approx(0.05 * 0.95)
+    assert default_lower("adv_var", 0.3) == 0.15 and default_lower("reward_std", 0.6) == 0.3

@@ -23,7 +23,9 @@ BUILDS_AT_IMPORT = {
 }  # `serve run`'s entry: importing it builds the app from FARM_* settings
 # What rollout_farm/trainer/ and rollout_farm/integrations/ may import of rollout_farm/services/ (docs/architecture.md,
 # the layers): the base modules, every module of protocol/ and the package itself (a docstring). rewards.py is one
-# (rollout_farm/trainer/evaluate.py grades the last number with it).
+# (rollout_farm/trainer/evaluate.py grades the last number with it). samplers.py is one: the sampler plug-in API,
+# which imports only protocol/ and registry.py; rollout_farm/trainer/algorithms/stale_samples.py asks the configured
+# sampler (a plug-in too) for its effective params at config load, before any service is up.
 SERVICE_BASE = {
     "rollout_farm.services",
     "rollout_farm.services.client",
@@ -32,6 +34,7 @@ SERVICE_BASE = {
     "rollout_farm.services.tasks",
     "rollout_farm.services.registry",
     "rollout_farm.services.rewards",
+    "rollout_farm.services.samplers",
     "rollout_farm.services.logs",
     "rollout_farm.services.net",
     "rollout_farm.services.weights.pusher",

@@ -18,7 +18,11 @@ admin = APIRouter(tags=["control"])  # needs the token
 
 @admin.post("/v1/pause", response_model=P.ControlResponse)
 async def pause(farm=Depends(ingress)):
-    """Stop admitting generation on every replica; calls already running finish (or see /v1/abort)."""
+    """Stop admitting generation on every replica; calls already running finish (or see /v1/abort). A generating
+    request (rollouts, OpenAI, /generate, session turns, episodes) that meets the pause waits for /v1/resume at most
+    FARM_PAUSE_WAIT_S (default 30 s; 0: no bound), then answers 503 with Retry-After, its error naming the pause
+    (since when, how long it waited): send it again after the resume (a request_id runs anew). The queue keeps its
+    prompts and generates them after the resume."""
     return await farm.replicas.control("pause")
 
 

@@ -25,12 +25,22 @@ def render(
 
 
 def for_template(messages: list[dict]) -> list[dict]:
-    """The messages as Hugging Face chat templates take them: a call's arguments as an object (OpenAI sends text)."""
+    """The messages as Hugging Face chat templates take them: a call's arguments as an object (OpenAI sends text).
+    Arguments that are not JSON (the model wrote what it wrote) stay text, for the template to render as it
+    renders a string (Qwen3's as it is)."""
     out = json.loads(json.dumps(messages))
     for m in out:
         for call in m.get("tool_calls") or []:
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"] or "{}")
+            call["function"]["arguments"] = as_object(call["function"]["arguments"])
     return out
+
+
+def as_object(arguments: str) -> object:
+    """Arguments parsed from JSON; the text itself when it is not JSON."""
+    try:
+        return json.loads(arguments or "{}")
+    except ValueError:
+        return arguments
 
 
 def prompt_ids(tokenizer, prompt: P.Prompt) -> list[int]:

@@ -51,6 +51,34 @@ def turn_params(session_params: dict, req: S.SessionChatRequest) -> P.SamplingPa
         raise Invalid(pydantic_fields(e.errors())) from None
 
 
+def rollout_fields(req: S.SessionChatRequest) -> dict[str, str]:
+    """A chat turn's fields for those of the rollout it samples through (a context overflow names them): the prompt
+    is the session's tokens and the request's messages, max_new_tokens the max tokens the request gave (or the
+    session's, which the request's max_tokens overrides)."""
+    limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    return {"prompts.0": "messages", "sampling_params.max_new_tokens": limit, "max_new_tokens": limit}
+
+
+def renamed(e: Invalid, fields: dict[str, str]) -> Invalid:
+    """A rollout's 422 with its fields, and their names in the messages, as `fields` map them (a dotted field and
+    the ones under it; a bare name in the text)."""
+
+    def field(name: str) -> str:
+        for old, new in fields.items():
+            if name == old or name.startswith(old + "."):
+                return new + name[len(old) :]
+        return name
+
+    def text(message: str) -> str:
+        for old, new in fields.items():
+            if "." not in old:
+                message = message.replace(old, new)
+        return message
+
+    detail = [{**d, "field": field(d.get("field", "")), "message": text(d.get("message", ""))} for d in e.detail]
+    return Invalid(detail, text(e.message))
+
+
 class ContextFull(Invalid):
     """422: the session's tokens and the new messages leave no room in the model's context for a turn."""
 

@@ -23,10 +23,19 @@ def normal(message: dict) -> tuple:
     """What makes two chat messages the same turn: role, content (None as ""), the calls (arguments as parsed JSON),
     the tool call they answer, and a name."""
     calls = tuple(
-        (c["function"]["name"], json.dumps(json.loads(c["function"]["arguments"] or "{}"), sort_keys=True))
-        for c in message.get("tool_calls") or []
+        (c["function"]["name"], arguments(c["function"]["arguments"])) for c in message.get("tool_calls") or []
     )
     return message["role"], message.get("content") or "", calls, message.get("tool_call_id"), message.get("name")
+
+
+def arguments(text: str) -> str:
+    """A call's arguments as compared: JSON text normalised (key order, spacing); text that is not JSON as it is.
+    OpenAI's `arguments` is whatever the model wrote, which may not be JSON: such a call is kept as sent, and equals
+    only the same text (the farm's own calls always read as JSON, so it never matches one of theirs)."""
+    try:
+        return json.dumps(json.loads(text or "{}"), sort_keys=True)
+    except ValueError:
+        return text
 
 
 def shared_messages(stored: list[dict], given: list[dict]) -> int:
@@ -50,6 +59,8 @@ class Turn:
         default_factory=list
     )  # calls that did not read (rollout_farm/services/chat/tool_formats.py)
     reward: float | None = None  # this turn's reward, when the client scores turns
+    sampled_with: dict | None = None  # the params it was drawn with (P.SampledWith), after the sampler's plan
+    sampling_known: bool = True  # whether its sampling_logprobs are q (False: the engine reported none, raw is not q)
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Segment:
     messages: list[dict] = field(default_factory=list)
     message_ends: list[int | None] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    from_token_ids: bool = False  # a token turn (/generate) went into it: its messages do not say its tokens
 
     def add_context(self, ids: list[int], messages: list[dict]) -> None:
         """Rendered tokens (template, prompts, observations: never trained) for these messages, appended."""
@@ -83,13 +95,17 @@ class Segment:
         calls: list[ToolCall] = (),
         malformed: list[str] = (),
         trained: bool = True,
+        sampled_with: dict | None = None,
+        sampling_known: bool = True,
     ) -> Turn:
         """The engine's ids, appended as they are, and the assistant message they are (content and parsed calls);
-        `trained=False` keeps them out of the loss (mask 0: a malformed call masked by the session's policy)."""
+        `trained=False` keeps them out of the loss (mask 0: a malformed call masked by the session's policy).
+        `sampled_with`: the params they were drawn with; `sampling_known=False`: `sampling_logprobs` are not q."""
         if not len(ids) == len(logprobs) == len(sampling_logprobs) == len(versions):
             raise ValueError("a sampled turn needs one logprob, sampling logprob and version per token")
         turn = Turn(len(self.token_ids), len(self.token_ids) + len(ids), len(self.messages), finish_reason)
         turn.tool_calls, turn.malformed = list(calls), list(malformed)
+        turn.sampled_with, turn.sampling_known = sampled_with, sampling_known
         self._extend(ids, int(trained), logprobs, sampling_logprobs, versions)
         self.messages.append(message)
         self.message_ends.append(len(self.token_ids))
@@ -135,6 +151,7 @@ class Segment:
             token_versions=self.token_versions[:cut],
             messages=self.messages[:keep],
             message_ends=self.message_ends[:keep],
+            from_token_ids=self.from_token_ids,
         )
 
     def fork(self, new_id: str, given: list[dict]) -> Segment:

@@ -26,7 +26,7 @@ from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
 from rollout_farm.services.episodes.segments import Segment, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
-from rollout_farm.services.errors import Conflict
+from rollout_farm.services.errors import Conflict, Invalid
 from rollout_farm.services.protocol import sessions as S
 
 if TYPE_CHECKING:
@@ -59,8 +59,11 @@ class Sessions:
         await self.store.create(session)
         return info(session, base_url)
 
-    async def sample(self, session: Session, tokens: list[int], params: P.SamplingParams) -> P.Sample:
-        """One completion of the session's tokens, through the rollout path."""
+    async def sample(
+        self, session: Session, tokens: list[int], params: P.SamplingParams, fields: dict[str, str] | None = None
+    ) -> P.Sample:
+        """One completion of the session's tokens, through the rollout path; its 422s name the route's `fields`
+        (a rollout's field -> the caller's) where given."""
         rollout = P.RolloutRequest(
             prompts=[P.Prompt(token_ids=tokens)],
             n=1,
@@ -69,7 +72,12 @@ class Sessions:
             min_weight_version=session.min_weight_version,
             routing_key=session.id,  # its home replica, and the KV cache kept there between turns
         )
-        return (await self.answer(rollout)).groups[0].samples[0]
+        try:
+            return (await self.answer(rollout)).groups[0].samples[0]
+        except Invalid as e:
+            if not fields:
+                raise
+            raise chat_turns.renamed(e, fields) from None
 
     async def chat(self, session_id: str, req: S.SessionChatRequest, context: int | None = None) -> dict:
         """An OpenAI chat turn on the session's tokens (see the module's docstring). With `context` (the model's, for
@@ -80,7 +88,7 @@ class Sessions:
             session = await self.open_session(session_id)
             fmt = TOOL_FORMATS.get(session.tool_format)()
             for segment in session.segments:
-                if (turn := segment.answered(messages)) is not None:  # a retry
+                if not segment.from_token_ids and (turn := segment.answered(messages)) is not None:  # a retry
                     return await self.completion(session, segment, segment.turns.index(turn), req.logprobs)
             head = self.chat_head(session, messages)
             new = messages[len(head.messages) :]
@@ -102,7 +110,7 @@ class Sessions:
             params = chat_turns.turn_params(session.sampling_params, req)
             if context is not None:
                 params = chat_turns.fitted(params, context - len(head.token_ids))
-            sample = await self.sample(session, head.token_ids, params)
+            sample = await self.sample(session, head.token_ids, params, chat_turns.rollout_fields(req))
             parsed = chat_turns.parsed_turn(fmt, opening + sample.text, len(head.turns), req.tool_choice)
             append_sample(head, sample, parsed, not (parsed.malformed and session.malformed_tool_calls == "mask"))
             metrics.SESSION_TURNS.labels("chat").inc()
@@ -116,7 +124,7 @@ class Sessions:
         the most messages with it (the latest on a tie), cut at the last shared message. A head built from token ids
         alone has no messages to match: 409."""
         head = session.head
-        if head.token_ids and not head.messages:
+        if head.from_token_ids or (head.token_ids and not head.messages):
             metrics.TOKEN_MISMATCH.labels("token_session").inc()
             raise Conflict(f"session {session.id} was built from token ids: go on with its /generate")
         if not head.messages or head.extended_by(messages):
@@ -155,6 +163,7 @@ class Sessions:
                 session, tokens, req.sampling_params or P.SamplingParams(**session.sampling_params)
             )
             head.add_context(req.append_token_ids, [])
+            head.from_token_ids = True  # its messages no longer say its tokens: a chat turn on it is a 409
             append_sample(head, sample, ParsedTurn(sample.text))
             metrics.SESSION_TURNS.labels("generate").inc()
             await self.store.save(session)
@@ -197,18 +206,27 @@ class Sessions:
 
 
 def append_sample(head: Segment, sample: P.Sample, parsed: ParsedTurn, trained: bool = True) -> None:
-    """The sampled ids verbatim, with their logprobs and versions, and the assistant message they read as."""
+    """The sampled ids verbatim, with their logprobs and versions, the params they were drawn with, and the assistant
+    message they read as. Their q is what the engine reported, else the raw logprobs where those are q (temperature
+    1, no top-p, top-k or regex), else unknown: 0.0 and `sampling_known` False, never taken for q (as for a
+    rollout's sample, rollout_farm/trainer/batch.py `sampling_q_known`)."""
     n = len(sample.token_ids)
+    with_ = sample.sampled_with
+    q = sample.sampling_logprobs
+    if q is None and with_ is not None and with_.raw_is_q():
+        q = sample.logprobs
     head.add_sampled(
         sample.token_ids,
         sample.logprobs,
-        sample.sampling_logprobs or [0.0] * n,
+        q if q is not None else [0.0] * n,
         sample.token_weight_versions or [sample.weight_version] * n,
         sample.finish_reason,
         chat_turns.assistant_message(parsed),
         parsed.calls,
         parsed.malformed,
         trained,
+        sampled_with=with_.model_dump() if with_ is not None else None,
+        sampling_known=q is not None,
     )
 
 
@@ -251,7 +269,8 @@ def turn_answer(session: Session, index: int) -> S.SessionTurn:
         prompt_tokens=t.start,
         token_ids=head.token_ids[t.start : t.end],
         logprobs=head.logprobs[t.start : t.end],
-        sampling_logprobs=head.sampling_logprobs[t.start : t.end],
+        sampling_logprobs=head.sampling_logprobs[t.start : t.end] if t.sampling_known else None,
+        sampled_with=t.sampled_with,
         finish_reason=t.finish_reason,
         weight_version=min(head.token_versions[t.start : t.end], default=-1),
         token_weight_versions=head.token_versions[t.start : t.end],
@@ -268,7 +287,17 @@ def segment_out(s: Segment) -> S.SegmentOut:
         logprobs=s.logprobs,
         sampling_logprobs=s.sampling_logprobs,
         token_versions=s.token_versions,
-        turns=[S.TurnSpan(start=t.start, end=t.end, finish_reason=t.finish_reason, reward=t.reward) for t in s.turns],
+        turns=[
+            S.TurnSpan(
+                start=t.start,
+                end=t.end,
+                finish_reason=t.finish_reason,
+                reward=t.reward,
+                sampled_with=t.sampled_with,
+                sampling_known=t.sampling_known,
+            )
+            for t in s.turns
+        ],
     )
 
 

@@ -9,9 +9,10 @@ which may import only the service's base modules.
 The group's prompt is what every episode of the group starts with (the environment's opening, up to the first
 sampled token of the shortest); each sample is the rest of its episode's tokens: the sampled turns and, between
 them, the observations and template tokens, which `loss_mask` marks 0 (their logprobs are 0, their versions the
-episode's). Rewards are the episodes' (advantages are per episode); an episode that ended in env_error keeps its
-tokens but trains none of them (`loss_mask` all 0) and has finish_reason "error"; one that sampled nothing is left
-out.
+episode's). Each turn keeps the params it was drawn with (`sampled_turns`: a sampler may change them between
+turns), and the q of a turn the engine did not report stays unknown (the sample's sampling_logprobs None). Rewards
+are the episodes' (advantages are per episode); an episode that ended in env_error keeps its tokens but trains none
+of them (`loss_mask` all 0) and has finish_reason "error"; one that sampled nothing is left out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.protocol import episodes as E
+from rollout_farm.services.protocol.rollouts import SampledSpan
 
 FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length", "context_overflow": "length"}
 
@@ -48,16 +50,24 @@ def as_group(group: E.EpisodeGroup, params: P.SamplingParams) -> P.Group | None:
 
 
 def as_sample(ep: E.EpisodeOut, head, cut: int, params: P.SamplingParams) -> P.Sample:
+    """The episode's head segment after the group's opening. Each turn keeps the params it was drawn with
+    (`sampled_turns`); its q is unknown for the whole sample (sampling_logprobs None, as for a single-turn sample
+    whose engine reported none) when any turn's is."""
     oldest = ep.weight_version if ep.weight_version >= 0 else 0
     mask = head.loss_mask[cut:] if ep.stop_reason != "env_error" else [0] * (len(head.token_ids) - cut)
-    greedy = params.temperature == 0
+    asked = P.SampledWith(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, regex=params.regex is not None
+    )
+    turns = [
+        SampledSpan(start=t.start - cut, end=t.end - cut, sampled_with=t.sampled_with or asked) for t in head.turns
+    ]
+    known = all(t.sampling_known and s.sampled_with.temperature > 0 for t, s in zip(head.turns, turns))
     return P.Sample(
         token_ids=head.token_ids[cut:],
         logprobs=head.logprobs[cut:],
-        sampling_logprobs=None if greedy else head.sampling_logprobs[cut:],
-        sampled_with=P.SampledWith(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, regex=params.regex is not None
-        ),
+        sampling_logprobs=head.sampling_logprobs[cut:] if known else None,
+        sampled_with=turns[0].sampled_with,
+        sampled_turns=turns,
         text="",
         finish_reason=FINISH.get(ep.stop_reason, "error"),
         reward=ep.reward,

@@ -82,6 +82,21 @@ class SampledWith(BaseModel):
         False, description="Whether a regex constraint restricted the tokens: the raw logprobs are then not q."
     )
 
+    def raw_is_q(self) -> bool:
+        """Derived, not a field: whether the raw logprobs are those of the distribution sampled (temperature 1, no
+        top-p, no top-k, no regex), so that they are q where an engine (SGLang) reports no sampling logprobs."""
+        return self.temperature == 1.0 and self.top_p >= 1.0 and self.top_k <= 0 and not self.regex
+
+
+class SampledSpan(BaseModel):
+    """One turn of a multi-turn sample: its tokens and the params they were drawn with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(..., description="The turn's first token, an index into the sample's token_ids.")
+    end: int = Field(..., description="One past its last token.")
+    sampled_with: SampledWith = Field(..., description="The params this turn was drawn with, after the sampler's plan.")
+
 
 class Sample(BaseModel):
     """One trajectory. A failed sample carries finish_reason 'error' instead of failing the batch."""
@@ -97,11 +112,20 @@ class Sample(BaseModel):
         description="Log-probability of each generated token under the distribution actually sampled (see "
         "sampled_with): the logits divided by the temperature, top-k and top-p applied, renormalised. None for "
         "greedy samples (temperature 0), for engines that cannot report it (SGLang), and when a regex constraint "
-        "forced a token outside that distribution. With a regex constraint it is the distribution before the "
-        "regex mask, not the constrained one the token was drawn from.",
+        "forced a token outside that distribution. With a regex constraint it is the constrained distribution the "
+        "token was drawn from: restricted to the tokens the regex allows and renormalised (None when its normaliser "
+        "is too costly to compute). For a multi-turn sample, None when any turn's is unknown; 0.0 on context tokens.",
     )
     sampled_with: SampledWith | None = Field(
-        None, description="The sampling params this sample was drawn with, after the sampler's plan."
+        None,
+        description="The sampling params this sample was drawn with, after the sampler's plan (a multi-turn "
+        "sample: its first turn's; each turn's are in sampled_turns).",
+    )
+    sampled_turns: list[SampledSpan] | None = Field(
+        None,
+        description="A multi-turn sample's turns, each with the params it was drawn with (a sampler may change "
+        "them between turns): the trainer reads each token's temperature from its turn. None: one draw, "
+        "sampled_with.",
     )
     text: str = Field(..., description="Decoded generated text, special tokens skipped.")
     finish_reason: FinishReason = Field(..., description="Why generation ended.")

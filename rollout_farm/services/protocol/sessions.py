@@ -25,7 +25,7 @@ from rollout_farm.services.protocol.common import (
     optional_temperature,
 )
 from rollout_farm.services.protocol.openai import StreamOptions, TextPart
-from rollout_farm.services.protocol.rollouts import SamplerSpec
+from rollout_farm.services.protocol.rollouts import SampledWith, SamplerSpec
 
 MAX_SESSION_TTL_S = 7 * 86400
 
@@ -92,7 +92,10 @@ class SessionTurn(BaseModel):
     )
     token_ids: list[int] = Field(..., description="The sampled ids, appended to the segment as they are.")
     logprobs: list[float]
-    sampling_logprobs: list[float] | None = None
+    sampling_logprobs: list[float] | None = Field(
+        None, description="Under the distribution sampled; None where the engine reported none (as for a rollout)."
+    )
+    sampled_with: SampledWith | None = Field(None, description="The params the turn was drawn with.")
     finish_reason: str
     weight_version: int
     token_weight_versions: list[int]
@@ -110,6 +113,17 @@ class TurnSpan(BaseModel):
     end: int
     finish_reason: str
     reward: float | None = None
+    sampled_with: SampledWith | None = Field(
+        None,
+        description="The params the turn was drawn with, after the sampler's plan (a sampler may change them between "
+        "turns); None for a turn stored before they were kept.",
+    )
+    sampling_known: bool = Field(
+        True,
+        description="Whether the segment's sampling_logprobs on this turn are q, the distribution it was drawn from: "
+        "false when the engine reported none (SGLang, greedy) and the raw logprobs differ from q (a temperature, "
+        "top-p, top-k or regex); they are 0.0 then.",
+    )
 
 
 class SegmentOut(BaseModel):
@@ -119,7 +133,11 @@ class SegmentOut(BaseModel):
     token_ids: list[int]
     loss_mask: list[int] = Field(..., description="1 exactly on the tokens sampled in this segment.")
     logprobs: list[float] = Field(..., description="Raw-model logprob of each sampled token; 0.0 elsewhere.")
-    sampling_logprobs: list[float] = Field(..., description="Under the distribution sampled; 0.0 elsewhere.")
+    sampling_logprobs: list[float] = Field(
+        ...,
+        description="Under the distribution sampled (the raw logprobs where those are it); 0.0 elsewhere and on a "
+        "turn whose sampling_known is false.",
+    )
     token_versions: list[int] = Field(..., description="Weight version of each sampled token; -1 elsewhere.")
     turns: list[TurnSpan]
 

@@ -2,7 +2,8 @@
 ingress replica at a time generates for a source, holding its `owner` key (a 5 s lease it keeps extending). When that
 replica dies the key lapses, another replica claims the source within SUPERVISE_S, and what the dead one was generating
 goes back to the front of `pending`. A batch's groups land in the ready stream in one transaction, only while this
-replica still owns the source."""
+replica still owns the source. A paused farm only delays generation: a batch that waited FARM_PAUSE_WAIT_S on the
+pause (FarmPaused) goes back to the front of `pending`, not counted as an error, and is generated after the resume."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from redis.exceptions import WatchError
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
-from rollout_farm.services.errors import described
+from rollout_farm.services.errors import FarmPaused, described
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
 from rollout_farm.services.tasks import TASKS
@@ -23,6 +24,7 @@ from rollout_farm.services.tasks import TASKS
 log = logging.getLogger("farm.queue")
 
 IDLE_S = 0.2  # an owner with nothing to generate looks again this often
+PAUSED_RETRY_S = 1.0  # after a batch that waited on a paused farm to the bound, the owner tries again this much later
 SUPERVISE_S = 0.5  # how often a replica looks for sources nobody generates for
 ORPHAN_IDLE_MS = 30_000  # a delivered entry with no lease (its ingress died between the two) gets one after this
 
@@ -137,6 +139,11 @@ class QueueGeneration:
                 groups = await self.generate(P.RolloutRequest(**common, reward=reward))
         except asyncio.CancelledError:
             raise
+        except FarmPaused:  # the farm is paused: the prompts wait at the front until it resumes; not an error
+            await self._recover(k)
+            log.info("queue_generation_paused", extra={"source": spec.name, "prompts": len(taken)})
+            await asyncio.sleep(PAUSED_RETRY_S)
+            return
         except Exception as e:  # the prompts wait at the front; try again shortly
             await self._recover(k)
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

@@ -15,5 +15,6 @@ tokenizer a replica hands it once (`EngineServer.chat_tokenizer`).
 | `overload.py` | the replica's `Full` answer (an expected 429, not an exception) and the rate-limited warnings |
 | `group_sampling.py` | a chunk's groups: the sampler's rounds through engine.agenerate, decoding, rewards |
 | `cuts.py` | `Cuts`: a rollout cut short by its request_id, keeping the tokens it generated |
+| `pause_bound.py` | `PauseBound`: a generate call waits on a paused replica at most FARM_PAUSE_WAIT_S, then 503 |
 | `session_routes.py` | sticky sessions: a session's turns go to its home replica (Serve's model multiplexing) |
 """

@@ -7,7 +7,8 @@ waiting (waiting_room), and answers Full (the ingress's 429) beyond. Serve gives
 request slots (request_slots), so weight pushes, control and scrapes get through a full replica, and Serve's own
 queue at the ingress is only a backstop (routing_queue). Before a replica
 serves its first request it loads the committed weight version from the WeightStore, and a rollout asking for a
-newer version waits for it.
+newer version waits for it. While the replica is paused its generate calls wait, at most FARM_PAUSE_WAIT_S
+(pause_bound.py), and the rollout then answers FarmPaused (503).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from rollout_farm.services.chat.pieces import alternative, token_pieces
 from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
 from rollout_farm.services.engine.base import cancellable
-from rollout_farm.services.errors import EngineVerbMissing, Unavailable, VersionNotReached, described
+from rollout_farm.services.errors import EngineVerbMissing, FarmPaused, Unavailable, VersionNotReached, described
 from rollout_farm.services.plugins import load_plugins
 from rollout_farm.services.replica.cuts import Cut, Cuts
 from rollout_farm.services.replica.group_sampling import sample_groups
 from rollout_farm.services.replica.overload import Full
+from rollout_farm.services.replica.pause_bound import PauseBound, Progress
 from rollout_farm.services.replica.session_routes import session_routes
 from rollout_farm.services.replica.weight_verbs import ReplicaWeights, replica_id
 from rollout_farm.services.samplers import make_sampler
@@ -81,9 +83,8 @@ class EngineServer(ReplicaWeights):
         self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
         self.session_route = session_routes(self.engine, settings.sessions_per_replica)
-        self.cuts = (
-            Cuts()
-        )  # the running rollouts by request_id, for cut_rollout (rollout_farm/services/replica/cuts.py)
+        self.cuts = Cuts()  # the running rollouts by request_id, for cut_rollout (cuts.py)
+        self.pauses = PauseBound(settings.pause_wait_s, lambda: self.engine.busy, replica_id())
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
 
@@ -116,8 +117,9 @@ class EngineServer(ReplicaWeights):
     ) -> list[P.Group] | Full | VersionNotReached | Unavailable:
         """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
         waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
-        exception (Serve would log each one with a traceback); so are a version not committed in time (409) and one
-        that cannot be loaded (503), which the ingress raises (rollout_farm/services/replica/handle.py).
+        exception (Serve would log each one with a traceback); so are a version not committed in time (409), one
+        that cannot be loaded (503) and a pause that outlasted FARM_PAUSE_WAIT_S (FarmPaused, 503), which the ingress
+        raises (rollout_farm/services/replica/handle.py).
         cut_rollout(request_id) ends its engine calls at their next token, and it answers with the tokens they had
         (finish_reason "abort")."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
@@ -126,6 +128,7 @@ class EngineServer(ReplicaWeights):
             return await self._rollout(prompts, n, params, reward, min_version, meta, sampler, routing_key, cut)
 
     async def _rollout(self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None):
+        progress = Progress()  # its arrival: a wait on a pause counts from here (pause_bound.py)
         self.rollouts_waiting += 1
         try:
             await self.rollout_slots.acquire()
@@ -143,7 +146,9 @@ class EngineServer(ReplicaWeights):
                 await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
             cache_key = routing_key if routing_key and self.engine.keeps_sessions else None
             return await sample_groups(
-                functools.partial(self._generate_rerun, cache_key=cache_key, cut=cut, sampler=spec.name),
+                functools.partial(
+                    self._generate_rerun, cache_key=cache_key, cut=cut, sampler=spec.name, progress=progress
+                ),
                 self.engine.tokenizer,
                 prompts,
                 n,
@@ -152,6 +157,8 @@ class EngineServer(ReplicaWeights):
                 meta or {"sampler": "plain"},
                 make_sampler(spec, self.settings.plugins),
             )
+        except FarmPaused as e:  # an expected answer: returned, so Serve logs no traceback
+            return e
         finally:
             self.rollouts_running -= 1
             self.rollout_slots.release()
@@ -163,11 +170,13 @@ class EngineServer(ReplicaWeights):
         cache_key: str | None = None,
         cut: Cut | None = None,
         sampler: str = "plain",
+        progress: Progress | None = None,
     ) -> list[EngineOutput]:
         """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights (not
         those of a rollout cut by its request_id: they are its answer). The drafts verified for them (speculative
         decoding) count for `sampler`."""
-        outs = await self._generate(prompts, params, cache_key, cut)
+        progress = progress or Progress()
+        outs = await self._generate(prompts, params, cache_key, cut, progress)
         self._count_drafts(sampler, outs)
         for _ in range(ABORT_RERUNS):
             if cut is not None and cut.done:
@@ -178,21 +187,35 @@ class EngineServer(ReplicaWeights):
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
-            again = await self._generate([prompts[i] for i in redo], params, cache_key, cut)
+            again = await self._generate([prompts[i] for i in redo], params, cache_key, cut, progress)
             self._count_drafts(sampler, again)
             for i, o in zip(redo, again):
                 outs[i] = o
         return outs
 
     async def _generate(
-        self, prompts: list[list[int]], params: P.SamplingParams, cache_key: str | None = None, cut: Cut | None = None
+        self,
+        prompts: list[list[int]],
+        params: P.SamplingParams,
+        cache_key: str | None = None,
+        cut: Cut | None = None,
+        progress: Progress | None = None,
     ) -> list[EngineOutput]:
         """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
         (its rows leave the batch at the next step). `cache_key` only for an engine that keeps sessions. `cut`: the
-        rollout's Cut, which ends the engine work the same way but keeps its outputs."""
+        rollout's Cut, which ends the engine work the same way but keeps its outputs. While the replica is paused
+        the call waits, at the gate or in the engine, until the rollout's `progress` is FARM_PAUSE_WAIT_S old:
+        then FarmPaused (pause_bound.py)."""
+        progress = progress or Progress()
+        await self.pauses.admitted(progress)
         keyed = {"cache_key": cache_key} if cache_key is not None else {}
         with cut.call() if cut is not None else nullcontext(threading.Event()) as cancel:
-            return await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
+            with self.pauses.watched(progress, cancel) as watch:
+                outs = await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
+        if watch.ended:
+            raise self.pauses.error(progress)
+        progress.moved()
+        return outs
 
     def _count_drafts(self, sampler: str, outs: list[EngineOutput]) -> None:
         drafted = sum(o.draft_tokens for o in outs)
@@ -226,17 +249,21 @@ class EngineServer(ReplicaWeights):
     async def pause(self, mode: str = "wait") -> P.ReplicaState:
         """Stop admitting generate calls; calls already running finish ("wait"), or are held: "in_place" (at a
         step boundary, with their KV cache) or "retract" (back to the queue), until resume. An engine that cannot
-        hold them raises EngineVerbMissing (501)."""
+        hold them raises EngineVerbMissing (501). A call waits on the pause at most FARM_PAUSE_WAIT_S
+        (pause_bound.py)."""
         if mode == "wait":
             self.engine.pause()
         elif "mode" not in inspect.signature(self.engine.pause).parameters:  # a plug-in engine's pause(self)
             raise EngineVerbMissing.of(self.engine, f"pause mode {mode!r}", "pause with mode 'abort'")
         else:
             await asyncio.to_thread(self.engine.pause, mode)  # returns once the engine holds its rows
+        self.pauses.pause(mode)
         return self.state()
 
-    def resume(self) -> P.ReplicaState:
+    async def resume(self) -> P.ReplicaState:
+        """Admit generate calls again: the engine's, then those waiting at the replica's gate, all at once."""
         self.engine.resume()
+        self.pauses.resume()
         return self.state()
 
     def abort(self) -> P.ReplicaState:

@@ -19,6 +19,7 @@ Finished records expire after FARM_IDEMPOTENCY_TTL_S; failed and cancelled ones 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import logging
@@ -38,6 +39,7 @@ log = logging.getLogger("farm.service")
 HEARTBEAT_S = 1.0
 POLL_S = 0.05
 CUT_WAIT_S = 10.0  # how long a cut rollout may take to answer with what it had, before it is cancelled outright
+RECORD_WAIT_S = 5.0  # how long a failed job's caller waits for its record to say so (Redis slow or away: no longer)
 
 
 class Job:
@@ -49,6 +51,7 @@ class Job:
         self.task: asyncio.Task | None = None
         self.report: P.FilterReport | None = None  # dynamic_group_filter's, once done
         self.waiters = 0  # callers still waiting: when the last one goes away, so does the engine work
+        self.recorded = asyncio.Event()  # set once its record holds its outcome (a job with a request_id)
         self._tick = asyncio.Event()
 
     def add(self, index: int, group: P.Group) -> None:
@@ -171,7 +174,12 @@ class RolloutJobs:
                 outcome = {"state": "done", "result": job.task.result().model_dump_json()}
             except Exception as e:
                 error = as_service_error(e)
-                outcome = {"state": "failed", "error": error.message, "status": error.status}
+                outcome = {
+                    "state": "failed",
+                    "error": error.message,
+                    "status": error.status,
+                    "retry_after": error.retry_after_s or 0,
+                }
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=outcome).expire(key, ttl).expire(f"{key}:groups", ttl)
                 pipe.delete(f"{key}:owner", f"{key}:cancel")
@@ -181,6 +189,7 @@ class RolloutJobs:
         finally:
             if self.jobs.get(request_id) is job:
                 del self.jobs[request_id]
+            job.recorded.set()
 
     async def heartbeat(self) -> None:
         """Forever: keep the records of the jobs running here owned, and act on cancels sent to other replicas."""
@@ -270,9 +279,18 @@ class RolloutJobs:
             self._abandoned(job, request_id)
             raise
         job.waiters -= 1
+        await self._failure_recorded(job, request_id)
         if job.task.cancelled():
             raise RolloutCancelled()
         return job.task.result()
+
+    @staticmethod
+    async def _failure_recorded(job: Job, request_id: str | None) -> None:
+        """A job that failed (a 503 for a pause, say) or was cancelled: wait until its record says so, so that a
+        retry its caller sends on the answer runs anew instead of finding the failed job."""
+        if request_id and (job.task.cancelled() or job.task.exception() is not None):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.recorded.wait(), RECORD_WAIT_S)
 
     async def lines(self, job: Job | RemoteJob, request_id: str | None) -> AsyncIterator[str]:
         """NDJSON: a GroupEvent per finished group, then a StreamEnd (with the error's status if the job failed)."""
@@ -291,6 +309,7 @@ class RolloutJobs:
             raise
         except Exception as e:
             error = as_service_error(e)
+            await self._failure_recorded(job, request_id)
             yield P.StreamEnd(groups=len(job.groups), error=error.message, status=error.status).model_dump_json() + "\n"
 
     async def _remote_result(self, job: RemoteJob) -> P.RolloutResponse:
@@ -326,7 +345,7 @@ class RolloutJobs:
         if record.get("state") == "failed":
             error = ServiceError(record.get("error", "the rollout failed"))
             error.status = int(record.get("status", 500))
-            error.retry_after_s = 1 if error.status == 429 else None
+            error.retry_after_s = int(record.get("retry_after", 0)) or (1 if error.status == 429 else None)
             raise error
         if not record or (record.get("state") == "running" and not await self.r.exists(f"{job.key}:owner")):
             raise RunAgain()

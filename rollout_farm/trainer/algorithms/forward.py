@@ -2,7 +2,8 @@
 critic's values.
 
 The policy the trainer trains is the one it samples from, as in verl: the logits divided by the temperature each
-sample was drawn at (`actor_rollout_ref.actor.logits_temperature=sampled`). With `none` the logprobs are the raw
+token was drawn at, its sample's, or its turn's in an episode whose sampler changed it between turns
+(`actor_rollout_ref.actor.logits_temperature=sampled`). With `none` the logprobs are the raw
 model's (temperature 1), and the update on tempered samples optimises the sampler rather than the policy.
 """
 
@@ -22,9 +23,10 @@ def response_logits(model: torch.nn.Module, b: Batch) -> torch.Tensor:
 
 
 def tempered_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor | float | None) -> torch.Tensor:
-    """log_softmax of (B, R, V) logits divided by each sample's temperature (B,), by one temperature, or by none."""
+    """log_softmax of (B, R, V) logits divided by each token's temperature (B, R), each sample's (B,), one
+    temperature, or none."""
     if isinstance(temperatures, torch.Tensor):
-        logits = logits / temperatures[:, None, None]
+        logits = logits / (temperatures[:, :, None] if temperatures.dim() == 2 else temperatures[:, None, None])
     elif temperatures is not None:
         logits = logits / temperatures
     return torch.log_softmax(logits, -1)
@@ -32,7 +34,7 @@ def tempered_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor | floa
 
 def response_log_softmax(model: torch.nn.Module, b: Batch, temperatures: torch.Tensor | None) -> torch.Tensor:
     """log_softmax (B, R, V) of the distribution over each response position's next token, the logits divided by
-    each sample's temperature (None: raw)."""
+    each token's temperature (None: raw)."""
     return tempered_log_softmax(response_logits(model, b), temperatures)
 
 
@@ -100,6 +102,7 @@ def in_micro_batches(fn: Callable[[Batch], tuple | torch.Tensor], b: Batch, size
 
 
 def temperatures(b: Batch, actor) -> torch.Tensor | None:
-    """What the policy's logits are divided by (actor_rollout_ref.actor.logits_temperature): each sample's
-    temperature, or None for raw logits."""
-    return b.temperatures if actor.logits_temperature == "sampled" else None
+    """What the policy's logits are divided by (actor_rollout_ref.actor.logits_temperature): each token's
+    temperature (B, R), the one its turn was drawn at (a sample's own, unless a sampler changed it between the turns
+    of an episode), or None for raw logits."""
+    return b.token_temperatures if actor.logits_temperature == "sampled" else None

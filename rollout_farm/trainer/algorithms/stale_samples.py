@@ -7,11 +7,22 @@ spanning samples (docs/trainer.md, bench/rollout_correction.py). So such samples
 ratio unless the config chooses: capped at STALE_SEQUENCE_CAP, the lowest error over a 256-sample batch at a drift
 of 1.0 a version there, where a cap of 2.0 biases the update by 0.3.
 
-Under top-p or top-k the sequence's ratio also carries each token's nucleus mass (prod Z_t <= 1, the exact
-pi_T / q), which shrinks long responses' weights toward 0: there the config must choose.
+Under top-p, top-k or a regex constraint the sequence's ratio also carries each token's kept mass (prod Z_t <= 1, the
+exact pi_T / q; 3e-5 to 2e-3 over 100 tokens at top_p 0.9), which shrinks long responses' weights toward 0: there
+the config must choose. The truncation is the sampler's effective one, not only the config's top_p: the sampler is
+built from its registry (rollout_farm/services/samplers.py; a plug-in by its dotted path) and asked for the params it
+draws with (`Sampler.effective`), so kl_adaptive_temperature's own top_p 0.9 and pattern_conditional's constrained
+regex count. Asked in-process, not over GET /v1/samplers: the config is checked when it loads, before any service is
+reached, and the endpoint lists descriptions, not params. A sampler the trainer cannot build (its plug-in module is
+not importable here) is not judged at load; `refuse_truncated` is the backstop when its samples arrive.
 """
 
 from __future__ import annotations
+
+from pydantic import ValidationError
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.samplers import make_sampler
 
 STALE_SEQUENCE_CAP = 5.0
 
@@ -45,17 +56,58 @@ def correct_by_sequence(cfg) -> None:
     rc = cfg.algorithm.rollout_correction
     if "rollout_is" in rc.model_fields_set:
         return
-    r = cfg.actor_rollout_ref.rollout
-    top_p = min(r.top_p, float(r.sampler_params.get("top_p", 1.0)))
-    top_k = int(r.sampler_params.get("top_k", -1))
-    if top_p < 1.0 or top_k > 0:
+    truncated = truncation(effective_sampling(cfg))
+    if truncated:
         raise ValueError(
             f"algorithm.rollout_correction.rollout_is: samples from older weights are weighted by the sequence's "
-            f"ratio by default, but with top_p {top_p:g} / top_k {top_k} that ratio also carries every token's "
-            "nucleus mass and shrinks long responses' weights toward 0. Choose: rollout_is=sequence with "
-            "rollout_is_batch_normalize=true (rescaled to mean 1, a small bias), rollout_is=token (biased on stale "
-            "samples), or sample at top_p 1 without top_k"
+            f"ratio by default, but the sampler {cfg.actor_rollout_ref.rollout.sampler!r} draws with {truncated}, "
+            "so that ratio also carries every token's kept mass and shrinks long responses' weights toward 0. "
+            "Choose: rollout_is=sequence with rollout_is_batch_normalize=true (rescaled to mean 1, a small bias), "
+            "rollout_is=token (biased on stale samples), or sample at top_p 1 without top_k or a regex"
         )
     rc.rollout_is = "sequence"
     if "rollout_is_threshold" not in rc.model_fields_set:
         rc.rollout_is_threshold = STALE_SEQUENCE_CAP
+    rc._stale_default = True  # refuse_truncated's cue: the sequence ratio is this module's choice, not the config's
+
+
+def effective_sampling(cfg) -> P.SamplingParams | None:
+    """The sampling params the configured sampler draws with (Sampler.effective); None when the trainer cannot build
+    it (a plug-in whose module is not importable here: refuse_truncated judges its samples)."""
+    r = cfg.actor_rollout_ref.rollout
+    sampling = P.SamplingParams(temperature=r.temperature, top_p=r.top_p)
+    spec = P.SamplerSpec(name=r.sampler, params=dict(r.sampler_params))
+    try:
+        return make_sampler(spec, None).effective(sampling, None)  # None: the config's own dotted paths are trusted
+    except (KeyError, ImportError):
+        return None
+    except ValidationError as e:
+        raise ValueError(f"actor_rollout_ref.rollout.sampler_params: {r.sampler!r} refuses them: {e}") from None
+
+
+def truncation(q: P.SamplingParams | P.SampledWith | None) -> str:
+    """What truncates the distribution `q` draws from ('' for none): top_p below 1, top_k above 0, a regex."""
+    if q is None:
+        return ""
+    cut = [f"top_p {q.top_p:g}"] if q.top_p < 1.0 else []
+    cut += [f"top_k {q.top_k}"] if q.top_k > 0 else []
+    return ", ".join(cut + (["a regex constraint"] if q.regex else []))
+
+
+def refuse_truncated(cfg, groups: list[P.Group], version: int) -> None:
+    """The backstop of correct_by_sequence at run time: raise RuntimeError when a sample from older weights than
+    `version` was drawn with truncation (its sampled_with) and the stale samples get this module's default, the
+    uncorrected sequence ratio (a sampler the config check could not ask, or one that truncates only later)."""
+    rc = cfg.algorithm.rollout_correction
+    if not rc._stale_default:
+        return
+    for g in groups:
+        for s in g.samples:
+            cut = truncation(s.sampled_with)
+            if cut and min(s.token_weight_versions or [s.weight_version]) < version:
+                raise RuntimeError(
+                    f"a sample from weight version {s.weight_version} (the trainer is at {version}) was drawn with "
+                    f"{cut}: under the default sequence-level correction its weight carries every token's kept mass "
+                    "and shrinks toward 0. Set algorithm.rollout_correction.rollout_is=sequence with "
+                    "rollout_is_batch_normalize=true, or rollout_is=token, or sample without truncation"
+                )

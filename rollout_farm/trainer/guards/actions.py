@@ -41,26 +41,21 @@ def lower_mini_batch(run: TrainingRun) -> None:
 
 
 def rollback(run: TrainingRun) -> None:
-    """Pause sampling, restore the last good step (rollout_farm/trainer/guards/last_good.py) or, with
-    guards.rollback_to=checkpoint, the last checkpoint (not its RNG states: the same draws could lead to the same
-    blow-up), push its weights as a new version, resume sampling."""
+    """Restore the last good step (rollout_farm/trainer/guards/last_good.py) or, with guards.rollback_to=checkpoint,
+    the last checkpoint (not its RNG states: the same draws could lead to the same blow-up). The loop checks the
+    guards before it pushes, so the rolled-back policy never reached the service: the last good step is what it
+    serves already, and nothing is pushed. A checkpoint may be older than that: sampling is paused, its weights are
+    pushed as a new version, and sampling resumes."""
     good = run.last_good if last_good.wanted(run) else None
     ckpt = checkpoint.latest(run.out) if good is None and run.out else None
     if good is None and ckpt is None:
         raise RuntimeError("KL guard: no checkpoint to roll back to; set trainer.default_local_dir")
-    if run.rank == 0:
-        run.client.control("pause")
-    try:
-        bad_step, generated = run.step, run.generated_tokens
-        if good is not None:
-            last_good.restore(run, good)
-        else:
-            run.restore(ckpt, rngs=False)
-        run.generated_tokens = generated  # work done is done: the counter does not roll back
-        run.push()
-    finally:
-        if run.rank == 0:
-            run.client.control("resume")
+    bad_step, generated = run.step, run.generated_tokens
+    if good is not None:
+        last_good.restore(run, good)
+    else:
+        restore_checkpoint(run, ckpt)
+    run.generated_tokens = generated  # work done is done: the counter does not roll back
     log.warning(
         "guard_action",
         extra={
@@ -71,3 +66,15 @@ def rollback(run: TrainingRun) -> None:
             "version": run.version,
         },
     )
+
+
+def restore_checkpoint(run: TrainingRun, ckpt) -> None:
+    """Load `ckpt` without its RNG states and serve it: pause sampling, push its weights, resume."""
+    if run.rank == 0:
+        run.client.control("pause")
+    try:
+        run.restore(ckpt, rngs=False)
+        run.push()
+    finally:
+        if run.rank == 0:
+            run.client.control("resume")

@@ -8,7 +8,7 @@ crossed. Off unless `guards.enable` (the design preset turns them on, with its a
       (0.3)                               as verl counts them): fewer, bigger mini-batches, so fewer optimizer
                                           steps per epoch, each averaging the noisier gradient over more samples
     ... below variance_lower, lower_after  lower it back to ppo_mini_batch_size (hysteresis: variance_lower is
-      steps in a row                      below variance_raise, half of it by default)
+      steps in a row                      below variance_raise; by default see `default_lower`)
 The KL is the exact one (rollout_farm/trainer/algorithms/forward.py). The variance statistic (`variance_statistic`)
 is the batch's reward std (the default: on 0/1 rewards it passes 0.3 whenever the mean reward is between 0.1 and 0.9),
 reward variance (at most 0.25 on 0/1 rewards, so 0.3 never trips it there), advantage variance, or the gradient noise
@@ -16,6 +16,10 @@ scale (rollout_farm/trainer/algorithms/noise_scale.py) divided by the mini-batch
 below the critical batch size, so variance_raise=1 raises it exactly when a bigger one pays (measured only when
 chosen: it compares each micro-batch's gradient with the mini-batch's, so it needs ppo_micro_batch_size_per_gpu below
 a mini-batch).
+On 0/1 rewards the reward std is sqrt(p(1-p)) of the mean reward p, so a bound on it is a bound on p: 0.3 raises
+for p in (0.1, 0.9), and half of it, 0.15, would lower only below p 0.023 (or above 0.977), which a run that learns
+rarely reaches. So by default the reward std's (and variance's) lower bound halves the bound in p, not in std:
+0.3 -> p 0.1 -> p 0.05 -> std 0.218 (`default_lower`); the other statistics' is half of variance_raise.
 The targets (KL < 0.02, reward std < 0.2) are only reported: `guard_kl_over_target`, `guard_reward_std_over_target`.
 The trainer carries the actions out (rollout_farm/trainer/guards/actions.py); each is logged (event guard_action) and
 counted (farm_trainer_guard_actions_total{action}).
@@ -23,6 +27,7 @@ counted (farm_trainer_guard_actions_total{action}).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from prometheus_client import Counter
@@ -63,7 +68,10 @@ class GuardConfig(BaseModel):
         None,
         gt=0,
         description="once raised, lower the mini-batch back to ppo_mini_batch_size after lower_after steps in a row "
-        "with the variance statistic below this (hysteresis: below variance_raise); None: half of variance_raise",
+        "with the variance statistic below this (hysteresis: below variance_raise); None: for reward_std and "
+        "reward_var, the value at half the mean reward p at which 0/1 rewards reach variance_raise (0.3 -> p 0.1 -> "
+        "p 0.05 -> std 0.218; half of the std itself, 0.15, needs p below 0.023); for the others half of "
+        "variance_raise",
     )
     lower_after: int = Field(3, ge=1, description="steps in a row below variance_lower before the size is lowered")
 
@@ -81,6 +89,18 @@ class GuardConfig(BaseModel):
     )
 
 
+def default_lower(statistic: str, raise_at: float) -> float:
+    """guards.variance_lower's default. The reward std and variance of 0/1 rewards with mean p are sqrt(p(1-p)) and
+    p(1-p): the bound is halved in p (the p below 1/2 at which they reach `raise_at`, halved, read back as a std or a
+    variance), so a run whose reward leaves the noisy middle gets its size back. Half of `raise_at` otherwise, and
+    where 0/1 rewards never reach it (a variance above 0.25, a std above 0.5)."""
+    var = {"reward_std": raise_at**2, "reward_var": raise_at}.get(statistic)
+    if var is None or var >= 0.25:
+        return raise_at / 2
+    p = (1 - math.sqrt(1 - 4 * var)) / 2 / 2
+    return math.sqrt(p * (1 - p)) if statistic == "reward_std" else p * (1 - p)
+
+
 class Guard:
     def __init__(self, cfg: GuardConfig, base_mini_batch_size: int | None = None):
         """`base_mini_batch_size`: ppo_mini_batch_size, what a raised size is lowered back to (None: never)."""
@@ -91,7 +111,9 @@ class Guard:
     @property
     def lower_below(self) -> float:
         c = self.cfg
-        return c.variance_lower if c.variance_lower is not None else c.variance_raise / 2
+        return (
+            c.variance_lower if c.variance_lower is not None else default_lower(c.variance_statistic, c.variance_raise)
+        )
 
     def check(self, kl: float, stats: dict[str, float], mini_batch_size: int) -> tuple[list[str], dict]:
         """The actions for this step's KL and variance statistics (reward_std, reward_var, adv_var and, when

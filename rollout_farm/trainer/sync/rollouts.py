@@ -23,6 +23,7 @@ from rollout_farm.services import protocol as P
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol.episode_groups import as_group
 from rollout_farm.services.tasks import Problem
+from rollout_farm.trainer.algorithms import stale_samples
 from rollout_farm.trainer.batch import Batch, make_batch
 from rollout_farm.trainer.sync import staleness_bound
 
@@ -51,6 +52,7 @@ def pull(run: TrainingRun) -> Batch | None:
     groups = [g for g in groups if g.samples]
     if not groups:
         return None
+    stale_samples.refuse_truncated(run.cfg, groups, run.version)
     batch = make_batch(groups, run.pad_id)
     stale = [v for v in batch.weight_versions.tolist() if v != run.version]
     unknown = int((batch.sampling_known == 0).sum())

@@ -7,8 +7,8 @@ needs, and what the trainer recomputes with a plain forward pass. The logprobs o
 the distribution actually sampled (after temperature, top-k, top-p) come too, as
 `sampling_logprobs`, for importance weights (0 when greedy). A `regex` in the
 sampling params constrains the text token by token (sampling.RegexMask); the sampling
-logprobs stay those of the unconstrained distribution (-inf for a token that the
-constraint forced outside it).
+logprobs are then the constrained q (the processed logprob minus log Z over the allowed
+tokens, `RegexMask.log_allowed_mass`), and none past its check limit.
 
 TorchEngine builds its parts and gives each what it uses: the served model (model.py) to all of them; the session
 and prompt caches to the Prefill (prefill.py); the History to the Drafter (draft_step.py); those two, the Hold
