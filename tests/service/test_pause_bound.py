@@ -110,25 +110,20 @@ def test_a_paused_farm_answers_rollouts_and_chat_503_naming_the_pause_after_the_
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
 
 
-def test_a_resume_during_the_wait_lets_the_waiting_request_succeed(bounded):
-    """A trial counts when the resume came back within BOUND_S of the request's send (so within the bound of its
-    arrival): the waiting rollout must then answer 200. A trial slower than that (a loaded machine) proves nothing
-    and is run again."""
-    for _ in range(5):
-        control(bounded, "pause")
-        try:
-            sent = time.monotonic()
-            t, out = in_thread(lambda: rollout(bounded, ROLLOUT, timeout=BOUND_S + 120))
-            wait_until(lambda: running(bounded) == 1, "the rollout on the paused replica")
-        finally:
-            control(bounded, "resume")
-        resumed = time.monotonic()
-        t.join(120)
-        assert out and out[0].status_code in (200, 503), out
-        if resumed - sent < BOUND_S:
-            assert [len(x) for x in tokens(out[0])] == [8, 8]
-            return
-    pytest.fail(f"no trial resumed within {BOUND_S} s of the request")
+def test_a_resume_during_the_wait_lets_the_waiting_request_succeed(unbounded):
+    """A rollout waiting on a pause answers 200 once the farm resumes. On the app with no bound, so that the resume
+    and not a deadline ends the wait whatever the machine's load (with a bound, a slow machine could reach it
+    first: a failure by chance); the bound's own gate opening on a resume is tests/unit/test_pause_bound.py's."""
+    control(unbounded, "pause")
+    try:
+        t, out = in_thread(lambda: rollout(unbounded, ROLLOUT, timeout=300))
+        wait_until(lambda: running(unbounded) == 1, "the rollout on the paused replica")
+        assert not out, "answered while paused"
+    finally:
+        control(unbounded, "resume")
+    t.join(300)
+    assert out and out[0].status_code == 200, out
+    assert [len(x) for x in tokens(out[0])] == [8, 8]
 
 
 def test_the_queue_keeps_its_prompts_through_a_pause_and_generates_them_after(bounded):
@@ -197,4 +192,8 @@ def test_a_rollout_that_waited_for_a_slot_does_not_wait_a_second_bound(bounded):
     finally:
         control(bounded, "resume")
     assert [r.status_code for _, r in answers] == [503] * 6, [r.text for _, r in answers]
-    assert all(assert_names_the_pause(took, r) < 2 * BOUND_S for took, r in answers)
+    for took, r in answers:
+        assert_names_the_pause(took, r)
+        # counted from the slot, the last four would take at least two bounds (a slot frees after one): the client's
+        # own clock, not the replica's count, which the same mistake would move too
+        assert took < 2 * BOUND_S, took

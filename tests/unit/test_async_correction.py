@@ -114,6 +114,24 @@ def test_stale_samples_drawn_with_truncation_are_refused_under_the_default_at_ru
     refuse_truncated(own, [group(3, nucleus)], version=4)
 
 
+def test_an_episode_truncated_in_a_later_turn_is_refused_too():
+    """An episode's sampled_with is its first turn's: the backstop reads every turn's (sampled_turns). Mutation
+    killed, seen failing: `refuse_truncated` reading only `s.sampled_with`."""
+    cfg = load(None, ASYNC)
+    raw = P.SampledWith(temperature=1.0, top_p=1.0, top_k=-1)
+    episode = group(3, raw)
+    sample = episode.samples[0]
+    sample.token_ids, sample.logprobs = [5, 6], [-1.0, -1.0]
+    sample.sampled_turns = [
+        P.SampledSpan(start=0, end=1, sampled_with=raw),
+        P.SampledSpan(start=1, end=2, sampled_with=P.SampledWith(temperature=0.5, top_p=0.9, top_k=-1)),
+    ]
+    with pytest.raises(RuntimeError, match="rollout_is_batch_normalize=true"):
+        refuse_truncated(cfg, [episode], version=4)
+    sample.sampled_turns[1] = P.SampledSpan(start=1, end=2, sampled_with=raw)  # the control: no turn truncates
+    refuse_truncated(cfg, [episode], version=4)
+
+
 def bias(drift: float, seed: int, rc) -> float:
     V, L = 3, 3
     xs = sequences(V, L)

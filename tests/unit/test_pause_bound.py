@@ -42,7 +42,7 @@ def test_a_call_at_a_paused_replica_gets_farm_paused_at_the_bound_and_not_before
         return time.monotonic() - start, caught.value
 
     waited, error = asyncio.run(main())
-    assert LIMIT_S <= waited < LIMIT_S + 5  # the upper end only catches a hang
+    assert LIMIT_S - 0.01 <= waited < LIMIT_S + 5  # asyncio may fire a timer a clock tick early; the top: a hang
     assert error.status == 503 and error.retry_after_s == 1
     assert "the farm is paused" in error.message and "FARM_PAUSE_WAIT_S=0.3" in error.message
     assert "replica r0 since" in error.message and "POST /v1/resume" in error.message

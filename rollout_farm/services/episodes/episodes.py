@@ -245,7 +245,7 @@ class EpisodeRun:
         start = time.monotonic()
         try:
             return await asyncio.wait_for(call, self.req.tool_timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11, its own class on 3.10
             metrics.ENV_TIMEOUTS.labels(what).inc()
             return None
         except Exception as e:

@@ -162,6 +162,7 @@ class Segment:
             keep -= 1
         fork = self.fork_at(new_id, self.message_ends[keep - 1] if keep else 0)
         fork.messages, fork.message_ends = self.messages[:keep], self.message_ends[:keep]
+        fork.from_token_ids = False  # cut at a shared message: before any token-level turn, which has no message
         return fork
 
     def to_json(self) -> str:

@@ -212,7 +212,8 @@ class EngineServer(ReplicaWeights):
         with cut.call() if cut is not None else nullcontext(threading.Event()) as cancel:
             with self.pauses.watched(progress, cancel) as watch:
                 outs = await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)
-        if watch.ended:
+        # the watchdog's cut, not a call that finished as it looked, nor the rollout's own cut (its tokens so far)
+        if watch.ended and any(o.finish_reason == "abort" for o in outs) and not (cut is not None and cut.done):
             raise self.pauses.error(progress)
         progress.moved()
         return outs
@@ -251,13 +252,17 @@ class EngineServer(ReplicaWeights):
         step boundary, with their KV cache) or "retract" (back to the queue), until resume. An engine that cannot
         hold them raises EngineVerbMissing (501). A call waits on the pause at most FARM_PAUSE_WAIT_S
         (pause_bound.py)."""
-        if mode == "wait":
-            self.engine.pause()
-        elif "mode" not in inspect.signature(self.engine.pause).parameters:  # a plug-in engine's pause(self)
+        if mode != "wait" and "mode" not in inspect.signature(self.engine.pause).parameters:  # plug-in pause(self)
             raise EngineVerbMissing.of(self.engine, f"pause mode {mode!r}", "pause with mode 'abort'")
-        else:
-            await asyncio.to_thread(self.engine.pause, mode)  # returns once the engine holds its rows
-        self.pauses.pause(mode)
+        self.pauses.pause(mode)  # the gate first: a resume that lands while the engine holds its rows opens it again
+        try:
+            if mode == "wait":
+                self.engine.pause()
+            else:
+                await asyncio.to_thread(self.engine.pause, mode)  # returns once the engine holds its rows
+        except BaseException:
+            self.pauses.resume()
+            raise
         return self.state()
 
     async def resume(self) -> P.ReplicaState:

@@ -142,7 +142,7 @@ class Replicas:
         (FARM_REPLICAS) counts the replicas Serve has not (re)started yet as missing."""
         try:
             results = await self.each(method, *args, timeout_s=timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11, its own class on 3.10
             return Survey(missing=[f"no replica answered {method} within {timeout_s:g} s"])
         except DeploymentUnavailableError:
             return Survey(missing=[NO_REPLICA])
@@ -159,7 +159,7 @@ class Replicas:
         """`method` on every replica; its failures ([] when all succeed). `setting` names the timeout's."""
         try:
             results = await self.each(method, *args, timeout_s=timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11, its own class on 3.10
             return [Unavailable(f"replicas did not finish {method} within {setting}={timeout_s:g}")]
         except DeploymentUnavailableError:
             return [Unavailable(NO_REPLICA)]
@@ -174,7 +174,7 @@ class Replicas:
         """`method` on every replica; the first failure is raised (a replica that is gone as ReplicaLost, 503)."""
         try:
             results = await self.each(method, *args, timeout_s=timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11, its own class on 3.10
             raise ReplicaLost(f"replicas did not answer {method} within {timeout_s:g} s: retry") from None
         except DeploymentUnavailableError:
             raise ReplicaLost(NO_REPLICA) from None

@@ -92,7 +92,7 @@ class PauseBound:
             left = self.deadline(progress) - time.monotonic()
             try:
                 await asyncio.wait_for(self._resumed.wait(), None if left == float("inf") else max(0.0, left))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11; a class of its own on 3.10
                 raise self.error(progress) from None
 
     @contextmanager

@@ -289,7 +289,7 @@ class RolloutJobs:
         """A job that failed (a 503 for a pause, say) or was cancelled: wait until its record says so, so that a
         retry its caller sends on the answer runs anew instead of finding the failed job."""
         if request_id and (job.task.cancelled() or job.task.exception() is not None):
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11, its own class on 3.10
                 await asyncio.wait_for(job.recorded.wait(), RECORD_WAIT_S)
 
     async def lines(self, job: Job | RemoteJob, request_id: str | None) -> AsyncIterator[str]:

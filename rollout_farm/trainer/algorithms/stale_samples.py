@@ -103,7 +103,8 @@ def refuse_truncated(cfg, groups: list[P.Group], version: int) -> None:
         return
     for g in groups:
         for s in g.samples:
-            cut = truncation(s.sampled_with)
+            spans = [t.sampled_with for t in s.sampled_turns] if s.sampled_turns else [s.sampled_with]
+            cut = next((c for c in map(truncation, spans) if c), None)  # every turn of an episode, not the first
             if cut and min(s.token_weight_versions or [s.weight_version]) < version:
                 raise RuntimeError(
                     f"a sample from weight version {s.weight_version} (the trainer is at {version}) was drawn with "
