@@ -15,12 +15,8 @@ Mutations, each seen failing here (applied to loop.py, run, reverted):
   run's start, not to step 3.
 """
 
-import random
-import types
-
 import pytest
 import torch
-from verl.trainer.ppo import core_algos
 
 from rollout_farm.services import protocol as P
 from rollout_farm.trainer import loop
@@ -28,6 +24,7 @@ from rollout_farm.trainer.batch import make_batch
 from rollout_farm.trainer.config import load
 from rollout_farm.trainer.guards.checks import Guard
 from rollout_farm.trainer.sync import rollouts
+from tests.unit.fake_run import fake_run
 
 # step -> the updated policy's KL (what the guards and the samplers must read); kl_rollback is 0.05
 KL_AFTER = {1: 0.010, 2: 0.090, 3: 0.020, 4: 0.080}
@@ -65,26 +62,12 @@ def make_run():
             "trainer.test_freq=1",
         ],
     )
-    torch.manual_seed(0)
-    policy = torch.nn.Linear(4, 3)
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        critic=None,
-        opt={"actor": torch.optim.AdamW(policy.parameters(), lr=0.1)},
-        kl_ctrl=core_algos.get_kl_controller(cfg.algorithm.kl_ctrl),
+    run = fake_run(
+        cfg,
+        Client(),
         guard=Guard(cfg.guards, 8),
-        mini_batch_size=8,
-        step=0,
-        version=0,
-        generated_tokens=0,
-        rank=0,
         world=1,
         device="cpu",
-        out=None,
-        rng=random.Random(0),
-        client=Client(),
-        last_good=None,
         leased=[],
         pull_stats={},
         redelivered=0,
@@ -92,6 +75,7 @@ def make_run():
         evaluated=[],  # (step, weights) of every held-out scoring
         kept=[],  # run.last_good.step after each step, as the loop left it
     )
+    policy = run.policy
 
     def push():
         run.version += 1

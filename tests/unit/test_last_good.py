@@ -7,17 +7,16 @@ The run is a small torch model with a real AdamW and verl's KL controller; its s
 records the pause and the resume, and the push counts versions (the e2e test tests/e2e/test_trainer.py rolls back
 against the service)."""
 
-import random
 import types
 
 import torch
-from verl.trainer.ppo import core_algos
 
 from rollout_farm.trainer.config import load
 from rollout_farm.trainer.guards import actions as guard_actions
 from rollout_farm.trainer.guards import last_good
 from rollout_farm.trainer.outputs import checkpoint
 from rollout_farm.trainer.run import TrainingRun
+from tests.unit.fake_run import fake_run
 
 
 class Client:
@@ -33,24 +32,8 @@ def make_run(tmp_path, rollback_to: str):
         None,
         ["guards.enable=true", "actor_rollout_ref.actor.ppo_mini_batch_size=8", f"guards.rollback_to={rollback_to}"],
     )
-    torch.manual_seed(0)  # seeded: the policy's initial weights and every step's random inputs
-    policy = torch.nn.Linear(4, 3)
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        critic=None,
-        opt={"actor": torch.optim.AdamW(policy.parameters(), lr=0.1)},
-        kl_ctrl=core_algos.get_kl_controller(cfg.algorithm.kl_ctrl),
-        mini_batch_size=8,
-        step=0,
-        version=0,
-        generated_tokens=0,
-        rank=0,
-        out=tmp_path,
-        rng=random.Random(0),
-        client=Client(),
-        last_good=None,
-    )
+    run = fake_run(cfg, Client(), out=tmp_path)
+    policy = run.policy
     run.restore = types.MethodType(TrainingRun.restore, run)
 
     def push():
