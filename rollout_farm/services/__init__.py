@@ -26,6 +26,8 @@ The layers and who imports whom: docs/architecture.md. Each sub-package's `__ini
 | `rollout/` | `POST /v1/rollouts` at the ingress: checks, request_id records, the fan-out, the group filter |
 | `queue/` | the pull-mode trajectory queue: sources, leases, acks, background generation (Redis Streams) |
 | `weights/` | weight pushes, from the trainer's state dict to every replica, atomically |
+| `adapters/` | LoRA adapters as policies: peft format, digests, immutable versions and resident windows, pushes |
+| `tenants/` | tenants: hashed tokens, and who may use and change what (`Principal`) |
 | `replica/` | the ingress's handle on the engine replicas, and what each replica does with a call |
 | `engine/` | the engine contract and registry; the torch (`engine/torch/`), SGLang and bench engines |
 | `compat/` | the OpenAI-compatible and SGLang-native HTTP surfaces, on the same domain objects |

@@ -95,6 +95,12 @@ class Unauthorized(ServiceError):
     status = 401
 
 
+class Forbidden(ServiceError):
+    """403: the caller may see this, but not change it."""
+
+    status = 403
+
+
 class NotFound(ServiceError):
     status = 404
 
@@ -143,6 +149,13 @@ class FarmPaused(Unavailable):
             "runs anew",
             [{"field": "paused", "message": f"replica {replica} paused since {since}; waited {waited_s:.1f} s"}],
         )
+
+
+class PolicyMismatch(ServiceError):
+    """503: a sample came back from another policy than the one the request named; nothing was delivered."""
+
+    status = 503
+    retry_after_s = 1
 
 
 class NotSupported(ServiceError):

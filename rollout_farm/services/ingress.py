@@ -2,6 +2,8 @@
 
 Replicas          the engine replicas' handle: calls to one or to every replica
 WeightPush        two-phase pushes; the committed version (the version floor of every rollout)
+Tenants           the tenants' hashed tokens (rollout_farm/services/tenants/)
+AdapterRegistry   LoRA adapters' versions and resident windows; AdapterPush, their pushes (services/adapters/)
 PolicyStatsBoard  what the trainer reports; the samplers' sampling plans
 RequestChecks     422s for names, sampler params and token ids
 Fanout            a rollout spread over the replicas (and the group filter's scheduler)
@@ -26,6 +28,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rollout_farm.services import errors, logs, metrics
+from rollout_farm.services.adapters.push import AdapterPush
+from rollout_farm.services.adapters.registry import AdapterRegistry
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
 from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
@@ -43,6 +47,7 @@ from rollout_farm.services.rollout.rollouts import Rollouts
 from rollout_farm.services.samplers import SAMPLERS
 from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.state import redis_client as state
+from rollout_farm.services.tenants.registry import Tenants
 from rollout_farm.services.weights.push import WeightPush
 
 log = logging.getLogger("farm.service")
@@ -58,9 +63,13 @@ class Ingress:
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
         self.replicas = Replicas(engine)
         self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
+        self.tenants = Tenants(self.redis, prefix)
+        self.adapters = AdapterRegistry(self.redis, prefix, settings.adapter_versions_resident)
+        self.adapter_push = AdapterPush(self.replicas, self.adapters, settings, self.redis, prefix)
+        self.weights.base_guard = self.adapter_push.guard_base
         self.policy = PolicyStatsBoard(self.redis, prefix)
         self.checks = RequestChecks(self.replicas, settings)
-        self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy)
+        self.fanout = Fanout(self.replicas, settings, lambda: self.weights.committed, self.policy, self.adapters)
         self.jobs = RolloutJobs(settings, self.redis, prefix)
         self.rollouts = Rollouts(self.fanout, self.checks, self.jobs)
         self.openai = OpenAICompat(self.fanout, self.replicas, self.checks, settings.model, self.weights.refresh)

@@ -149,6 +149,13 @@ class ServiceSettings(BaseSettings):
         'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".',
     )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
+    adapter_versions_resident: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="Versions of each LoRA adapter a request may name: its newest ones (async training's staleness "
+        "bound + 1). An older version is evicted: requests for it get a 409 naming the resident ones.",
+    )
     max_upload_bytes: int = Field(
         64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes."
     )

@@ -1,6 +1,7 @@
 """FARM_REQUIRE_TOKEN_FOR_GENERATION, on the real app (create_api) through FastAPI's TestClient. The ingress replica
 is replaced by an object holding only the settings: the token check runs before any handler, and a request that
-passes it stops at the body check (422), so no handler, Ray or engine is reached."""
+passes it stops at the body check (422), so no handler, Ray or engine is reached. Its tenants know no token (the
+tenant tokens themselves: tests/service/test_tenants.py, on the real service and Redis)."""
 
 from types import SimpleNamespace
 
@@ -24,7 +25,11 @@ GENERATING = [  # an empty body: a request past the token check is a 422
 def client(required: bool) -> TestClient:
     api = create_api()
     settings = ServiceSettings(api_token=TOKEN, require_token_for_generation=required)
-    api.dependency_overrides[deps.ingress] = lambda: SimpleNamespace(settings=settings)
+    async def no_tenant(token: str) -> None:
+        return None
+
+    tenants = SimpleNamespace(of_token=no_tenant)
+    api.dependency_overrides[deps.ingress] = lambda: SimpleNamespace(settings=settings, tenants=tenants)
     return TestClient(api)
 
 

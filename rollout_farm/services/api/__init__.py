@@ -17,6 +17,8 @@ is on. Errors map to statuses in errors.py.
 | `samplers.py` | `GET /v1/samplers`, and the policy stats the trainer reports |
 | `queue.py` | the queue's sources, prompts, pulls and acks |
 | `weights.py` | weight pushes (upload, path, NCCL) and `GET /v1/weights/version` |
+| `adapters.py` | LoRA adapters: push (upload, path), list, read with residency, retire; who may sample from one |
+| `tenants.py` | tenants and their tokens (admin only): create, list, revoke |
 | `control.py` | pause, resume, abort; `/healthz`, `/readyz`, `/metrics` |
 | `openai.py` | `/v1/models`, `/v1/completions`, `/v1/chat/completions` |
 | `sglang_native.py` | SGLang's native routes: `/generate`, model and server reads, health, weight and control routes |
@@ -32,6 +34,7 @@ from pydantic.json_schema import models_json_schema
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api import (
+    adapters,
     control,
     episodes,
     errors,
@@ -41,6 +44,7 @@ from rollout_farm.services.api import (
     samplers,
     sessions,
     sglang_native,
+    tenants,
     weights,
 )
 from rollout_farm.services.api.deps import require_token, require_token_for_generation
@@ -59,7 +63,16 @@ STREAMED = {
     "/v1/episodes": "application/x-ndjson",
     "/generate": "text/event-stream",
 }  # the answer to "stream": true
-OPEN = (samplers.router, weights.router, queue.router, control.router, sglang_native.router)
+# adapters and tenants check their callers themselves (admin, tenant, or nobody: deps.caller)
+OPEN = (
+    samplers.router,
+    weights.router,
+    queue.router,
+    control.router,
+    sglang_native.router,
+    adapters.router,
+    tenants.router,
+)
 GENERATION = (rollouts.router, openai.router, sglang_native.generation, sessions.router, episodes.router)
 NEED_TOKEN = (
     rollouts.admin,

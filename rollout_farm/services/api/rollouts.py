@@ -7,7 +7,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.adapters import may_sample
+from rollout_farm.services.api.deps import caller, ingress
+from rollout_farm.services.tenants.registry import Principal
 
 ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
 router = APIRouter(tags=["rollouts"])
@@ -15,14 +17,17 @@ admin = APIRouter(tags=["rollouts"])  # needs the token
 
 
 @router.post("/v1/rollouts", response_model=P.RolloutResponse, responses=ERRORS)
-async def rollouts(req: P.RolloutRequest, farm=Depends(ingress)):
+async def rollouts(req: P.RolloutRequest, who: Principal = Depends(caller), farm=Depends(ingress)):
     """Generate `n` samples for each prompt and score them; one group per prompt, in order.
 
     With `stream`, the answer is NDJSON: a GroupEvent line per group as it finishes, then a StreamEnd line.
     With a `request_id`, a repeat of the same request (also one still running) gets the first
     result back and generates nothing; the same id with a different body gets 409.
     DELETE /v1/rollouts/{request_id} cancels it, and so does the last waiting caller closing its connection.
+    With `adapter`, the samples come from that LoRA adapter (the caller's own, or the admin's), each carrying its
+    policy digest.
     """
+    await may_sample(farm, req.adapter, who)
     if req.stream:
         return StreamingResponse(await farm.rollouts.stream(req), media_type="application/x-ndjson")
     return await farm.rollouts.answer(req)

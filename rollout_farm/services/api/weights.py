@@ -44,6 +44,11 @@ async def push_weights(
     policy: P.InFlightPolicy = Query(
         "finish", description="In-flight samples: finish on the old weights, abort and rerun, or go on (partial)."
     ),
+    force: bool = Query(
+        False,
+        description="Push even though LoRA adapters made on the served base are resident: they are retired first "
+        "(without it, such a push is a 409 naming them).",
+    ),
     x_content_sha256: str | None = Header(
         None, pattern="^[0-9A-Fa-f]{64}$", description="Hex SHA-256 of the body; a mismatch is refused."
     ),
@@ -57,7 +62,7 @@ async def push_weights(
     push."""
     declared = int(request.headers.get("content-length") or 0)
     with refusal_logged("upload", version):
-        return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256)
+        return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256, force)
 
 
 @admin.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)

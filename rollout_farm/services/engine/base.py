@@ -16,6 +16,9 @@ pause / resume   stop and restart admitting new generate calls (`paused` says wh
                  "retract" also hold the running rows (SGLang's modes; the torch engine, torch/hold.py)
 abort            end every in-flight generate call at its next token ("abort")
 health           prove the engine can sample one token (temperature 1)
+stage_adapter / commit_adapter / discard_adapter / retire_adapter
+                 LoRA adapters under never-reused keys ("name@vN"): checked and held, made resident, dropped, or
+                 unloaded once no call uses it (serves_adapters; generate's `adapter` names a resident key)
 init_weights_update_group / update_weights_from_distributed
                  the NCCL transport (SGLang); an engine without it raises EngineVerbMissing, a 501 naming the engine
 State read by the service: weight_version, paused, busy, generated_tokens, stats (busy time, batch sizes: stats.py),
@@ -53,6 +56,10 @@ from rollout_farm.services.weights.checks import WeightsRejected
 
 if TYPE_CHECKING:
     from rollout_farm.services.settings import ServiceSettings
+
+
+class AdapterNotResident(KeyError):
+    """generate named an adapter key this engine does not hold (never loaded, evicted or retired)."""
 
 
 @dataclass
@@ -128,6 +135,9 @@ class Engine(abc.ABC):
     # True: generate and agenerate take `cache_key` (a session's id) and keep its KV cache between turns (torch);
     # forget_session(key) drops it
     keeps_sessions: ClassVar[bool] = False
+    # True: generate, agenerate and score take `adapter` (a resident adapter's key) and the adapter verbs work
+    serves_adapters: ClassVar[bool] = False
+    base_digest: str | None = None  # the served base weights' policy digest; None: the engine cannot hash them
     weight_version: int = 0
     generated_tokens: int = 0  # since the engine started
     tokenizer = None  # a Hugging Face tokenizer: the service tokenizes, decodes and renders chat with it
@@ -312,6 +322,23 @@ class Engine(abc.ABC):
         """The raw (temperature 1) logprob of every token of each sequence given the tokens before it (None for the
         first), and the top_k most likely tokens at each position: prompt logprobs for OpenAI's echo."""
         raise EngineVerbMissing.of(self, "score", "use FARM_ENGINE=torch for prompt logprobs")
+
+    # adapters: an engine that serves them (serves_adapters) overrides all five
+    def stage_adapter(self, key: str, config, tensors: dict[str, torch.Tensor]) -> None:
+        raise EngineVerbMissing.of(self, "LoRA adapters", "use FARM_ENGINE=torch or sglang for adapters")
+
+    def commit_adapter(self, key: str) -> None:
+        raise EngineVerbMissing.of(self, "LoRA adapters", "use FARM_ENGINE=torch or sglang for adapters")
+
+    def discard_adapter(self, key: str) -> None:
+        """Nothing was staged on an engine without adapters."""
+
+    def retire_adapter(self, key: str) -> None:
+        """Nothing is resident on an engine without adapters."""
+
+    def resident_adapters(self) -> dict[str, tuple[int, int]]:
+        """key -> (bytes, calls using it) of the resident adapters."""
+        return {}
 
     def served_tensors(self) -> dict[str, torch.Tensor] | None:
         """The served weights by canonical name (read only), which a delta push is rebuilt against; None when the

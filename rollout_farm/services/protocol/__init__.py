@@ -14,11 +14,24 @@ so that users of SGLang recognise them, and OpenAI's on the OpenAI-compatible en
 | `episode_groups.py` | `as_group`: an episode group as a rollout group (a pure function, for the queue and trainer) |
 | `queue.py` | the trajectory queue: sources, prompts, pulls, leases, acks |
 | `weights.py` | weight pushes (upload, path, NCCL) and the served versions |
+| `adapters.py` | LoRA adapters: pushes, versions, the `AdapterRef` a request names, a sample's `Policy`; tenants |
 | `control.py` | health, readiness, and the control of every replica |
 | `openai.py` | the OpenAI-compatible requests; a field the farm cannot honour is a 422 naming it |
 | `sglang_native.py` | SGLang 0.5.14's native requests (`/generate`, weight and control routes), SGLang's names |
 """
 
+from rollout_farm.services.protocol.adapters import (
+    AdapterFromPath,
+    AdapterInfo,
+    AdapterList,
+    AdapterPushResponse,
+    AdapterRef,
+    AdapterVersion,
+    Policy,
+    TenantInfo,
+    TenantList,
+    TenantToken,
+)
 from rollout_farm.services.protocol.common import (
     API_VERSION,
     FLOAT32_TINY,
@@ -76,6 +89,16 @@ from rollout_farm.services.protocol.weights import (
 )
 
 __all__ = [
+    "AdapterFromPath",
+    "AdapterInfo",
+    "AdapterList",
+    "AdapterPushResponse",
+    "AdapterRef",
+    "AdapterVersion",
+    "Policy",
+    "TenantInfo",
+    "TenantList",
+    "TenantToken",
     "API_VERSION",
     "MAX_N",
     "MAX_PROMPTS",

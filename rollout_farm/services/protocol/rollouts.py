@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
+from rollout_farm.services.protocol.adapters import AdapterRef, Policy
 from rollout_farm.services.protocol.common import (
     MAX_N,
     MAX_PROMPTS,
@@ -49,6 +50,11 @@ class RolloutRequest(RequestModel):
     min_weight_version: Int64 = Field(
         0, ge=0, description="Run only on replicas serving this weight version or later (waits for it)."
     )
+    adapter: AdapterRef | None = Field(
+        None,
+        description="Sample from this LoRA adapter (an exact version, or the newest from min_version); null: the "
+        "base model. 404 for an unknown adapter, 409 naming the resident window for a version outside it.",
+    )
     routing_key: str | None = Field(
         None,
         min_length=1,
@@ -67,6 +73,8 @@ class RolloutRequest(RequestModel):
     stream: bool = Field(
         False, description="Answer NDJSON, one line per group as it finishes (a GroupEvent), then a StreamEnd line."
     )
+    # set by the ingress, never sent: the exact adapter version `adapter` resolved to, and its policy digest
+    _resolved_adapter: tuple[AdapterRef, str] | None = PrivateAttr(None)
 
 
 class SampledWith(BaseModel):
@@ -135,6 +143,11 @@ class Sample(BaseModel):
     )
     token_weight_versions: list[int] | None = Field(
         None, description="Version of each token; only set when they differ (in-flight policy 'partial')."
+    )
+    policy: Policy | None = Field(
+        None,
+        description="The policy that drew it: base version, adapter and version, and the digest of their bytes "
+        "(docs/tenants.md); the first token's where a commit landed mid-sample. Null from engines that run no model.",
     )
     sampler_meta: dict = Field(default_factory=dict, description="What the sampler reports about this sample.")
     loss_mask: list[int] | None = Field(

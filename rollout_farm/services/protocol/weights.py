@@ -13,6 +13,11 @@ class WeightsFromPath(RequestModel):
     path: Text = Field(..., min_length=1, description="Folder with *.safetensors files (a shared volume in a cluster).")
     version: Int64 = Field(..., ge=1, description="The new version; higher than the served one.")
     policy: InFlightPolicy = Field("finish", description="What happens to in-flight samples at the commit.")
+    force: bool = Field(
+        False,
+        description="Push even though LoRA adapters made on the served base are resident: they are retired first "
+        "(without it, such a push is a 409 naming them).",
+    )
 
 
 class DistributedGroup(RequestModel):

@@ -12,6 +12,7 @@ tokenizer a replica hands it once (`EngineServer.chat_tokenizer`).
 | `seeds.py` | the seed of each chunk (ingress) and each sampler round (replica) |
 | `engine_server.py` | `EngineServer`, one per replica: rollout slots and the waiting room, scoring, control, health |
 | `weight_verbs.py` | its weight verbs: catch-up to the committed version, the two push phases, the NCCL transport |
+| `adapter_verbs.py` | its adapter verbs: stage (with the digest it computes), commit, retire, load from Redis |
 | `overload.py` | the replica's `Full` answer (an expected 429, not an exception) and the rate-limited warnings |
 | `group_sampling.py` | a chunk's groups: the sampler's rounds through engine.agenerate, decoding, rewards |
 | `cuts.py` | `Cuts`: a rollout cut short by its request_id, keeping the tokens it generated |

@@ -27,8 +27,17 @@ from rollout_farm.services.chat.pieces import alternative, token_pieces
 from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
 from rollout_farm.services.engine.base import cancellable
-from rollout_farm.services.errors import EngineVerbMissing, FarmPaused, Unavailable, VersionNotReached, described
+from rollout_farm.services.errors import (
+    Conflict,
+    EngineVerbMissing,
+    FarmPaused,
+    NotSupported,
+    Unavailable,
+    VersionNotReached,
+    described,
+)
 from rollout_farm.services.plugins import load_plugins
+from rollout_farm.services.replica.adapter_verbs import ReplicaAdapters, adapter_store
 from rollout_farm.services.replica.cuts import Cut, Cuts
 from rollout_farm.services.replica.group_sampling import sample_groups
 from rollout_farm.services.replica.overload import Full
@@ -64,7 +73,7 @@ def routing_queue(settings: ServiceSettings) -> int:
     return max(settings.replicas, settings.max_replicas) * request_slots(settings) + settings.engine_max_queued_requests
 
 
-class EngineServer(ReplicaWeights):
+class EngineServer(ReplicaWeights, ReplicaAdapters):
     async def __init__(self, settings: ServiceSettings):
         from rollout_farm.services.models import resolve_model
 
@@ -85,6 +94,8 @@ class EngineServer(ReplicaWeights):
         self.session_route = session_routes(self.engine, settings.sessions_per_replica)
         self.cuts = Cuts()  # the running rollouts by request_id, for cut_rollout (cuts.py)
         self.pauses = PauseBound(settings.pause_wait_s, lambda: self.engine.busy, replica_id())
+        self.adapter_lock = asyncio.Lock()  # one adapter load from Redis at a time (adapter_verbs.py)
+        self.adapter_bodies, self.adapter_prefix = adapter_store(settings)
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
 
@@ -114,20 +125,26 @@ class EngineServer(ReplicaWeights):
         sampler: P.SamplerSpec | None = None,
         routing_key: str | None = None,
         request_id: str | None = None,
-    ) -> list[P.Group] | Full | VersionNotReached | Unavailable:
+        adapter: tuple[P.AdapterRef, str] | None = None,
+    ) -> list[P.Group] | Full | VersionNotReached | Unavailable | Conflict:
         """The groups of these prompts, n samples each. Past FARM_ENGINE_MAX_ONGOING_REQUESTS running and the
         waiting room full, the replica is full: it answers Full (the ingress's 429), an expected answer, not an
         exception (Serve would log each one with a traceback); so are a version not committed in time (409), one
         that cannot be loaded (503) and a pause that outlasted FARM_PAUSE_WAIT_S (FarmPaused, 503), which the ingress
         raises (rollout_farm/services/replica/handle.py).
         cut_rollout(request_id) ends its engine calls at their next token, and it answers with the tokens they had
-        (finish_reason "abort")."""
+        (finish_reason "abort"). `adapter`: the exact adapter version the ingress resolved, and its digest; every
+        sample carries the policy that drew it (P.Policy)."""
         if self.rollout_slots.locked() and self.rollouts_waiting >= self.waiting_room:
             return Full(self.rollouts_waiting)
         with self.cuts.rollout(request_id) as cut:
-            return await self._rollout(prompts, n, params, reward, min_version, meta, sampler, routing_key, cut)
+            return await self._rollout(
+                prompts, n, params, reward, min_version, meta, sampler, routing_key, cut, adapter
+            )
 
-    async def _rollout(self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None):
+    async def _rollout(
+        self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None, adapter=None
+    ):
         progress = Progress()  # its arrival: a wait on a pause counts from here (pause_bound.py)
         self.rollouts_waiting += 1
         try:
@@ -145,9 +162,19 @@ class EngineServer(ReplicaWeights):
             if routing_key:
                 await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
             cache_key = routing_key if routing_key and self.engine.keeps_sessions else None
-            return await sample_groups(
+            try:
+                key = await self.ensure_adapter(*adapter) if adapter else None
+            except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
+                return e
+            policy = self.policy_of(adapter)
+            groups = await sample_groups(
                 functools.partial(
-                    self._generate_rerun, cache_key=cache_key, cut=cut, sampler=spec.name, progress=progress
+                    self._generate_rerun,
+                    cache_key=cache_key,
+                    cut=cut,
+                    sampler=spec.name,
+                    progress=progress,
+                    adapter=key,
                 ),
                 self.engine.tokenizer,
                 prompts,
@@ -157,6 +184,7 @@ class EngineServer(ReplicaWeights):
                 meta or {"sampler": "plain"},
                 make_sampler(spec, self.settings.plugins),
             )
+            return policy.stamp(groups)
         except FarmPaused as e:  # an expected answer: returned, so Serve logs no traceback
             return e
         finally:
@@ -171,12 +199,13 @@ class EngineServer(ReplicaWeights):
         cut: Cut | None = None,
         sampler: str = "plain",
         progress: Progress | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
         """engine.generate, then the samples cut by an "abort" weight commit run again on the new weights (not
         those of a rollout cut by its request_id: they are its answer). The drafts verified for them (speculative
         decoding) count for `sampler`."""
         progress = progress or Progress()
-        outs = await self._generate(prompts, params, cache_key, cut, progress)
+        outs = await self._generate(prompts, params, cache_key, cut, progress, adapter)
         self._count_drafts(sampler, outs)
         for _ in range(ABORT_RERUNS):
             if cut is not None and cut.done:
@@ -187,7 +216,7 @@ class EngineServer(ReplicaWeights):
             redo = [i for i, o in enumerate(outs) if o.finish_reason == "abort" and o.weight_version < served]
             if not redo:
                 break
-            again = await self._generate([prompts[i] for i in redo], params, cache_key, cut, progress)
+            again = await self._generate([prompts[i] for i in redo], params, cache_key, cut, progress, adapter)
             self._count_drafts(sampler, again)
             for i, o in zip(redo, again):
                 outs[i] = o
@@ -200,6 +229,7 @@ class EngineServer(ReplicaWeights):
         cache_key: str | None = None,
         cut: Cut | None = None,
         progress: Progress | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
         """engine.agenerate, beside every other rollout's calls; if this call is cancelled, so is the engine work
         (its rows leave the batch at the next step). `cache_key` only for an engine that keeps sessions. `cut`: the
@@ -209,6 +239,8 @@ class EngineServer(ReplicaWeights):
         progress = progress or Progress()
         await self.pauses.admitted(progress)
         keyed = {"cache_key": cache_key} if cache_key is not None else {}
+        if adapter is not None:
+            keyed["adapter"] = adapter
         with cut.call() if cut is not None else nullcontext(threading.Event()) as cancel:
             with self.pauses.watched(progress, cancel) as watch:
                 outs = await cancellable(self.engine.agenerate(prompts, params, cancel, **keyed), cancel)

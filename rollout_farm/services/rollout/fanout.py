@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.adapters.registry import AdapterRegistry
+from rollout_farm.services.errors import PolicyMismatch
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.replica.seeds import chunk_params
 from rollout_farm.services.rollout import group_filter
@@ -26,11 +28,41 @@ def split(items: list, k: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(k)]
 
 
+def check_policy(groups: list[P.Group], resolved: tuple[P.AdapterRef, str] | None) -> list[P.Group]:
+    """The backstop: every sample of a rollout on an adapter carries that adapter version's digest, or nothing is
+    delivered (a 503 naming the sample's policy): a sample from another policy must never reach a trainer."""
+    if resolved is None:
+        return groups
+    ref, digest = resolved
+    for g in groups:
+        for s in g.samples:
+            p = s.policy
+            if p is None or (p.adapter, p.adapter_version, p.digest) != (ref.name, ref.version, digest):
+                raise PolicyMismatch(
+                    f"a sample for {ref.key()} (digest {digest}) came with policy {p and p.model_dump()}: nothing "
+                    "was delivered; retry (the replica reloads the adapter)"
+                )
+    return groups
+
+
 class Fanout:
     def __init__(
-        self, replicas: Replicas, settings: ServiceSettings, committed: Callable[[], int], policy: PolicyStatsBoard
+        self,
+        replicas: Replicas,
+        settings: ServiceSettings,
+        committed: Callable[[], int],
+        policy: PolicyStatsBoard,
+        adapters: AdapterRegistry,
     ):
         self.replicas, self.settings, self.committed, self.policy = replicas, settings, committed, policy
+        self.adapters = adapters
+
+    async def resolve(self, req: P.RolloutRequest) -> None:
+        """The exact adapter version the request samples from, and its digest (once per request): 404 for an unknown
+        adapter, 409 naming the resident window for a version outside it."""
+        if req.adapter is not None and req._resolved_adapter is None:
+            found = await self.adapters.resolve(req.adapter)
+            req._resolved_adapter = (P.AdapterRef(name=req.adapter.name, version=found.version), found.digest)
 
     def floor(self, req: P.RolloutRequest) -> int:
         """The oldest weight version this request may run on."""
@@ -59,12 +91,14 @@ class Fanout:
             spec,
             req.routing_key,
             req.request_id,  # what cut_rollout cuts (/abort_request, DELETE ?partial=true)
+            req._resolved_adapter,
             key=req.routing_key,
         )
 
     async def produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:
         """The request's groups, each recorded in `job` as it finishes. `delivered`: the caller gets them now
         (a queue's groups count as delivered when pulled)."""
+        await self.resolve(req)
         sampler = make_sampler(req.sampler, self.settings.plugins)
         if sampler.filters_groups:
             return await group_filter.produce(self, job, req, sampler, delivered)
@@ -74,7 +108,7 @@ class Fanout:
         calls = [self.call(req, c, j, params, floor, meta, req.sampler) for j, c in enumerate(chunks)]
 
         async def part(chunk, call):
-            for i, group in zip(chunk, await call):
+            for i, group in zip(chunk, check_policy(await call, req._resolved_adapter)):
                 group.prompt_index = i
                 job.add(i, group)
 

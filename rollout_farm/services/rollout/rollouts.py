@@ -17,6 +17,7 @@ class Rollouts:
 
     async def start(self, req: P.RolloutRequest) -> Job | RemoteJob:
         await self.checks.rollout(req)
+        await self.fanout.resolve(req)  # an unknown adapter or version is a 4xx before any work starts
         return await self.jobs.start(req, lambda job: self.fanout.produce(job, req))
 
     async def answer(self, req: P.RolloutRequest) -> P.RolloutResponse:

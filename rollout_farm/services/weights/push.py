@@ -83,6 +83,13 @@ class WeightPush:
         self.lock = r.lock(f"{prefix}:push-lock", timeout=settings.weight_sync_timeout_s * 2 + 60, sleep=0.05)
         self.committed = 0  # the committed version, as last read from Redis: no rollout runs on older weights
         self.spec: dict | None = None  # the model's tensors (name -> shape, dtype), asked once
+        # set by the ingress (rollout_farm/services/adapters/push.py): refuses a base push while adapters made on the
+        # served base are resident, or with force retires them first
+        self.base_guard: Callable[[bool], Awaitable[None]] | None = None
+
+    async def _guard(self, force: bool) -> None:
+        if self.base_guard is not None:
+            await self.base_guard(force)
 
     async def refresh(self) -> int:
         self.committed = int(await self.r.hget(self.key, "version") or 0)
@@ -118,7 +125,13 @@ class WeightPush:
             ) from None
 
     async def upload(
-        self, chunks: AsyncIterator[bytes], declared: int, version: int, policy: P.InFlightPolicy, sha256: str | None
+        self,
+        chunks: AsyncIterator[bytes],
+        declared: int,
+        version: int,
+        policy: P.InFlightPolicy,
+        sha256: str | None,
+        force: bool = False,
     ) -> P.WeightsPushResponse:
         """A streamed upload (one or more safetensors buckets, rollout_farm/services/weights/buckets.py), checked bucket
         by bucket against the model as it arrives, put in the object store once and staged on every replica while the
@@ -131,6 +144,7 @@ class WeightPush:
         )
         if declared > limit:
             raise too_large
+        await self._guard(force)
         if self.spec is None:
             self.spec = await self.replicas.call("weight_spec")
         await self._acquire()
@@ -217,6 +231,7 @@ class WeightPush:
             )
 
         async def check(spec):
+            await self._guard(body.force)
             got = {}
             for f in files:
                 got.update(await asyncio.to_thread(read_header_file, f))
@@ -357,6 +372,8 @@ class WeightPush:
         return run_to_end(self._distributed("update_weights_from_distributed", update))
 
     async def _distributed(self, method: str, body: P.DistributedGroup | P.DistributedUpdate) -> dict:
+        if isinstance(body, P.DistributedUpdate):
+            await self._guard(False)
         async with self._locked():
             served = await self.replicas.versions()
             if isinstance(body, P.DistributedUpdate):

@@ -12,6 +12,7 @@
 | `sampling.py` | the per-row draw (temperature, top-k/p, seed, regex, stop strings); Draws: which rows draw together |
 | `hold.py` | Hold: SGLang's pause modes that hold the running rows (in_place, retract); Continuation |
 | `draft_step.py` | Drafter: a decode step that verifies drafts from the History (speculative decoding) |
+| `lora.py` | LoraLayers: batched LoRA, each row its adapter (segmented gather), residency and pins per key |
 | `speculative.py` | History: drafts from a prompt's earlier and running sequences; verify: the exact acceptance rule |
 """
 

@@ -16,6 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rollout_farm.services.engine.torch.lora import adapter_rows
+
+
+def forward(model, calls: list, **inputs):
+    """The model on a batch whose row i belongs to calls[i]: each row with its call's adapter (lora.py)."""
+    with adapter_rows(model, [call.adapter for call in calls]):
+        return model(**inputs)
+
 
 class Batch:
     """The rows decoding together: `cache` (HF DynamicCache), `mask` (B, T), and per-row tensors in `t`:
@@ -46,7 +54,8 @@ class Batch:
             ids[i, L - len(prompt) :] = torch.tensor(prompt)
             mask[i, L - len(prompt) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = forward(model, calls, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         b = cls()
         b.cache, b.mask, b.calls, b.index = out.past_key_values, mask, list(calls), list(index)
         b.t = {**rows, "pos": mask.sum(-1), "last": torch.zeros(B, dtype=torch.long, device=dev)}  # drawn next
@@ -63,7 +72,15 @@ class Batch:
         mask = torch.ones((1, n), dtype=torch.long, device=dev)
         cache = DynamicCache(ddp_cache_data=[(keys.to(dev), values.to(dev)) for keys, values in cached.layers])
         positions = torch.arange(k, n, device=dev)[None]
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = forward(
+            model,
+            calls,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         b = cls()
         b.cache, b.mask, b.calls, b.index = out.past_key_values, mask, list(calls), list(index)
         b.t = {**rows, "pos": torch.tensor([n], device=dev), "last": torch.zeros(1, dtype=torch.long, device=dev)}
@@ -99,7 +116,9 @@ class Batch:
         """One step of every row: each row's last token goes in; the logits of its next token (B, V) come out."""
         t = self.t
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], dim=1)
-        out = model(
+        out = forward(
+            model,
+            self.calls,
             input_ids=t["last"][:, None],
             attention_mask=self.mask,
             position_ids=t["pos"][:, None],
@@ -115,7 +134,9 @@ class Batch:
         t, K = self.t, draft.shape[1]
         cols = torch.arange(K + 1, device=draft.device)
         self.mask = torch.cat([self.mask, (cols[None] <= n_draft[:, None]).to(self.mask.dtype)], dim=1)
-        out = model(
+        out = forward(
+            model,
+            self.calls,
             input_ids=torch.cat([t["last"][:, None], draft], 1),
             attention_mask=self.mask,
             position_ids=t["pos"][:, None] + cols[None],

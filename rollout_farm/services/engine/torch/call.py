@@ -23,10 +23,12 @@ class Call:
         cancel: threading.Event,
         urgent: bool,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ):
         self.prompts, self.params, self.cancel, self.urgent = prompts, params, cancel, urgent
+        self.adapter = adapter  # the resident adapter its rows use (lora.py), pinned while it runs; None: the base
         self.cache_key = cache_key if len(prompts) == 1 else None  # a session's one sequence (session_cache.py)
-        self.kv_version = -1  # the weight version its KV cache was computed on
+        self.kv_version = -1  # the weight version its KV cache was computed on (with `adapter`, its policy)
         self.future: Future = Future()
         self.arrived = time.monotonic()
         self.epoch = 0  # the engine's abort epoch when the call was admitted

@@ -18,6 +18,7 @@ and prompt caches to the Prefill (prefill.py); the History to the Drafter (draft
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ import torch
 from rollout_farm.services.engine.base import (
     ENGINES,
     HEALTH_PARAMS,
+    AdapterNotResident,
     Engine,
     EngineOutput,
     ScoredTokens,
@@ -60,6 +62,7 @@ class TorchEngine(Engine):
     no speculative decoding), `hold` and `scheduler`."""
 
     keeps_sessions = True  # generate takes a cache_key (Engine.keeps_sessions)
+    serves_adapters = True  # generate takes an adapter key (Engine.serves_adapters; lora.py)
 
     def __init__(
         self,
@@ -158,8 +161,45 @@ class TorchEngine(Engine):
     def context_length(self) -> int | None:
         return self.served.context_length()
 
-    def score(self, sequences: list[list[int]], top_k: int) -> list[ScoredTokens]:
-        return self.served.score(sequences, top_k)
+    def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
+        with self._pinned(adapter):
+            return self.served.score(sequences, top_k, adapter)
+
+    # adapters (Engine.serves_adapters) -------------------------------------
+    base_digest = property(attrgetter("served.digest"))
+
+    def stage_adapter(self, key: str, config, tensors: dict[str, torch.Tensor]) -> None:
+        self.served.stage_adapter(key, config, tensors)
+
+    def commit_adapter(self, key: str) -> None:
+        self.served.commit_adapter(key)
+
+    def discard_adapter(self, key: str) -> None:
+        self.served.discard_adapter(key)
+
+    def retire_adapter(self, key: str) -> None:
+        self.served.lora.retire(key)
+
+    def resident_adapters(self) -> dict[str, tuple[int, int]]:
+        return self.served.lora.resident()
+
+    @contextlib.contextmanager
+    def _pinned(self, adapter: str | None):
+        """`adapter` stays resident while the block runs; AdapterNotResident when it is not resident now."""
+        if adapter is None:
+            yield
+            return
+        self._pin(adapter)
+        try:
+            yield
+        finally:
+            self.served.lora.unpin(adapter)
+
+    def _pin(self, adapter: str) -> None:
+        try:
+            self.served.lora.pin(adapter)
+        except KeyError:
+            raise AdapterNotResident(adapter) from None
 
     # weights ---------------------------------------------------------------
     @property
@@ -198,8 +238,9 @@ class TorchEngine(Engine):
         params: SamplingParams,
         cancel: threading.Event | None = None,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
-        return self.scheduler.submit(prompts, params, cancel, cache_key=cache_key).result()
+        return self._submit(prompts, params, cancel, cache_key, adapter).result()
 
     async def agenerate(
         self,
@@ -207,14 +248,25 @@ class TorchEngine(Engine):
         params: SamplingParams,
         cancel: threading.Event | None = None,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
         """generate without a thread: the call waits in the scheduler's queue, the caller on its future. Cancelling
         the awaiting task sets `cancel`, so the call's rows leave the batch at the next step. `cache_key` (a
         session's id, one prompt): start from the KV cache the key's last call left, and leave one
-        (session_cache.py)."""
+        (session_cache.py). `adapter`: a resident adapter's key, pinned until the call ends (AdapterNotResident when
+        it is not resident)."""
         cancel = cancel or threading.Event()
-        future = self.scheduler.submit(prompts, params, cancel, cache_key=cache_key)
+        future = self._submit(prompts, params, cancel, cache_key, adapter)
         return await cancellable(asyncio.wrap_future(future), cancel)
+
+    def _submit(self, prompts, params, cancel, cache_key, adapter):
+        """The call queued, its adapter pinned until its outputs are set (its rows have left the batch then)."""
+        if adapter is None:
+            return self.scheduler.submit(prompts, params, cancel, cache_key=cache_key)
+        self._pin(adapter)
+        future = self.scheduler.submit(prompts, params, cancel, cache_key=cache_key, adapter=adapter)
+        future.add_done_callback(lambda _: self.served.lora.unpin(adapter))
+        return future
 
     def forget_session(self, key: str) -> None:
         self.session_kv.forget(key)

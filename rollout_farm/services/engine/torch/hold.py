@@ -100,7 +100,8 @@ def retract(batch: Batch, slots: Slots) -> list[tuple[Call, Continuation]]:
         carried = [slots.read(slot[i], steps[i]) for i in mine]
         index = [b.index[i] for i in mine]
         origin = call.origin if isinstance(call, Continuation) else call.prompts
-        cont = Continuation([origin[j] + c[0] for j, c in zip(index, carried)], call.params, call.cancel, call.urgent)
+        prompts = [origin[j] + c[0] for j, c in zip(index, carried)]
+        cont = Continuation(prompts, call.params, call.cancel, call.urgent, adapter=call.adapter)
         cont.origin, cont.carried = [origin[j] for j in index], carried
         cont.parent_epoch, cont.parent_gen, cont.arrived = call.epoch, call.gen, call.arrived
         cont.future.add_done_callback(_rejoin(call, index))

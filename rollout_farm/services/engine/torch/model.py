@@ -3,6 +3,10 @@
 A push stages its tensors next to the served ones (stage: copied to the device, the served weights unchanged); the
 scheduler (scheduler.py) applies them between two steps, holding the model lock, when the commit's policy says so
 (apply_staged); discard drops them. The lock also makes a scoring pass (score) wait for the step that runs.
+
+Adapters (lora.py) are staged the same way, checked against the model's linear layers (stage_adapter), and become
+resident at their commit (commit_adapter) under a key that is never reused. The served base weights' digest
+(rollout_farm/services/adapters/digest.py) is computed from their bytes when they load and at each commit.
 """
 
 from __future__ import annotations
@@ -12,14 +16,19 @@ import threading
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_farm.services.adapters.digest import base_digest, tensor_checksums
+from rollout_farm.services.adapters.peft_format import LoraConfig, check_fit
 from rollout_farm.services.engine.base import ScoredTokens
+from rollout_farm.services.engine.torch.lora import LoraLayers, adapter_rows
+from rollout_farm.services.weights.checks import WeightsRejected, non_finite
 from rollout_farm.services.weights.state_dict import canonical_state_dict, spec_of
 
 
 class ServedModel:
     """Owns the HF `model` and `tokenizer` on `device`, the stop ids a call ends at unless it ignores EOS (`eos_ids`),
     the `pad_id`, the model `lock` (one decode step, scoring pass or weight update at a time), the served weight
-    `version` and the staged weights (`staged`: (version, tensors) or None). The attributes are set here, once."""
+    `version` and the staged weights (`staged`: (version, tensors) or None), the adapters' layers (`lora`) and the
+    adapters staged for their commit, and the served weights' `digest`. The attributes are set here, once."""
 
     def __init__(self, model_path: str, device: str, dtype: str):
         self.device = torch.device(device)
@@ -34,6 +43,9 @@ class ServedModel:
         self.lock = threading.Lock()  # the model: one decode step, scoring pass or weight update at a time
         self._version = 0
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.lora = LoraLayers(self.model)
+        self._staged_adapters: dict[str, tuple[dict, float]] = {}  # key -> (module -> (A, B), scaling)
+        self.digest = self._digest()
 
     @property
     def version(self) -> int:
@@ -68,12 +80,37 @@ class ServedModel:
                 for name, t in tensors.items():
                     params[name].copy_(t)
             self._version, self._staged = version, None
+            self.digest = self._digest()
+
+    def _digest(self) -> str:
+        return base_digest(*tensor_checksums(canonical_state_dict(self.model)))
+
+    # adapters --------------------------------------------------------------
+    def stage_adapter(self, key: str, config: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
+        """Check an adapter against the model's linear layers (AdapterInvalid naming each misfit; WeightsRejected for
+        NaN or inf) and hold it, on the device, for commit_adapter."""
+        pairs = check_fit(config, spec_of(tensors), self.lora.shapes(), self.model.config.name_or_path)
+        if problems := non_finite(tensors):
+            raise WeightsRejected("; ".join(problems))
+        on = {m: (tensors[a].to(self.device), tensors[b].to(self.device)) for m, (a, b) in pairs.items()}
+        self._staged_adapters[key] = (on, config.scaling)
+
+    def commit_adapter(self, key: str) -> None:
+        """The staged adapter becomes resident (a no-op when it is already); KeyError when it was never staged."""
+        if key in self.lora.resident():
+            return
+        pairs, scaling = self._staged_adapters.pop(key)
+        with self.lock:
+            self.lora.load(key, pairs, scaling)
+
+    def discard_adapter(self, key: str) -> None:
+        self._staged_adapters.pop(key, None)
 
     # reading the model -----------------------------------------------------
-    def score(self, sequences: list[list[int]], top_k: int) -> list[ScoredTokens]:
-        """One forward pass per sequence, under the lock, on the weights being served."""
+    def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
+        """One forward pass per sequence, under the lock, on the weights being served (with `adapter`, resident)."""
         out = []
-        with self.lock, torch.inference_mode():
+        with self.lock, torch.inference_mode(), adapter_rows(self.model, [adapter]):
             for ids in sequences:
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), -1)  # position j predicts j+1

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     from rollout_farm.services.engine.torch.model import ServedModel
 
 
-def _prompt_key(prompt: tuple[int, ...]) -> str:
-    """The prompt cache's key for a prompt (an entry's tokens are checked on a match, so a collision only misses)."""
-    return f"prompt:{len(prompt)}:{hash(prompt)}"
+def _prompt_key(prompt: tuple[int, ...], adapter: str | None) -> str:
+    """The prompt cache's key for a prompt under a policy (an entry's tokens and policy are checked on a match, so a
+    collision only misses)."""
+    return f"prompt:{adapter or ''}:{len(prompt)}:{hash(prompt)}"
 
 
 class Prefill:
@@ -54,7 +55,7 @@ class Prefill:
         if joinable:
             for i, call in enumerate(calls_of):
                 if call.cache_key is not None:
-                    hit = self.session_kv.match(call.cache_key, prompts[i], version)
+                    hit = self.session_kv.match(call.cache_key, prompts[i], (version, call.adapter))
                     if hit is not None:
                         sessions[i] = hit
         plain = [i for i in range(len(prompts)) if i not in sessions]
@@ -80,16 +81,16 @@ class Prefill:
         rest together in one padded forward pass; then each prompt's cache is copied to its rows, in their order.
         Returns the batch, its logits and the prompt tokens fed."""
         model, version = self.served.model, self.served.version
-        distinct: dict[tuple[int, ...], int] = {}
-        key = (lambda i: tuple(prompts[i])) if self.share_prompts else (lambda i: (i,))
+        distinct: dict[tuple, int] = {}  # (adapter, prompt) -> its index; rows share a prefill only on one policy
+        key = (lambda i: (calls_of[i].adapter, tuple(prompts[i]))) if self.share_prompts else (lambda i: (None, i))
         which = [distinct.setdefault(key(i), len(distinct)) for i in plain]
         first: dict[int, int] = {}  # distinct prompt -> its first row
         for i, d in zip(plain, which):
             first.setdefault(d, i)
         keep = joinable and self.share_prompts and self.prompt_kv.max_bytes > 0
         hits = {}
-        for prompt, d in distinct.items() if keep else ():
-            hit = self.prompt_kv.match(_prompt_key(prompt), prompts[first[d]], version)
+        for (adapter, prompt), d in distinct.items() if keep else ():
+            hit = self.prompt_kv.match(_prompt_key(prompt, adapter), prompts[first[d]], (version, adapter))
             if hit is not None:
                 hits[d] = hit
         fresh = [d for d in range(len(distinct)) if d not in hits]
@@ -105,10 +106,10 @@ class Prefill:
             fed += sum(len(prompts[first[d]]) for d in fresh)
             if keep and batch.joinable():
                 for j, d in enumerate(fresh):
-                    prompt = prompts[first[d]]
+                    prompt, adapter = prompts[first[d]], calls_of[first[d]].adapter
                     if len(prompt) > 1:  # its cache but the last token's: the next call feeds that one
-                        entry = CachedSequence(prompt[:-1], version, batch.row_cache(j, drop_last=True))
-                        self.prompt_kv.put(_prompt_key(tuple(prompt)), entry)
+                        entry = CachedSequence(prompt[:-1], (version, adapter), batch.row_cache(j, drop_last=True))
+                        self.prompt_kv.put(_prompt_key(tuple(prompt), adapter), entry)
         for d, hit in hits.items():
             parts.append(Batch.prefill_cached(model, hit, prompts[first[d]], *firsts([d])))
             fed += len(prompts[first[d]]) - len(hit.tokens)
@@ -132,4 +133,4 @@ class Prefill:
             return
         if int(batch.mask[i].sum()) != len(covered):  # a row that ended on a token it could not feed (a regex dead end)
             return
-        self.session_kv.put(call.cache_key, CachedSequence(covered, version, batch.row_cache(i)))
+        self.session_kv.put(call.cache_key, CachedSequence(covered, (version, call.adapter), batch.row_cache(i)))

@@ -98,8 +98,9 @@ class Scheduler:
         cancel: threading.Event | None,
         urgent: bool = False,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> Future:
-        call = Call(prompts, params, cancel or threading.Event(), urgent, cache_key)
+        call = Call(prompts, params, cancel or threading.Event(), urgent, cache_key, adapter)
         if not prompts:
             call.future.set_result([])
             return call.future

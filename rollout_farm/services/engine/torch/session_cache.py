@@ -4,9 +4,9 @@ A generate call with a `cache_key` (a session's id; one prompt) leaves, when its
 the tokens its cache holds: the prompt and every sampled token but the last (that one was drawn, never fed). The
 next call with that key whose prompt extends those tokens starts from them: its prefill is the last sampled token
 and the turn's new tokens (`prefill tokens per turn = new tokens + 1`). Anything else is a miss, and a full prefill:
-another weight version (the cache was computed on other weights), a prompt that does not extend the tokens (the
-session forked), or a key this replica never saw (a session that moved here when its replica died re-prefills
-once).
+another policy (the cache was computed on other weights: another base version or adapter), a prompt that does not
+extend the tokens (the session forked), or a key this replica never saw (a session that moved here when its replica
+died re-prefills once).
 
 Entries are kept least recently used first out, within FARM_ENGINE_SESSION_CACHE_BYTES; Serve's multiplexing
 evicts a session's route from the replica (rollout_farm/services/replica/engine_server.py) and with it its entry.
@@ -24,7 +24,7 @@ import torch
 @dataclass
 class CachedSequence:
     tokens: list[int]
-    version: int
+    version: tuple[int, str | None]  # the policy it was computed on: (base weight version, adapter key or None)
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, (1, heads, len(tokens), dim)
 
     @property
@@ -42,8 +42,8 @@ class SessionKV:
         self._lock = threading.RLock()  # forget() may run from a garbage-collected route on the scheduler's thread
         self.bytes = 0
 
-    def match(self, key: str, prompt: list[int], version: int) -> CachedSequence | None:
-        """The key's cached tokens when the prompt extends them (by one token at least) on this weight version."""
+    def match(self, key: str, prompt: list[int], version: tuple[int, str | None]) -> CachedSequence | None:
+        """The key's cached tokens when the prompt extends them (by one token at least) on this policy."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:

@@ -1,0 +1,200 @@
+"""Adapter pushes at the ingress: checked, then two phases over every replica, like a weight push
+(rollout_farm/services/weights/push.py), one push per adapter at a time.
+
+  read     the body (one safetensors file, adapter_config.json in its __metadata__; or a peft folder by path),
+           bounded by FARM_MAX_WEIGHTS_BYTES; its header and config checked before any replica sees it
+  version  `name@vN` is immutable: the same bytes again answer with the first push's record; other bytes are a 409;
+           versions only go up
+  stage    every replica checks the adapter against the served model and computes its policy digest from the bytes
+           it loaded; any refusal, or two replicas with different digests (different base weights): all discard
+  record   Redis keeps the version (and its bytes while it is resident, for replicas that start later)
+  commit   every replica makes it resident; versions that left the resident window are retired (unloaded once no
+           call uses them)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+from redis.asyncio import Redis
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.adapters.peft_format import (
+    CONFIG_META,
+    AdapterInvalid,
+    folder_files,
+    module_pairs,
+    read_config,
+)
+from rollout_farm.services.adapters.registry import AdapterRegistry, version_record
+from rollout_farm.services.errors import Conflict, Invalid, ReplicasFailed, TooLarge
+from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.weights.checks import WeightsError, parse_header
+
+SYNC = "FARM_WEIGHT_SYNC_TIMEOUT_S"
+
+
+def header_of(body: bytes) -> tuple[dict, dict]:
+    """(name -> (shape, dtype), __metadata__) of a one-file safetensors body; Invalid naming `adapter_model`."""
+    try:
+        if len(body) < 8:
+            raise WeightsError(["the body is not a safetensors file (shorter than its 8-byte header length)"])
+        n = int.from_bytes(body[:8], "little")
+        if n > len(body) - 8:
+            raise WeightsError([f"the header says {n} bytes but only {len(body) - 8} follow: the upload was cut"])
+        spec, offsets, metadata = parse_header(body[8 : 8 + n], len(body) - 8 - n)
+    except WeightsError as e:
+        raise Invalid([{"field": "adapter_model", "message": p} for p in e.problems]) from None
+    return spec, metadata
+
+
+class AdapterPush:
+    def __init__(self, replicas, registry: AdapterRegistry, settings: ServiceSettings, r: Redis, prefix: str):
+        """`replicas`: the ingress's handle on the engine replicas (rollout_farm.services.replica.handle.Replicas)."""
+        self.replicas, self.registry, self.settings, self.r, self.prefix = replicas, registry, settings, r, prefix
+
+    async def upload(self, name: str, version: int, chunks: AsyncIterator[bytes], declared: int, owner: str | None):
+        limit = self.settings.max_weights_bytes
+        too_large = TooLarge(f"adapter upload larger than FARM_MAX_WEIGHTS_BYTES={limit}: raise it, or push by path")
+        if declared > limit:
+            raise too_large
+        parts, size = [], 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+        body = b"".join(parts)
+        spec, metadata = header_of(body)
+        config_json = metadata.get(CONFIG_META)
+        if config_json is None:
+            raise Invalid(
+                [
+                    {
+                        "field": "adapter_config",
+                        "message": f"missing: put adapter_config.json in the safetensors "
+                        f"__metadata__ under {CONFIG_META!r} (rollout_farm.services.adapters.peft_format.upload_body "
+                        "does), or push the folder by path",
+                    }
+                ]
+            )
+        return await self._push(name, version, body, config_json, spec, owner)
+
+    async def from_path(self, name: str, req: P.AdapterFromPath, owner: str | None) -> P.AdapterPushResponse:
+        try:
+            config_file, tensors_file = folder_files(req.path)
+        except AdapterInvalid as e:
+            raise Invalid(e.problems) from None
+        body = tensors_file.read_bytes()
+        spec, _ = header_of(body)
+        config_json = config_file.read_text()
+        return await self._push(name, req.version, body, config_json, spec, owner)
+
+    async def _push(self, name, version, body, config_json, spec, owner) -> P.AdapterPushResponse:
+        started = time.monotonic()
+        try:
+            config = read_config(config_json)
+            module_pairs(spec)
+        except AdapterInvalid as e:
+            raise Invalid(e.problems, "the adapter is malformed: fix the named fields") from None
+        sha = hashlib.sha256(body).hexdigest()
+        lock = self.r.lock(f"{self.prefix}:adapter:{name}:lock", timeout=self.settings.weight_sync_timeout_s + 60)
+        if not await lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
+            raise Conflict(f"another push of adapter {name!r} runs for longer than {SYNC}: retry later")
+        try:
+            info = await self.registry.claim(name, owner)
+            same = next((v for v in info.versions if v.version == version), None)
+            if same is not None:
+                if same.sha256 == sha and same.state == "resident":
+                    return P.AdapterPushResponse(
+                        name=name,
+                        version=version,
+                        digest=same.digest,
+                        tensors=len(spec),
+                        bytes=len(body),
+                        seconds=time.monotonic() - started,
+                        again=True,
+                    )
+                why = "with other bytes" if same.sha256 != sha else "and has been evicted or retired"
+                raise Conflict(
+                    f"{name}@v{version} was pushed before {why} (sha256 {same.sha256[:12]}...): a version is never "
+                    f"reused; push version {info.versions[-1].version + 1}",
+                    [{"field": "version", "message": f"already pushed {why}"}],
+                )
+            if info.versions and version < info.versions[-1].version:
+                raise Conflict(
+                    f"versions of {name!r} only go up: the newest is {info.versions[-1].version}; push "
+                    f"{info.versions[-1].version + 1} or higher",
+                    [{"field": "version", "message": "older than the newest version"}],
+                )
+            key = f"{name}@v{version}"
+            digest = await self._stage(key, config_json, body)
+            base = min((await self.replicas.versions()).values())
+            record = version_record(version, digest, base, sha, len(body), config.r)
+            evicted = await self.registry.record(name, record, config_json, body)
+            await self.replicas.errors("commit_adapter", key, timeout_s=60.0, setting=SYNC)  # a lost one loads later
+            for v in evicted:
+                await self.replicas.each("retire_adapter", f"{name}@v{v}")
+        finally:
+            await lock.release()
+        return P.AdapterPushResponse(
+            name=name,
+            version=version,
+            digest=digest,
+            tensors=len(spec),
+            bytes=len(body),
+            seconds=time.monotonic() - started,
+            evicted=evicted,
+        )
+
+    async def _stage(self, key: str, config_json: str, body: bytes) -> str:
+        """Stage on every replica; their common digest, or all discard and the refusal is raised."""
+        timeout = self.settings.weight_sync_timeout_s
+        results = await self.replicas.each("stage_adapter", key, config_json, body, timeout_s=timeout)
+        errors = [r for r in results if isinstance(r, Exception)]
+        digests = {r for r in results if isinstance(r, str)}
+        if errors or len(digests) != 1:
+            await self.replicas.each("discard_adapter", key)
+            if errors and all(isinstance(e, Invalid) for e in errors):
+                raise Invalid(errors[0].detail, errors[0].message)
+            if errors:
+                raise (
+                    errors[0]
+                    if hasattr(errors[0], "status")
+                    else ReplicasFailed(
+                        f"replicas failed to stage {key}; nothing changed",
+                        [{"field": "replica", "message": str(errors[0])}],
+                    )
+                )
+            raise ReplicasFailed(
+                f"the replicas computed different digests for {key} ({sorted(digests)}): they serve different base "
+                "weights; nothing changed, retry once GET /v1/weights/version shows one version",
+                [{"field": "replica", "message": json.dumps(sorted(digests))}],
+            )
+        return digests.pop()
+
+    async def guard_base(self, force: bool) -> None:
+        """Before a base weight push: 409 while adapters made on the served base are resident (they would be served
+        on weights they were not trained on); with force, retire them all first."""
+        resident = await self.registry.resident_any()
+        if not resident:
+            return
+        if not force:
+            names = ", ".join(f"{n}@v{vs[-1]}" for n, vs in sorted(resident.items())[:5])
+            raise Conflict(
+                f"LoRA adapters made on the served base are resident ({names}; {len(resident)} in all): a new base "
+                "would serve them on weights they were not trained on. Retire them (DELETE /v1/adapters/{name}) or "
+                "push with force=true, which retires them",
+                [{"field": "force", "message": "adapters are resident on the served base"}],
+            )
+        for name in resident:
+            await self.retire(name)
+
+    async def retire(self, name: str) -> list[int]:
+        gone = await self.registry.retire(name)
+        for v in gone:
+            await self.replicas.each("retire_adapter", f"{name}@v{v}")
+        return gone

@@ -1,0 +1,6 @@
+"""Tenants: training runs sharing one farm, each with its own hashed tokens; who may use and change what.
+
+| module | owns |
+| --- | --- |
+| `registry.py` | `Tenants` (tokens kept as SHA-256 in Redis: create, list, revoke); `Principal`, who calls |
+"""
