@@ -25,6 +25,7 @@ GENERATING = [  # an empty body: a request past the token check is a 422
 def client(required: bool) -> TestClient:
     api = create_api()
     settings = ServiceSettings(api_token=TOKEN, require_token_for_generation=required)
+
     async def no_tenant(token: str) -> None:
         return None
 
