@@ -1,11 +1,15 @@
 """peft LoRA adapters for the tests: made with peft itself on a model folder, their B matrices drawn at random (peft
-initialises B to zero, which would make every adapter the base model)."""
+initialises B to zero, which would make every adapter the base model); pushing them and sampling from them over HTTP."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
+
+from rollout_farm.services.peft_files import upload_body
+from tests.conftest import TOKEN
 
 
 def peft_adapter(
@@ -36,3 +40,26 @@ def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(Path(folder) / "adapter_model.safetensors")
+
+
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+PROMPTS = [{"text": "1 + 2 ="}, {"text": "7 * 3 ="}]
+
+
+def push(http, name: str, version: int, folder: Path, headers: dict = ADMIN, probe: dict | None = None):
+    """POST /v1/adapters/{name}: the folder uploaded as peft_files.upload_body makes it."""
+    body = upload_body(folder, probe)
+    return http.post(f"/v1/adapters/{name}", params={"version": version}, content=body, headers=headers)
+
+
+def rollout(http, adapter=None, headers=None, prompts=PROMPTS, n=2, **params):
+    """A greedy rollout; a 429 (the test service's small queues) is retried after its Retry-After."""
+    body = {"prompts": prompts, "n": n, "sampling_params": {"temperature": 0, "max_new_tokens": 6, **params}}
+    if adapter is not None:
+        body["adapter"] = adapter
+    for _ in range(100):
+        answer = http.post("/v1/rollouts", json=body, headers=headers or {})
+        if answer.status_code != 429 or "tenant" in answer.text:  # a tenant's refusal is the answer itself
+            return answer
+        time.sleep(float(answer.headers.get("retry-after", 1)))
+    return answer

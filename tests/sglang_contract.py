@@ -9,10 +9,12 @@ Derived from the adapter's source, so that a new call is checked without editing
   - the keys of the dict passed as `sampling_params`: parameters of SGLang's SamplingParams.__init__ (or fields);
   - the string keys read in the adapter's OUTPUT_READERS: written into a result by SGLang's tokenizer manager or
     finish reasons (a key of that name is written there; its meaning and nesting are not checked);
-  - the SGLANG_* environment variables the adapter sets: named in SGLang's source.
+  - the SGLANG_* environment variables the adapter sets: named in SGLang's source;
+  - the result of a verb listed in RESULT_TYPES (`result = self.llm.load_lora_adapter(...)`, awaited or not): kept
+    whole, not unpacked, and every attribute the adapter reads on it (`result.success`) a field of that class.
 
-The tables below hold what `ast` cannot infer. Not checked: return values (`ok, message = ...`), whether a method
-is a coroutine, the types and meanings of values, and anything only the running engine shows (the GPU tests).
+The tables below hold what `ast` cannot infer. Not checked: other return values (`ok, message = ...`), whether a
+method is a coroutine, the types and meanings of values, and anything only the running engine shows (the GPU tests).
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ ATTRIBUTE_TYPES = {
 KWARGS_TARGETS = {"sglang.srt.entrypoints.engine.Engine": "sglang.srt.server_args.ServerArgs"}
 FORWARDERS = {"call"}  # the adapter's _LoopThread.call(fn, *args, **kwargs) runs fn(*args, **kwargs)
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
+# What a verb returns where its source cannot tell (Engine's LoRA verbs return the tokenizer manager's result through
+# loop.run_until_complete): a class whose fields the adapter reads (the unit test checks that chain).
+LORA_RESULT = "sglang.srt.managers.io_struct.LoRAUpdateOutput"
+RESULT_TYPES = {
+    verb: LORA_RESULT
+    for verb in (
+        "load_lora_adapter",
+        "async_load_lora_adapter",
+        "unload_lora_adapter",
+        "async_unload_lora_adapter",
+        "load_lora_adapter_from_tensors",
+    )
+}
 OUTPUT_READERS = ("_output", "_prefill")  # the adapter's functions that read SGLang's result dicts
 OUTPUT_WRITERS = ("sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.schedule_batch")
 
@@ -140,6 +155,7 @@ def check(adapter_source: str, wheel: WheelSource) -> list[str]:
     adapter = Adapter(adapter_source)
     problems = _check_imports(adapter, wheel) + _check_engine_uses(adapter, wheel)
     problems += _check_sampling_keys(adapter, wheel) + _check_output_keys(adapter, wheel)
+    problems += _check_results(adapter, wheel)
     problems += [
         f"line {line}: the adapter sets ${name}, which SGLang's source never names"
         for line, name in adapter.environment_variables
@@ -193,6 +209,24 @@ class Adapter:
             longest = not isinstance(self.parents.get(node), ast.Attribute)
             if chain[:2] == ["self", self.engine_attribute] and len(chain) > 2 and longest:
                 out.append((node.lineno, chain[2:], self._call_of(node)))
+        return out
+
+    @property
+    def results(self) -> list[tuple[ast.Assign, str, ast.AST]]:
+        """(assignment, verb, enclosing function or module) for each `x = [await] self.llm.<verb>(...)` of a verb in
+        RESULT_TYPES."""
+        out = []
+        scopes = [self.tree] + [
+            n for n in ast.walk(self.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.Assign):
+                continue
+            value = node.value.value if isinstance(node.value, ast.Await) else node.value
+            chain = _chain(value.func) if isinstance(value, ast.Call) else []
+            if chain[:2] == ["self", self.engine_attribute] and len(chain) == 3 and chain[2] in RESULT_TYPES:
+                scope = [s for s in scopes if any(n is node for n in ast.walk(s))][-1]  # the innermost
+                out.append((node, chain[2], scope))
         return out
 
     @property
@@ -331,6 +365,30 @@ def _check_output_keys(adapter: Adapter, wheel: WheelSource) -> list[str]:
         for line, key in adapter.keys_read_in(reader)
         if key not in written
     ]
+
+
+def _check_results(adapter: Adapter, wheel: WheelSource) -> list[str]:
+    problems = []
+    for node, verb, scope in adapter.results:
+        found = wheel.find_class(RESULT_TYPES[verb])
+        if found is None:
+            problems.append(
+                f"line {node.lineno}: {RESULT_TYPES[verb]} is no `class` statement here: adapt RESULT_TYPES"
+            )
+            continue
+        name = found[1].name
+        if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+            problems.append(f"line {node.lineno}: {verb} returns {name}, an object, which the adapter unpacks")
+            continue
+        fields, held = wheel.fields(*found), node.targets[0].id
+        problems += [
+            f"line {n.lineno}: the adapter reads {held}.{n.attr}, but {name} (what {verb} returns) has no field "
+            f"{n.attr!r}"
+            for n in ast.walk(scope)
+            if isinstance(n, ast.Attribute) and _is_name(n.value, held) and isinstance(n.ctx, ast.Load)
+            if n.attr not in fields
+        ]
+    return problems
 
 
 def _top_level(tree: ast.Module):

@@ -20,6 +20,7 @@ The layers and who imports whom: docs/architecture.md. Each sub-package's `__ini
 | `rewards.py` | reward functions, registered by name (`gsm8k`, `last_number`, `zero`) |
 | `tasks.py` | prompt sources with reference answers: arithmetic, addition, products, GSM8K |
 | `models.py` | model folders: any HF folder by path, or the embedded default `arith-tiny`, built on first use |
+| `peft_files.py` | a peft adapter folder's two files, and an adapter upload's body made from them (stdlib only) |
 | `net.py` | small network helpers (a free port) for the CLI, the benchmarks and the tests |
 | `protocol/` | every request and response model, one module per API area; the client imports it too |
 | `api/` | the HTTP routes, one router per area; auth; errors to statuses |

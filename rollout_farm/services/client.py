@@ -218,10 +218,11 @@ class _Api:
         return self._send(_Call("POST", "/v1/policy_stats", P.PolicyStats, json=stats.model_dump(exclude_unset=True)))
 
     def push_weights(
-        self, safetensors_bytes: bytes, version: int, policy: P.InFlightPolicy = "finish"
+        self, safetensors_bytes: bytes, version: int, policy: P.InFlightPolicy = "finish", force: bool = False
     ) -> P.WeightsPushResponse:
-        """Upload a safetensors state dict as `version`, with its SHA-256; returns once every replica serves it."""
-        data, params = safetensors_bytes, {"version": version, "policy": policy}
+        """Upload a safetensors state dict as `version`, with its SHA-256; returns once every replica serves it.
+        `force`: even while LoRA adapters made on the served base are resident (they are retired first)."""
+        data, params = safetensors_bytes, {"version": version, "policy": policy, "force": force}
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}
         headers["x-content-sha256"] = hashlib.sha256(data).hexdigest()
         call = _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=data, params=params, headers=headers)
@@ -239,13 +240,53 @@ class _Api:
             _Call("POST", "/v1/weights", P.WeightsPushResponse, upload=pieces, params=params, headers=headers)
         )
 
-    def push_weights_path(self, path: str, version: int, policy: P.InFlightPolicy = "finish") -> P.WeightsPushResponse:
-        """Load a folder of safetensors files that every replica can read, as `version`."""
-        body = P.WeightsFromPath(path=str(path), version=version, policy=policy).model_dump()
+    def push_weights_path(
+        self, path: str, version: int, policy: P.InFlightPolicy = "finish", force: bool = False
+    ) -> P.WeightsPushResponse:
+        """Load a folder of safetensors files that every replica can read, as `version` (`force`: as push_weights)."""
+        body = P.WeightsFromPath(path=str(path), version=version, policy=policy, force=force).model_dump()
         return self._send(_Call("POST", "/v1/weights/path", P.WeightsPushResponse, json=body))
 
     def weights_version(self) -> P.WeightsVersion:
         return self._send(_Call("GET", "/v1/weights/version", P.WeightsVersion))
+
+    # LoRA adapters and tenants (docs/tenants.md) -------------------------------------------------------------
+    def push_adapter(self, name: str, folder: str, version: int, probe: dict | None = None) -> P.AdapterPushResponse:
+        """Upload a peft adapter folder (adapter_config.json, adapter_model.safetensors) as `name@v{version}`; the
+        answer's digest is the one every sample from it carries. `probe`: sequences and the logprobs the pusher
+        computed with this adapter (rollout_farm/services/adapters/probe.py's compute), checked on every replica."""
+        from rollout_farm.services.peft_files import upload_body
+
+        data = upload_body(folder, probe)
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}
+        params = {"version": version}
+        return self._send(
+            _Call("POST", f"/v1/adapters/{name}", P.AdapterPushResponse, upload=data, params=params, headers=headers)
+        )
+
+    def push_adapter_path(self, name: str, path: str, version: int, probe: dict | None = None) -> P.AdapterPushResponse:
+        """Push a peft adapter folder every replica can read, as `name@v{version}` (`probe`: as push_adapter)."""
+        body = P.AdapterFromPath(path=str(path), version=version, probe=probe).model_dump()
+        return self._send(_Call("POST", f"/v1/adapters/{name}/path", P.AdapterPushResponse, json=body))
+
+    def adapters(self) -> P.AdapterList:
+        return self._send(_Call("GET", "/v1/adapters", P.AdapterList))
+
+    def adapter(self, name: str) -> P.AdapterInfo:
+        return self._send(_Call("GET", f"/v1/adapters/{name}", P.AdapterInfo))
+
+    def retire_adapter(self, name: str) -> P.AdapterInfo:
+        return self._send(_Call("DELETE", f"/v1/adapters/{name}", P.AdapterInfo))
+
+    def create_tenant(self, tenant: str) -> P.TenantToken:
+        """A new tenant, or another token for one (the admin token): the token is in this answer only."""
+        return self._send(_Call("POST", f"/v1/tenants/{tenant}", P.TenantToken))
+
+    def tenants(self) -> P.TenantList:
+        return self._send(_Call("GET", "/v1/tenants", P.TenantList))
+
+    def revoke_tenant(self, tenant: str) -> P.TenantInfo:
+        return self._send(_Call("DELETE", f"/v1/tenants/{tenant}", P.TenantInfo))
 
     def control(self, action: str) -> P.ControlResponse:
         """'pause', 'resume' or 'abort' on every replica (needs the token). Any other action is a ValueError, unsent."""

@@ -11,6 +11,7 @@ Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
 SGLangNative      SGLang's native endpoints, translated onto the objects above
+TinkerCompat      Tinker's sampling API (the tinker SDK): sessions, samples as rollouts, futures in Redis
 Sessions          multi-turn sessions: token level, and OpenAI chat with tools (rollout_farm/services/episodes/)
 Episodes          multi-turn episodes run in the farm against environment plug-ins (rollout_farm/services/episodes/)
 
@@ -33,6 +34,7 @@ from rollout_farm.services.adapters.registry import AdapterRegistry
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
 from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
+from rollout_farm.services.compat.tinker import TinkerCompat
 from rollout_farm.services.episodes.episodes import Episodes
 from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
@@ -63,7 +65,8 @@ class Ingress:
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
         self.replicas = Replicas(engine)
         self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
-        self.tenants = Tenants(self.redis, prefix)
+        busy = settings.fair_share_samples or settings.replicas * settings.engine_max_batch_size
+        self.tenants = Tenants(self.redis, prefix, busy)
         self.adapters = AdapterRegistry(self.redis, prefix, settings.adapter_versions_resident)
         self.adapter_push = AdapterPush(self.replicas, self.adapters, settings, self.redis, prefix)
         self.weights.base_guard = self.adapter_push.guard_base
@@ -86,6 +89,8 @@ class Ingress:
             batch_groups=4 * settings.replicas,
         )
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
+        parts = (self.rollouts, self.fanout, self.checks, self.replicas, self.adapters, self.redis, prefix)
+        self.tinker = TinkerCompat(*parts, settings.model)
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]
 

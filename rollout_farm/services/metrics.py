@@ -33,6 +33,12 @@ SYNC_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120),
 )
 SYNC_BYTES = Counter("farm_weight_sync_bytes_total", "Bytes of accepted weight pushes")
+TENANT_ADMISSIONS = Counter(
+    "farm_tenant_admissions_total",
+    "Generating requests per tenant ('-': the admin or no token) and outcome: admitted, or refused (quota, share)",
+    ["tenant", "outcome"],
+)
+TENANT_TOKENS = Counter("farm_tenant_generated_tokens_total", "Tokens generated for each tenant's requests", ["tenant"])
 POLICY_KL = Gauge("farm_policy_kl", "KL the trainer last reported (POST /v1/policy_stats)")
 POLICY_REWARD_VAR = Gauge("farm_policy_reward_variance", "Reward variance the trainer last reported")
 POLICY_STEP = Gauge("farm_policy_step", "Trainer step last reported")

@@ -141,6 +141,25 @@ class ServiceSettings(BaseSettings):
         description="SGLang's tensor parallelism per engine; default: FARM_ENGINE_NUM_GPUS when it is 1 or more "
         "(a whole number: each engine uses all the GPUs it reserves).",
     )
+    sglang_max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="SGLang engines: the largest LoRA rank an adapter may have; SGLang sizes its adapter buffers for "
+        "it at start and turns off piecewise CUDA graphs. Unset: SGLang starts without LoRA and adapter pushes are a "
+        "501. A push of a larger rank is a 422 naming adapter_config.r.",
+    )
+    sglang_lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="SGLang engines: the module names adapters may adapt (SGLang fixes them at start); an adapter "
+        "with others is a 422 naming them.",
+    )
+    sglang_max_loras_per_batch: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="SGLang engines: adapters (the base counts as one) that one batch may mix.",
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="'cpu' or 'cuda[:i]'.")
     dtype: str = Field("float32", pattern=r"^(float32|float16|bfloat16)$", description="Engine weight dtype.")
     plugins: list[str] = Field(
@@ -149,6 +168,13 @@ class ServiceSettings(BaseSettings):
         'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".',
     )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
+    fair_share_samples: int = Field(
+        0,
+        ge=0,
+        description="Samples in flight (all tenants together) from which the farm counts as busy: then each tenant "
+        "is admitted only up to its weighted share of this many (docs/tenants.md); 0: FARM_REPLICAS x "
+        "FARM_ENGINE_MAX_BATCH_SIZE.",
+    )
     adapter_versions_resident: int = Field(
         3,
         ge=1,

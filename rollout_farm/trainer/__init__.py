@@ -11,6 +11,7 @@ writes are sub-packages. `presets/` holds the YAML presets (`design.yaml`).
 | `batch.py` | a rollout batch as right-padded tensors, each token's weight version; rank 0's batch on every rank |
 | `minibatches.py` | mini-batches of whole groups for the PPO epochs, this rank's share, micro-batches |
 | `actor.py` | the actor's update: verl's dual-clip PPO loss per mini-batch, in micro-batches |
+| `lora.py` | LoRA training's model: the peft adapter on the frozen base, the reference as the adapter disabled |
 | `critic.py` | the critic's update: verl's clipped value loss |
 | `distributed.py` | data parallel over torch.distributed: gloo or nccl, rank 0's broadcasts, one gradient all-reduce |
 | `evaluate.py` | held-out accuracy through the service, greedy, with 95% intervals |

@@ -33,6 +33,7 @@ TRAIN_FLAGS = {  # short flags for the most used keys (verl names: dotted overri
     "out": ("trainer.default_local_dir", str),
     "adv_estimator": ("algorithm.adv_estimator", str),
     "sampler": ("actor_rollout_ref.rollout.sampler", str),
+    "adapter": ("trainer.adapter", str),  # with actor_rollout_ref.model.lora_rank > 0: the adapter's name
 }
 
 
@@ -42,7 +43,7 @@ def _train_parser(sub) -> None:
         help="run the trainer against a running service",
         description="Config: --config FILE (YAML with verl's keys; rollout_farm/trainer/presets/design.yaml is the "
         "design's list), then dotted overrides such as actor_rollout_ref.rollout.n=16, then the short flags below. "
-        "Token: FARM_API_TOKEN.",
+        "Token: FARM_API_TOKEN (with LoRA, actor_rollout_ref.model.lora_rank > 0, a tenant's token will do).",
     )
     p.add_argument("--config", help="YAML file")
     p.add_argument(
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _service_parsers(sub) -> None:
-    """`farm rollout | weights | control | cancel | queue ...`: each makes client calls (set as `call`) and prints
-    JSON."""
+    """`farm rollout | weights | control | cancel | adapters | tenants | queue ...`: each makes client calls (set as
+    `call`) and prints JSON."""
 
     def cmd(parent, name: str, call, help: str):
         p = parent.add_parser(name, help=help)
@@ -181,6 +182,21 @@ def _service_parsers(sub) -> None:
     c.add_argument("action", choices=["pause", "resume", "abort"])
     c = cmd(sub, "cancel", lambda client, a: client.cancel(a.request_id), "cancel a running rollout by its request id")
     c.add_argument("request_id")
+    ad = sub.add_parser("adapters", help="LoRA adapters: push, list, show, retire (docs/tenants.md)")
+    ad = ad.add_subparsers(dest="adapters_cmd", required=True)
+    p = cmd(ad, "push", _adapters, "push a peft adapter folder as a new version (uploaded, or --by-path)")
+    p.add_argument("name")
+    p.add_argument("folder", help="adapter_config.json and adapter_model.safetensors, as save_pretrained writes")
+    p.add_argument("--version", type=int, help="default: the newest version + 1")
+    p.add_argument("--by-path", action="store_true", help="the replicas read the folder (shared storage): no upload")
+    cmd(ad, "list", _adapters, "the adapters you may use")
+    cmd(ad, "show", _adapters, "one adapter's versions, digests and residency").add_argument("name")
+    cmd(ad, "retire", _adapters, "retire every version of an adapter").add_argument("name")
+    te = sub.add_parser("tenants", help="tenants and their tokens (the admin token)")
+    te = te.add_subparsers(dest="tenants_cmd", required=True)
+    cmd(te, "create", _tenants, "create a tenant, or give it another token (printed once)").add_argument("tenant")
+    cmd(te, "list", _tenants, "every tenant")
+    cmd(te, "revoke", _tenants, "revoke every token of a tenant").add_argument("tenant")
     q = sub.add_parser("queue", help="the pull-mode trajectory queue").add_subparsers(dest="queue_cmd", required=True)
     a = cmd(
         q, "add", _queue, "register a prompt source: a dataset, a JSONL file of prompts, or neither (add prompts later)"
@@ -265,6 +281,38 @@ def _weights(client, a):
     if path.is_dir():  # the service reads it from there: no upload
         return client.push_weights_path(str(path.resolve()), version, a.policy)
     return client.push_weights(path.read_bytes(), version, a.policy)
+
+
+def _adapters(client, a):
+    from pathlib import Path
+
+    from rollout_farm.services.client import FarmError
+
+    if a.adapters_cmd == "list":
+        return client.adapters()
+    if a.adapters_cmd == "show":
+        return client.adapter(a.name)
+    if a.adapters_cmd == "retire":
+        return client.retire_adapter(a.name)
+    version = a.version
+    if version is None:
+        try:
+            version = max((v.version for v in client.adapter(a.name).versions), default=0) + 1
+        except FarmError as e:
+            if e.status != 404:
+                raise
+            version = 1
+    if a.by_path:
+        return client.push_adapter_path(a.name, str(Path(a.folder).resolve()), version)
+    return client.push_adapter(a.name, a.folder, version)
+
+
+def _tenants(client, a):
+    if a.tenants_cmd == "create":
+        return client.create_tenant(a.tenant)
+    if a.tenants_cmd == "list":
+        return client.tenants()
+    return client.revoke_tenant(a.tenant)
 
 
 def _queue(client, a):

@@ -10,14 +10,25 @@ that names the dotted key and says what to put there. Values of overrides are pa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from rollout_farm.services.protocol.adapters import ADAPTER_NAME
 from rollout_farm.trainer.guards.checks import GuardConfig
 from rollout_farm.trainer.minibatches import updates_per_epoch
 
@@ -35,6 +46,33 @@ class Optim(_Strict):
 
 class ModelConfig(_Strict):
     path: str = Field("arith-tiny", description="HF model folder, or 'arith-tiny'; must be what the service serves")
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="above 0: train a peft LoRA adapter of this rank on the frozen base and push only the adapter "
+        "(docs/trainer.md, Training a LoRA adapter); 0: train the whole model (verl's key and default)",
+    )
+    lora_alpha: float = Field(
+        16, gt=0, description="LoRA's scaling numerator: the adapter adds lora_alpha / lora_rank * B A x (verl's 16)"
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="the layers that get an adapter: all-linear (every linear layer but the output head, verl's "
+        "default) or a list of module names, e.g. [q_proj, v_proj]",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str) and v != "all-linear":
+            raise ValueError(f"{v!r}: write all-linear, or a list of module names such as [q_proj, v_proj]")
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("an empty list adapts nothing: name modules, e.g. [q_proj, v_proj], or all-linear")
+            if bad := [m for m in v if not re.fullmatch(r"[A-Za-z0-9_.]+", m)]:
+                raise ValueError(f"{bad} are not module names (letters, digits, '_' and '.'), e.g. q_proj")
+        return v
 
 
 class RolloutConfig(_Strict):
@@ -235,6 +273,21 @@ class TrainerConfig(_Strict):
     resume_mode: Literal["auto", "disable"] = Field(
         "auto", description="auto: continue from the newest checkpoint in default_local_dir"
     )
+    experiment_name: str | None = Field(
+        None, description="the run's name (verl's key); with LoRA, the adapter's name unless trainer.adapter is set"
+    )
+    adapter: str | None = Field(
+        None,
+        pattern=ADAPTER_NAME,
+        description="with LoRA: the adapter's name at the farm (`farm train --adapter NAME`); None: "
+        "trainer.experiment_name with other characters than letters, digits, '.', '_' and '-' replaced, else "
+        "farm-<task>-<seed>",
+    )
+    adapter_push_dir: str | None = Field(
+        None,
+        description="with LoRA: a folder every engine replica can read; each version is written to "
+        "<folder>/<adapter>/v<N>/ and pushed by path (no upload). None: each version is uploaded",
+    )
 
 
 class AsyncTraining(_Strict):
@@ -307,7 +360,44 @@ class Config(_Strict):
             )
         if self.critic.enable is False and estimator in NEEDS_CRITIC:
             raise ValueError(f"critic.enable: {estimator} needs the critic's values; set it true (or leave it unset)")
+        self._lora_consistent()
         return self
+
+    def _lora_consistent(self) -> None:
+        t = self.trainer
+        if not self.lora:
+            for key, value in (("adapter", t.adapter), ("adapter_push_dir", t.adapter_push_dir)):
+                if value is not None:
+                    raise ValueError(
+                        f"trainer.{key}: only LoRA training pushes an adapter; set actor_rollout_ref.model.lora_rank "
+                        "above 0 (e.g. 8), or drop the key"
+                    )
+            return
+        if t.weight_sync != "full":
+            raise ValueError(
+                f"trainer.weight_sync: {t.weight_sync} diffs full weight pushes; LoRA training pushes only the "
+                "adapter, whole, each step: leave it full"
+            )
+        if self.data.env is not None:
+            raise ValueError(
+                "data.env: LoRA training checks every sample's policy digest, and episodes' samples carry none yet; "
+                "train on single-turn rollouts (data.env=null) or the whole model (lora_rank=0)"
+            )
+
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains a LoRA adapter (actor_rollout_ref.model.lora_rank > 0)."""
+        return self.actor_rollout_ref.model.lora_rank > 0
+
+    @property
+    def adapter_name(self) -> str:
+        """The adapter's name at the farm: trainer.adapter, else trainer.experiment_name made a valid name (letters,
+        digits, '.', '_', '-'; at most 64, starting with a letter or digit), else farm-<task>-<seed>."""
+        t = self.trainer
+        if t.adapter:
+            return t.adapter
+        named = re.sub(r"[^A-Za-z0-9._-]+", "-", t.experiment_name or "").lstrip("._-")[:64]
+        return named or re.sub(r"[^A-Za-z0-9._-]+", "-", f"farm-{t.task}-{t.seed}")[:64]
 
     @property
     def critic_enabled(self) -> bool:

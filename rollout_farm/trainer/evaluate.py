@@ -60,10 +60,16 @@ def paired_gain(before: list[bool], after: list[bool]) -> tuple[float, float]:
 
 
 def score(
-    client: FarmClient, task: Task, render: Callable[[Problem], str], problems: list[Problem], chunk: int = 256
+    client: FarmClient,
+    task: Task,
+    render: Callable[[Problem], str],
+    problems: list[Problem],
+    chunk: int = 256,
+    adapter: P.AdapterRef | None = None,
 ) -> Iterator[list[dict]]:
-    """Greedy answers through the service, a chunk at a time: per problem, whether the reward counts it correct,
-    whether its last number is right in any format, and its length in tokens."""
+    """Greedy answers through the service (from `adapter`, a LoRA adapter, when given), a chunk at a time: per
+    problem, whether the reward counts it correct, whether its last number is right in any format, and its length in
+    tokens."""
     params = P.SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens)
     for i in range(0, len(problems), chunk):
         part = problems[i : i + chunk]
@@ -72,6 +78,7 @@ def score(
             n=1,
             sampling_params=params,
             reward=task.reward,
+            adapter=adapter,
         )
         yield [
             {
@@ -83,6 +90,13 @@ def score(
         ]
 
 
-def evaluate(client: FarmClient, task: Task, render: Callable[[Problem], str], n: int, chunk: int = 256) -> Accuracy:
-    rows = [r for part in score(client, task, render, task.heldout(n), chunk) for r in part]
+def evaluate(
+    client: FarmClient,
+    task: Task,
+    render: Callable[[Problem], str],
+    n: int,
+    chunk: int = 256,
+    adapter: P.AdapterRef | None = None,
+) -> Accuracy:
+    rows = [r for part in score(client, task, render, task.heldout(n), chunk, adapter) for r in part]
     return Accuracy([r["correct"] for r in rows], [r["number"] for r in rows])

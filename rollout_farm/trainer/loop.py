@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmError
 from rollout_farm.trainer import distributed
 from rollout_farm.trainer.actor import ActorInputs, update_actor
 from rollout_farm.trainer.algorithms import losses, rollout_correction
@@ -93,7 +94,9 @@ def train(run: TrainingRun) -> dict:
         bar.set_postfix(reward=f"{batch.rewards.mean().item():.3f}", kl=f"{metrics['kl_ref']:.4f}", **shown)
     if t.eval_size and run.rank == 0:
         summary["after"] = held_out_accuracy(run)
-    summary["final_weight_version"] = run.version
+    summary["final_weight_version"] = run.version  # with LoRA, the adapter's version
+    if run.cfg.lora:
+        summary["adapter"] = run.cfg.adapter_name
     if run.out and run.rank == 0:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
     distributed.barrier()
@@ -249,9 +252,22 @@ def report(run: TrainingRun, metrics: dict, reward_var: float, kept: bool) -> No
         if "number_accuracy" in scored:  # the right number in any format: the skill, not only the format
             metrics["val_number_accuracy"] = scored["number_accuracy"]
     if kept:
-        stats = P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=run.step)
-        run.client.report_policy_stats(stats)
+        report_policy_stats(run, P.PolicyStats(kl=max(0.0, metrics["kl_ref"]), reward_var=reward_var, step=run.step))
     step_metrics.record(run.out, metrics)
+
+
+def report_policy_stats(run: TrainingRun, stats: P.PolicyStats) -> None:
+    """POST /v1/policy_stats. It takes the admin's token: a LoRA run on a tenant's token is refused, and from then on
+    reports nothing (the samplers' stats are the farm's, not one tenant's)."""
+    if run.cfg.lora and not run.report_stats:
+        return
+    try:
+        run.client.report_policy_stats(stats)
+    except FarmError as e:
+        if not (run.cfg.lora and e.status in (401, 403)):
+            raise
+        run.report_stats = False
+        log.warning("policy_stats_refused", extra={"status": e.status, "why": "a tenant's token: not reported"})
 
 
 def timed(call) -> float:
@@ -262,8 +278,12 @@ def timed(call) -> float:
 
 
 def held_out_accuracy(run: TrainingRun) -> dict:
+    """Greedy accuracy on the held-out problems, sampled from the policy the trainer pushed last (its adapter's
+    version with LoRA)."""
     render = partial(rollouts.render_prompt, run.tok)
-    return evaluate(run.client, run.task, render, run.cfg.trainer.eval_size).as_dict()
+    return evaluate(
+        run.client, run.task, render, run.cfg.trainer.eval_size, adapter=rollouts.adapter_ref(run)
+    ).as_dict()
 
 
 def progress_bar(run: TrainingRun) -> tqdm:

@@ -1,7 +1,9 @@
 """A training run: what it holds between steps, and how it starts.
 
 The trainer owns the policy, a frozen reference, and a critic when the estimator needs values; the service
-owns generation. They meet only over HTTP: trajectories come back as JSON, weights go out as safetensors.
+owns generation. They meet only over HTTP: trajectories come back as JSON, weights go out as safetensors. With
+LoRA (actor_rollout_ref.model.lora_rank > 0) the policy is a peft model whose adapter alone trains and is pushed,
+and the reference is that model with its adapter disabled (rollout_farm/trainer/lora.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from rollout_farm.services.client import FarmClient
 from rollout_farm.services.models import resolve_model
 from rollout_farm.services.tasks import TASKS
 from rollout_farm.services.weights.pusher import WeightPusher
-from rollout_farm.trainer import distributed
+from rollout_farm.trainer import distributed, lora
 from rollout_farm.trainer.config import Config, Optim
 from rollout_farm.trainer.guards.checks import Guard
 from rollout_farm.trainer.outputs import checkpoint, step_metrics
+from rollout_farm.trainer.sync.adapter import AdapterSync
 from rollout_farm.trainer.sync.weights import push_weights
 
 log = logging.getLogger("farm.trainer")
@@ -34,7 +37,8 @@ class TrainingRun:
 
     Building one starts the run: it resumes from the newest checkpoint (trainer.resume_mode=auto), pushes its
     weights unless the service serves version 0 (the model folder both sides loaded), and saves step 0 (what a
-    rollback before the first periodic checkpoint returns to)."""
+    rollback before the first periodic checkpoint returns to). With LoRA it always pushes its adapter at start
+    (v<step + 1>) and never the base; `version` is then the adapter's version, the one every staleness counts."""
 
     def __init__(self, cfg: Config, token: str = ""):
         self.cfg, t = cfg, cfg.trainer
@@ -67,15 +71,26 @@ class TrainingRun:
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
         self.step = 0
-        self.version = self.client.weights_version().version if self.rank == 0 else 0
+        self.base_version = self.client.weights_version().version if self.rank == 0 else 0
+        self.version = 0 if cfg.lora else self.base_version  # with LoRA, the adapter's: set by the first push
+        self.adapter = None  # with LoRA, on rank 0: the adapter's pushes and the digests samples must carry
+        self.report_stats = True  # with LoRA, False once the farm refused the token for POST /v1/policy_stats
+        if cfg.lora and self.rank == 0:
+            self.adapter = AdapterSync(
+                self.client, cfg.adapter_name, lora.base_tensors(self.policy), t.adapter_push_dir
+            )
         self._start()
 
     def _load_models(self, path: Path) -> None:
         self.tok = AutoTokenizer.from_pretrained(path)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-        self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-        self.ref.eval().requires_grad_(False)
+        if self.cfg.lora:  # the adapter trains; the reference is the base: the same model, its adapter disabled
+            self.policy = lora.wrap(self.policy, self.cfg.actor_rollout_ref.model)
+            self.ref = lora.Reference(self.policy)
+        else:
+            self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+            self.ref.eval().requires_grad_(False)
         self.opt = {"actor": _adamw(self.policy, self.cfg.actor_rollout_ref.actor.optim)}
         self.critic = None
         if self.cfg.critic_enabled:
@@ -93,7 +108,7 @@ class TrainingRun:
             if state.get("leased") and self.rank == 0:  # trained into this checkpoint; killed before their ack
                 self.client.queue_ack(state["leased"])
             log.info("resumed", extra={"checkpoint": str(resumed), "step": self.step, "rank": self.rank})
-        if resumed or self.version > 0:  # version 0 is the model folder both sides loaded; anything later, we replace
+        if resumed or self.version > 0 or self.cfg.lora:  # version 0 is the model folder both sides loaded
             self.push()
         if self.out and not resumed:
             if self.rank == 0:
@@ -104,7 +119,9 @@ class TrainingRun:
         """Send the policy as the service's next version (rank 0; the other ranks hold the same weights). With
         async training, samples in flight go on with the new weights ("partial"), or are cut and run again on them
         ("abort"); else the push waits for them to end on the old weights ("finish")."""
-        if self.rank == 0:
+        if self.rank == 0 and self.adapter is not None:  # only the adapter, as <name>@v<step + 1> or above
+            self.version = self.adapter.push(self.policy, self.step + 1)
+        elif self.rank == 0:
             a = self.cfg.async_training
             policy = ("partial" if a.partial_rollout else "abort") if a.enabled else "finish"
             self.version = push_weights(self.pusher, self.policy, policy)
@@ -128,4 +145,5 @@ class TrainingRun:
 
 
 def _adamw(model: torch.nn.Module, optim: Optim) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    """AdamW over the parameters that train (with LoRA, the adapter's alone)."""
+    return torch.optim.AdamW(lora.trainable(model), lr=optim.lr, weight_decay=optim.weight_decay)

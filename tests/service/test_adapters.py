@@ -6,54 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save
 
 from rollout_farm.services.adapters.digest import adapter_digest, base_digest, tensor_checksums
-from rollout_farm.services.adapters.peft_format import read_folder, upload_body
-from tests.adapters import peft_adapter
-from tests.conftest import TOKEN
-
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-PROMPTS = [{"text": "1 + 2 ="}, {"text": "7 * 3 ="}]
-
-
-@pytest.fixture(scope="module")
-def folders(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {seed: peft_adapter(tiny_model, root / f"a{seed}", seed=seed) for seed in (1, 2, 3, 4, 5)}
-
-
-@pytest.fixture
-def http(service, fresh_weights):
-    """An HTTP client on a service serving the model folder's weights; every adapter retired afterwards, so that
-    the other tests' base pushes are not refused."""
-    with httpx.Client(base_url=service, timeout=120) as c:
-        yield c
-        for a in c.get("/v1/adapters", headers=ADMIN).json()["adapters"]:
-            c.delete(f"/v1/adapters/{a['name']}", headers=ADMIN)
-
-
-def push(http, name, version, folder, headers=ADMIN):
-    return http.post(f"/v1/adapters/{name}", params={"version": version}, content=upload_body(folder), headers=headers)
-
-
-def rollout(http, adapter=None, headers=None, **params):
-    """A greedy rollout; a 429 (the test service's small queues) is retried after its Retry-After."""
-    body = {"prompts": PROMPTS, "n": 2, "sampling_params": {"temperature": 0, "max_new_tokens": 6, **params}}
-    if adapter is not None:
-        body["adapter"] = adapter
-    for _ in range(100):
-        answer = http.post("/v1/rollouts", json=body, headers=headers or {})
-        if answer.status_code != 429:
-            return answer
-        time.sleep(float(answer.headers.get("retry-after", 1)))
-    return answer
+from rollout_farm.services.adapters.peft_format import read_folder
+from tests.adapters import ADMIN, push, rollout
 
 
 def expected_digest(tiny_model, folder) -> str:
@@ -211,3 +172,27 @@ def test_tenants_see_and_use_only_their_own_adapters(http, folders):
     assert http.delete("/v1/tenants/team-a", headers=ADMIN).status_code == 200
     assert http.get("/v1/adapters", headers=tokens_["team-a"]).status_code == 401
     http.delete("/v1/tenants/team-b", headers=ADMIN)
+
+
+def test_a_probe_proves_the_engine_and_a_wrong_one_refuses_the_push_everywhere(http, folders, tiny_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rollout_farm.services.adapters.probe import compute
+
+    sequences = [[1, 5, 9, 2, 7], [3, 3, 8, 1]]
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folders[2])
+    good = compute(with_adapter, sequences, tolerance=1e-4)
+    assert push(http, "probed", 1, folders[2], probe=good).status_code == 200
+    # negative control: the logprobs of the base model, as from a pusher whose engine never applied the adapter
+    with with_adapter.disable_adapter():
+        stale = compute(with_adapter, sequences, tolerance=1e-4)
+    bad = push(http, "probed", 2, folders[2], probe=stale)
+    assert bad.status_code == 422, bad.text
+    detail = bad.json()["detail"][0]
+    assert detail["field"] == "probe" and "replica" in detail["message"] and "differs" in detail["message"]
+    assert [v["version"] for v in http.get("/v1/adapters/probed").json()["versions"]] == [1]  # nothing recorded
+    info = http.get("/v1/adapters/probed").json()
+    assert all(vs == [1] for vs in info["resident"].values())  # nothing of v2 stayed on any replica
+    malformed = push(http, "probed", 2, folders[2], probe={"sequences": [[1, 2]], "logprobs": []})
+    assert malformed.status_code == 422 and malformed.json()["detail"][0]["field"].startswith("probe")

@@ -39,6 +39,9 @@ SERVICE_BASE = {
     "rollout_farm.services.net",
     "rollout_farm.services.weights.pusher",
     "rollout_farm.services.weights.state_dict",
+    "rollout_farm.services.peft_files",  # a peft folder's files (stdlib only)
+    "rollout_farm.services.adapters.digest",  # the policy digest a trainer checks its samples against
+    "rollout_farm.services.adapters.peft_format",  # peft's adapter config, read as the farm reads it
 }
 CLI = "rollout_farm.trainer.cli"
 CLI_ALSO = {"rollout_farm.services.server", "rollout_farm.services.settings"}  # `farm serve`

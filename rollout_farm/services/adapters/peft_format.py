@@ -18,7 +18,17 @@ import math
 import pathlib
 from dataclasses import dataclass
 
-CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
+from rollout_farm.services.peft_files import (  # the folder's files; re-exported for the engines
+    CONFIG_FILE,
+    CONFIG_META,
+    TENSORS_FILE,
+    AdapterInvalid,
+    folder_files,
+    problem,
+)
+
+__all__ = ["CONFIG_FILE", "CONFIG_META", "TENSORS_FILE", "AdapterInvalid", "LoraConfig", "problem"]
+
 PREFIX = "base_model.model."
 KINDS = ("lora_A", "lora_B")
 MAX_RANK = 1024
@@ -32,18 +42,6 @@ REFUSED = {
     "fan_in_fan_out": (False, "Conv1D layouts (GPT-2) are not served"),
     "layers_to_transform": (None, "layer subsets are not served: name the modules in target_modules"),
 }
-
-
-class AdapterInvalid(ValueError):
-    """The adapter does not fit the served model; `problems` are {field, message} pairs (a 422's detail)."""
-
-    def __init__(self, problems: list[dict]):
-        super().__init__("; ".join(f"{p['field']}: {p['message']}" for p in problems))
-        self.problems = problems
-
-
-def problem(field: str, message: str) -> dict:
-    return {"field": field, "message": message}
 
 
 @dataclass(frozen=True)
@@ -168,43 +166,7 @@ def _stem(name: str) -> str:
     return pathlib.PurePath(name.rstrip("/")).name.lower()
 
 
-def folder_files(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """A peft adapter folder's config and tensors files; AdapterInvalid naming a missing one."""
-    folder = pathlib.Path(path)
-    missing = [f for f in (CONFIG_FILE, TENSORS_FILE) if not (folder / f).is_file()]
-    if missing:
-        raise AdapterInvalid(
-            [
-                problem(
-                    "path",
-                    f"{folder} has no {', '.join(missing)}: give a peft adapter folder "
-                    "(model.save_pretrained writes both)",
-                )
-            ]
-        )
-    return folder / CONFIG_FILE, folder / TENSORS_FILE
-
-
 def read_folder(path: str | pathlib.Path) -> tuple[LoraConfig, pathlib.Path]:
     """A peft adapter folder: its config, checked, and the path of its tensors file."""
     config_file, tensors_file = folder_files(path)
     return read_config(config_file.read_bytes()), tensors_file
-
-
-CONFIG_META = "adapter_config"  # the key of an upload's safetensors __metadata__ that holds adapter_config.json
-
-
-def upload_body(folder: str | pathlib.Path) -> bytes:
-    """The body of POST /v1/adapters/{name}: the folder's adapter_model.safetensors with its adapter_config.json put
-    in the header's __metadata__ (one self-describing file; the tensor bytes unchanged)."""
-    config_file, tensors_file = folder_files(folder)  # the service checks the config (a 422 naming its fields)
-    raw = tensors_file.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    head = json.loads(raw[8 : 8 + n])
-    head["__metadata__"] = {
-        **head.get("__metadata__", {}),
-        CONFIG_META: config_file.read_text(),
-    }
-    new = json.dumps(head, separators=(",", ":")).encode()
-    new += b" " * (-len(new) % 8)
-    return len(new).to_bytes(8, "little") + new + raw[8 + n :]

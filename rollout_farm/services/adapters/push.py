@@ -22,15 +22,11 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.adapters.peft_format import (
-    CONFIG_META,
-    AdapterInvalid,
-    folder_files,
-    module_pairs,
-    read_config,
-)
+from rollout_farm.services.adapters import probe as probes
+from rollout_farm.services.adapters.peft_format import AdapterInvalid, module_pairs, read_config
 from rollout_farm.services.adapters.registry import AdapterRegistry, version_record
 from rollout_farm.services.errors import Conflict, Invalid, ReplicasFailed, TooLarge
+from rollout_farm.services.peft_files import CONFIG_META, PROBE_META, folder_files
 from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.weights.checks import WeightsError, parse_header
 
@@ -76,12 +72,13 @@ class AdapterPush:
                     {
                         "field": "adapter_config",
                         "message": f"missing: put adapter_config.json in the safetensors "
-                        f"__metadata__ under {CONFIG_META!r} (rollout_farm.services.adapters.peft_format.upload_body "
+                        f"__metadata__ under {CONFIG_META!r} (rollout_farm.services.peft_files.upload_body "
                         "does), or push the folder by path",
                     }
                 ]
             )
-        return await self._push(name, version, body, config_json, spec, owner)
+        probe = probes.parse(metadata.get(PROBE_META))
+        return await self._push(name, version, body, config_json, spec, owner, probe)
 
     async def from_path(self, name: str, req: P.AdapterFromPath, owner: str | None) -> P.AdapterPushResponse:
         try:
@@ -91,9 +88,10 @@ class AdapterPush:
         body = tensors_file.read_bytes()
         spec, _ = header_of(body)
         config_json = config_file.read_text()
-        return await self._push(name, req.version, body, config_json, spec, owner)
+        probe = probes.parse(req.probe)
+        return await self._push(name, req.version, body, config_json, spec, owner, probe)
 
-    async def _push(self, name, version, body, config_json, spec, owner) -> P.AdapterPushResponse:
+    async def _push(self, name, version, body, config_json, spec, owner, probe=None) -> P.AdapterPushResponse:
         started = time.monotonic()
         try:
             config = read_config(config_json)
@@ -131,7 +129,7 @@ class AdapterPush:
                     [{"field": "version", "message": "older than the newest version"}],
                 )
             key = f"{name}@v{version}"
-            digest = await self._stage(key, config_json, body)
+            digest = await self._stage(key, config_json, body, probe and probe.model_dump_json())
             base = min((await self.replicas.versions()).values())
             record = version_record(version, digest, base, sha, len(body), config.r)
             evicted = await self.registry.record(name, record, config_json, body)
@@ -150,10 +148,11 @@ class AdapterPush:
             evicted=evicted,
         )
 
-    async def _stage(self, key: str, config_json: str, body: bytes) -> str:
-        """Stage on every replica; their common digest, or all discard and the refusal is raised."""
+    async def _stage(self, key: str, config_json: str, body: bytes, probe_json: str | None) -> str:
+        """Stage on every replica (each checks the probe, if any); their common digest, or all discard and the
+        refusal is raised."""
         timeout = self.settings.weight_sync_timeout_s
-        results = await self.replicas.each("stage_adapter", key, config_json, body, timeout_s=timeout)
+        results = await self.replicas.each("stage_adapter", key, config_json, body, probe_json, timeout_s=timeout)
         errors = [r for r in results if isinstance(r, Exception)]
         digests = {r for r in results if isinstance(r, str)}
         if errors or len(digests) != 1:

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import Conflict, NotFound
+from rollout_farm.services.tenants.registry import Principal
 
 RESIDENT, EVICTED = "resident", "evicted"
 
@@ -52,6 +53,12 @@ class AdapterRegistry:
             (P.AdapterVersion(**json.loads(v)) for k, v in raw.items() if k.startswith("v")), key=lambda v: v.version
         )
         return P.AdapterInfo(name=name, owner=raw.get("owner") or None, versions=versions)
+
+    async def visible(self, name: str, who: Principal) -> P.AdapterInfo | None:
+        """The adapter's record when `who` may use it; None when it is unknown or another tenant's (no difference is
+        told)."""
+        info = await self.info(name)
+        return info if info is not None and who.may_use(info.owner) else None
 
     async def all(self) -> list[P.AdapterInfo]:
         names = sorted(await self.r.smembers(f"{self.prefix}:adapters"))

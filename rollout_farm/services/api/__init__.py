@@ -22,6 +22,7 @@ is on. Errors map to statuses in errors.py.
 | `control.py` | pause, resume, abort; `/healthz`, `/readyz`, `/metrics` |
 | `openai.py` | `/v1/models`, `/v1/completions`, `/v1/chat/completions` |
 | `sglang_native.py` | SGLang's native routes: `/generate`, model and server reads, health, weight and control routes |
+| `tinker.py` | Tinker's sampling API under `/api/v1` for the `tinker` SDK (X-API-Key); training calls a 404 saying so |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from rollout_farm.services.api import (
     sessions,
     sglang_native,
     tenants,
+    tinker,
     weights,
 )
 from rollout_farm.services.api.deps import require_token, require_token_for_generation
@@ -63,7 +65,7 @@ STREAMED = {
     "/v1/episodes": "application/x-ndjson",
     "/generate": "text/event-stream",
 }  # the answer to "stream": true
-# adapters and tenants check their callers themselves (admin, tenant, or nobody: deps.caller)
+# adapters and tenants check their callers themselves (admin, tenant, or nobody: deps.caller); tinker by X-API-Key
 OPEN = (
     samplers.router,
     weights.router,
@@ -72,6 +74,7 @@ OPEN = (
     sglang_native.router,
     adapters.router,
     tenants.router,
+    tinker.router,
 )
 GENERATION = (rollouts.router, openai.router, sglang_native.generation, sessions.router, episodes.router)
 NEED_TOKEN = (

@@ -11,7 +11,7 @@ from rollout_farm.services.api.weights import SAFETENSORS_BODY
 from rollout_farm.services.errors import Forbidden
 from rollout_farm.services.tenants.registry import Principal
 
-ERRORS = {code: {"model": P.ErrorResponse} for code in (403, 404, 409, 413, 422)}
+ERRORS = {code: {"model": P.ErrorResponse} for code in (401, 403, 404, 409, 413, 422, 503)}
 NAME = Path(..., pattern=P.adapters.ADAPTER_NAME, description="The adapter's name.")
 router = APIRouter(tags=["adapters"])
 
@@ -22,7 +22,7 @@ async def _own(farm, name: str, who: Principal, change: bool) -> P.AdapterInfo |
     info = await farm.adapters.info(name)
     if info is None:
         return None
-    if not who.may_use(info.owner):
+    if await farm.adapters.visible(name, who) is None:
         raise not_found(name)
     if change and not who.may_change(info.owner):
         raise Forbidden(f"adapter {name!r} belongs to the admin: push under another name, or use the admin token")

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
@@ -29,8 +31,9 @@ async def require_token(request: Request, farm: Ingress = Depends(ingress)) -> N
 
 
 async def caller(request: Request, farm: Ingress = Depends(ingress)) -> Principal:
-    """Who sends the request: the admin (FARM_API_TOKEN), a tenant (one of its tokens), or nobody (no token); 401 for
-    a token that is neither."""
+    """Who sends the request: the admin (FARM_API_TOKEN), a tenant (one of its tokens), or nobody: no token, or one
+    that is neither (an OpenAI client's placeholder key on an open route: the route decides whether that is enough,
+    as before tenants)."""
     sent = request.headers.get("authorization", "")
     if not sent:
         return Principal()
@@ -38,20 +41,37 @@ async def caller(request: Request, farm: Ingress = Depends(ingress)) -> Principa
     if hmac.compare_digest(sent.encode(), expected.encode()):
         return Principal(admin=True)
     tenant = await farm.tenants.of_token(sent.removeprefix("Bearer ")) if sent.startswith("Bearer ") else None
-    if tenant is None:
-        raise Unauthorized("unknown bearer token: send 'Authorization: Bearer <FARM_API_TOKEN or a tenant token>'")
-    return Principal(tenant=tenant)
+    return Principal(tenant=tenant) if tenant is not None else Principal()
 
 
-async def require_caller(who: Principal = Depends(caller)) -> Principal:
+async def require_caller(request: Request, who: Principal = Depends(caller)) -> Principal:
     """caller, and 401 unless it is the admin or a tenant."""
     if not (who.admin or who.tenant):
-        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <FARM_API_TOKEN or a tenant token>'")
+        given = "unknown" if request.headers.get("authorization") else "missing"
+        raise Unauthorized(f"{given} bearer token: send 'Authorization: Bearer <FARM_API_TOKEN or a tenant token>'")
     return who
+
+
+async def admitted_stream(farm: Ingress, who: Principal, samples: int, lines: AsyncIterator[str]):
+    """A streamed answer's lines, admitted for the caller's tenant before the first one (a refusal is still a plain
+    429) and counted in flight until the last."""
+    stack = contextlib.AsyncExitStack()
+    await stack.enter_async_context(farm.tenants.admitted(who, samples))
+
+    async def streamed():
+        async with stack:
+            async for line in lines:
+                yield line
+
+    return streamed()
+
+
+def generated_tokens(groups) -> int:
+    return sum(len(s.token_ids) for g in groups for s in g.samples)
 
 
 async def require_token_for_generation(request: Request, farm: Ingress = Depends(ingress)) -> None:
     """On the routes that generate, where FARM_REQUIRE_TOKEN_FOR_GENERATION is on (a shared cluster): the admin's or a
     tenant's token; off, as for local use, they are open."""
     if farm.settings.require_token_for_generation:
-        await require_caller(await caller(request, farm))
+        await require_caller(request, await caller(request, farm))

@@ -7,21 +7,28 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.adapters import may_sample
+from rollout_farm.services.api.deps import admitted_stream, caller, ingress
 from rollout_farm.services.episodes.environments import ENVIRONMENTS
 from rollout_farm.services.protocol import episodes as E
+from rollout_farm.services.tenants.registry import Principal
 
-ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
+ERRORS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)}
 router = APIRouter(tags=["episodes"])
 
 
 @router.post("/v1/episodes", response_model=E.EpisodeResponse, responses=ERRORS)
-async def episodes(req: E.EpisodeRequest, farm=Depends(ingress)):
+async def episodes(req: E.EpisodeRequest, who: Principal = Depends(caller), farm=Depends(ingress)):
     """n episodes per prompt, run concurrently; one group per prompt, in order. With `stream`, NDJSON: an
-    EpisodeGroup line per group as it finishes, then an EpisodeStreamEnd line."""
+    EpisodeGroup line per group as it finishes, then an EpisodeStreamEnd line. With `adapter`, every turn samples
+    from that LoRA adapter (one the caller may use)."""
+    await may_sample(farm, req.adapter, who)
+    samples = len(req.prompts) * req.n  # episodes in flight, against the caller's tenant quota and fair share
     if req.stream:
-        return StreamingResponse(await farm.episodes.stream(req), media_type="application/x-ndjson")
-    return await farm.episodes.run(req)
+        lines = await admitted_stream(farm, who, samples, await farm.episodes.stream(req))
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+    async with farm.tenants.admitted(who, samples):
+        return await farm.episodes.run(req)
 
 
 @router.get("/v1/environments", response_model=E.EnvironmentList)

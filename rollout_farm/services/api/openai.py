@@ -7,11 +7,19 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.deps import caller, ingress
 from rollout_farm.services.compat.openai_stream import events
+from rollout_farm.services.tenants.registry import Principal
 
 router = APIRouter(tags=["openai"])
-ANSWERS = {422: {"model": P.ErrorResponse}, 200: {"content": {"text/event-stream": {}}}}
+ANSWERS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)} | {
+    200: {"content": {"text/event-stream": {}}}
+}
+
+
+def prompts(prompt) -> int:
+    """How many prompts OpenAI's prompt field holds (a text, texts, token ids, or lists of them)."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 def answer(out: dict, req: P.CompletionRequest | P.ChatCompletionRequest):
@@ -22,18 +30,27 @@ def answer(out: dict, req: P.CompletionRequest | P.ChatCompletionRequest):
 
 
 @router.get("/v1/models")
-async def models(farm=Depends(ingress)):
-    """The served policy, with its committed weight version and context length under `meta`."""
-    return await farm.openai.models()
+async def models(who: Principal = Depends(caller), farm=Depends(ingress)):
+    """The base policy, with its committed weight version and context length under `meta`, then the resident
+    versions of the LoRA adapters the caller may use ("name@vN")."""
+    return await farm.openai.models(who)
 
 
 @router.post("/v1/completions", responses=ANSWERS)
-async def completions(req: P.CompletionRequest, farm=Depends(ingress)):
-    """OpenAI-compatible text completion by the current policy (`stream` for server-sent events)."""
-    return answer(await farm.openai.completions(req), req)
+async def completions(req: P.CompletionRequest, who: Principal = Depends(caller), farm=Depends(ingress)):
+    """OpenAI-compatible text completion by the current policy (`stream` for server-sent events); `model` may name a
+    LoRA adapter ("name" or "name@vN"), and the answer's `model` names the policy that drew it."""
+    async with farm.tenants.admitted(who, req.n * prompts(req.prompt)) as took:
+        out = await farm.openai.completions(req, who)
+        took(out["usage"]["completion_tokens"])
+    return answer(out, req)
 
 
 @router.post("/v1/chat/completions", responses=ANSWERS)
-async def chat_completions(req: P.ChatCompletionRequest, farm=Depends(ingress)):
-    """OpenAI-compatible chat completion; the messages go through the model's chat template."""
-    return answer(await farm.openai.chat(req), req)
+async def chat_completions(req: P.ChatCompletionRequest, who: Principal = Depends(caller), farm=Depends(ingress)):
+    """OpenAI-compatible chat completion; the messages go through the model's chat template. `model` may name a LoRA
+    adapter ("name" or "name@vN"), and the answer's `model` names the policy that drew it."""
+    async with farm.tenants.admitted(who, req.n) as took:
+        out = await farm.openai.chat(req, who)
+        took(out["usage"]["completion_tokens"])
+    return answer(out, req)

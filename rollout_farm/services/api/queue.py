@@ -31,11 +31,14 @@ async def queue_sources(farm=Depends(ingress)):
 @admin.post(
     "/v1/queue/sources",
     response_model=P.QueueSourceState,
-    responses={code: {"model": P.ErrorResponse} for code in (409, 422)},
+    responses={code: {"model": P.ErrorResponse} for code in (404, 409, 422)},
 )
 async def queue_add_source(spec: P.QueueSource, farm=Depends(ingress)):
-    """Register a prompt source; the service starts generating groups from it in the background."""
+    """Register a prompt source; the service starts generating groups from it in the background (from `adapter`, a
+    LoRA adapter, when it names one: every group's samples carry its policy)."""
     await farm.checks.rollout(spec)
+    if spec.adapter is not None:
+        await farm.adapters.resolve(spec.adapter)  # an unknown adapter is a 404 now, not a failing source later
     if spec.episodes is not None:
         farm.episodes.environment(spec.episodes.env, "episodes.env")
     return await farm.queue.add_source(spec)

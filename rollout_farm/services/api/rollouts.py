@@ -8,10 +8,10 @@ from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api.adapters import may_sample
-from rollout_farm.services.api.deps import caller, ingress
+from rollout_farm.services.api.deps import admitted_stream, caller, generated_tokens, ingress
 from rollout_farm.services.tenants.registry import Principal
 
-ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 422, 429)}
+ERRORS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)}
 router = APIRouter(tags=["rollouts"])
 admin = APIRouter(tags=["rollouts"])  # needs the token
 
@@ -25,12 +25,17 @@ async def rollouts(req: P.RolloutRequest, who: Principal = Depends(caller), farm
     result back and generates nothing; the same id with a different body gets 409.
     DELETE /v1/rollouts/{request_id} cancels it, and so does the last waiting caller closing its connection.
     With `adapter`, the samples come from that LoRA adapter (the caller's own, or the admin's), each carrying its
-    policy digest.
+    policy digest. A tenant's request past its quota or fair share is a 429 naming it (docs/tenants.md).
     """
     await may_sample(farm, req.adapter, who)
+    samples = len(req.prompts) * req.n  # what counts against the caller's tenant quota and fair share
     if req.stream:
-        return StreamingResponse(await farm.rollouts.stream(req), media_type="application/x-ndjson")
-    return await farm.rollouts.answer(req)
+        lines = await admitted_stream(farm, who, samples, await farm.rollouts.stream(req))
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+    async with farm.tenants.admitted(who, samples) as took:
+        out = await farm.rollouts.answer(req)
+        took(generated_tokens(out.groups))
+    return out
 
 
 @admin.delete("/v1/rollouts/{request_id}", response_model=P.CancelResponse, response_model_exclude_none=True)

@@ -6,9 +6,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.adapters import may_sample
+from rollout_farm.services.api.deps import caller, ingress
 from rollout_farm.services.api.openai import answer
 from rollout_farm.services.protocol import sessions as S
+from rollout_farm.services.tenants.registry import Principal
+
+WHO = Depends(caller)  # the admin, a tenant (who sees only its own sessions), or nobody
 
 ERRORS = {code: {"model": P.ErrorResponse} for code in (404, 409, 422, 429)}
 STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
@@ -22,47 +26,54 @@ def root(request: Request) -> str:
 
 
 @router.post("/v1/sessions", response_model=S.SessionInfo, responses=ERRORS)
-async def open_session(req: S.SessionCreate, request: Request, farm=Depends(ingress)):
-    """Open a session: its sampling params, GRPO group, weight-version floor and tool-call format."""
-    return await farm.sessions.open(req, root(request))
+async def open_session(req: S.SessionCreate, request: Request, who: Principal = WHO, farm=Depends(ingress)):
+    """Open a session: its sampling params, GRPO group, weight-version floor, LoRA adapter and tool-call format. A
+    tenant's session is its own: another tenant's token gets a 404 on it."""
+    await may_sample(farm, req.adapter, who)
+    return await farm.sessions.open(req, root(request), who)
 
 
 @router.get("/v1/sessions/{session_id}", response_model=S.SessionInfo, responses=ERRORS)
-async def session_info(session_id: str, request: Request, farm=Depends(ingress)):
-    return await farm.sessions.info(session_id, root(request))
+async def session_info(session_id: str, request: Request, who: Principal = WHO, farm=Depends(ingress)):
+    return await farm.sessions.info(session_id, root(request), who)
 
 
 @router.post("/v1/sessions/{session_id}/generate", response_model=S.SessionTurn, responses=ERRORS)
-async def session_generate(session_id: str, req: S.SessionGenerate, farm=Depends(ingress)):
+async def session_generate(session_id: str, req: S.SessionGenerate, who: Principal = WHO, farm=Depends(ingress)):
     """Token ids in, token ids out: append the ids, sample, append the sampled ids verbatim. A repeat of an answered
     `turn` gets its answer again; `offset` rewrites the session from that token in a new segment."""
-    return await farm.sessions.generate(session_id, req)
+    async with farm.tenants.admitted(who, 1):
+        return await farm.sessions.generate(session_id, req, who)
 
 
 @router.post("/v1/sessions/{session_id}/chat/completions", responses={**ERRORS, **STREAMED})
-async def session_chat(session_id: str, req: S.SessionChatRequest, farm=Depends(ingress)):
+async def session_chat(session_id: str, req: S.SessionChatRequest, who: Principal = WHO, farm=Depends(ingress)):
     """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
     verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
     base URL; `stream` answers in server-sent events."""
-    return answer(await farm.sessions.chat(session_id, req), req)
+    async with farm.tenants.admitted(who, 1):
+        out = await farm.sessions.chat(session_id, req, who=who)
+    return answer(out, req)
 
 
 @router.post("/v1/sessions/{session_id}/reward", response_model=S.SessionInfo, responses=ERRORS)
-async def session_reward(session_id: str, req: S.SessionReward, request: Request, farm=Depends(ingress)):
+async def session_reward(
+    session_id: str, req: S.SessionReward, request: Request, who: Principal = WHO, farm=Depends(ingress)
+):
     """A turn's reward, or the episode's (no turn)."""
-    return await farm.sessions.reward(session_id, req, root(request))
+    return await farm.sessions.reward(session_id, req, root(request), who)
 
 
 @router.post("/v1/sessions/{session_id}/close", response_model=S.SessionInfo, responses=ERRORS)
-async def session_close(session_id: str, request: Request, farm=Depends(ingress)):
+async def session_close(session_id: str, request: Request, who: Principal = WHO, farm=Depends(ingress)):
     """No more turns; the trajectory stays readable until the session expires."""
-    return await farm.sessions.close(session_id, root(request))
+    return await farm.sessions.close(session_id, root(request), who)
 
 
 @router.get("/v1/sessions/{session_id}/trajectory", response_model=S.Trajectory, responses=ERRORS)
-async def session_trajectory(session_id: str, farm=Depends(ingress)):
+async def session_trajectory(session_id: str, who: Principal = WHO, farm=Depends(ingress)):
     """Every segment: token ids, loss mask (1 exactly on sampled tokens), logprobs, per-token weight versions, turns."""
-    return await farm.sessions.trajectory(session_id)
+    return await farm.sessions.trajectory(session_id, who)
 
 
 @admin.get("/v1/sessions", response_model=S.SessionList)

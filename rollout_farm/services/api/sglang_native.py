@@ -7,13 +7,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
-from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.api.deps import caller, ingress
 from rollout_farm.services.api.errors import refusal_logged
 from rollout_farm.services.compat.sglang_native import sse
 from rollout_farm.services.protocol import ErrorResponse
 from rollout_farm.services.protocol import sglang_native as S
+from rollout_farm.services.tenants.registry import Principal
 
-ERRORS = {code: {"model": ErrorResponse} for code in (409, 422, 429)}
+ERRORS = {code: {"model": ErrorResponse} for code in (404, 409, 422, 429)}
 WEIGHT_ERRORS = {code: {"model": ErrorResponse} for code in (409, 422, 501)}
 router = APIRouter(tags=["sglang"])
 generation = APIRouter(tags=["sglang"])  # needs the token where FARM_REQUIRE_TOKEN_FOR_GENERATION is on
@@ -21,9 +22,12 @@ admin = APIRouter(tags=["sglang"])  # needs the token
 
 
 @generation.api_route("/generate", methods=["POST", "PUT"], responses=ERRORS)
-async def generate(req: S.GenerateRequest, farm=Depends(ingress)):
-    """SGLang's /generate: text or input_ids, single or batch; `stream` answers SGLang's SSE (whole-answer chunks)."""
-    out = await farm.sglang_native.generate(req)
+async def generate(req: S.GenerateRequest, who: Principal = Depends(caller), farm=Depends(ingress)):
+    """SGLang's /generate: text or input_ids, single or batch; `stream` answers SGLang's SSE (whole-answer chunks).
+    `lora_path` names a LoRA adapter ("name@vN" or "name"), one or one per prompt."""
+    async with farm.tenants.admitted(who, farm.sglang_native.samples(req)) as took:
+        out = await farm.sglang_native.generate(req, who)
+        took(sum(a["meta_info"]["completion_tokens"] for a in (out if isinstance(out, list) else [out])))
     if not req.stream:
         return out
     return StreamingResponse(iter(sse(out)), media_type="text/event-stream")

@@ -23,16 +23,23 @@ async def create_tenant(tenant: str = TENANT, farm=Depends(ingress)):
 
 @router.get("/v1/tenants", response_model=P.TenantList, responses=ERRORS)
 async def list_tenants(farm=Depends(ingress)):
-    return P.TenantList(
-        tenants=[
-            P.TenantInfo(tenant=t["tenant"], created=t["created"], tokens=len(t["tokens"]))
-            for t in await farm.tenants.all()
-        ]
-    )
+    return P.TenantList(tenants=[info(t) for t in await farm.tenants.all()])
+
+
+@router.put("/v1/tenants/{tenant}/quota", response_model=P.TenantInfo, responses=ERRORS)
+async def set_quota(quota: P.TenantQuota, tenant: str = TENANT, farm=Depends(ingress)):
+    """The tenant's limits (in-flight samples, tokens per second; unset: none) and its weight in a busy farm. A
+    request past them is a 429 naming the tenant, with Retry-After."""
+    t = await farm.tenants.set_quota(tenant, quota.model_dump())
+    return info(t)
 
 
 @router.delete("/v1/tenants/{tenant}", response_model=P.TenantInfo, responses=ERRORS)
 async def revoke_tenant(tenant: str = TENANT, farm=Depends(ingress)):
     """Revoke every token of the tenant at once. Its adapters stay, for the admin to retire."""
-    t = await farm.tenants.revoke(tenant)
-    return P.TenantInfo(tenant=t["tenant"], created=t["created"], tokens=0)
+    return info({**await farm.tenants.revoke(tenant), "tokens": []})
+
+
+def info(record: dict) -> P.TenantInfo:
+    quota = P.TenantQuota(**(record.get("quota") or {}))
+    return P.TenantInfo(tenant=record["tenant"], created=record["created"], tokens=len(record["tokens"]), quota=quota)

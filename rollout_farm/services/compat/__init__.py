@@ -9,4 +9,6 @@ SGLang engine is rollout_farm/services/engine/sglang_engine.py, not this HTTP su
 | `openai_api.py` | `OpenAICompat`: /v1/completions and /v1/chat/completions as rollouts; logprobs from a scoring pass |
 | `openai_stream.py` | the server-sent events of a streamed OpenAI answer |
 | `sglang_native.py` | `SGLangNative`: SGLang's /generate, weight, pause and abort routes onto Rollouts and WeightPush |
+| `tinker.py` | `TinkerCompat`: Tinker's sampling API for the tinker SDK: sessions, samples as rollouts, futures |
+| `tinker_proto.py` | the protobuf `SampleResponse` a Tinker sample answers with, encoded by hand |
 """

@@ -7,19 +7,27 @@ import itertools
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.renderer import ChatRenderer
-from rollout_farm.services.errors import Invalid, pydantic_fields
+from rollout_farm.services.errors import Invalid, NotFound, pydantic_fields
 from rollout_farm.services.rollout.jobs import Job
+from rollout_farm.services.tenants.registry import ANYONE, Principal
 
 if TYPE_CHECKING:
     from rollout_farm.services.replica.handle import Replicas
     from rollout_farm.services.rollout.fanout import Fanout
     from rollout_farm.services.rollout.request_checks import RequestChecks
+
+
+@dataclass
+class Generated:
+    groups: list[P.Group]
+    adapter: tuple[P.AdapterRef, str] | None  # the exact adapter version that drew them, and its digest
 
 
 class OpenAICompat:
@@ -29,28 +37,57 @@ class OpenAICompat:
         # chats rendered here, with the tokenizer one replica hands over once
         self.renderer = ChatRenderer(functools.partial(replicas.read, "chat_tokenizer"))
 
-    async def models(self) -> dict:
-        """GET /v1/models: the one served policy, with the committed weight version and the context length."""
+    async def models(self, who: Principal = ANYONE) -> dict:
+        """GET /v1/models: the base policy, with the committed weight version and the context length, then each
+        resident version of the adapters `who` may use, as "name@vN" (its digest under `meta`)."""
         meta = {"weight_version": await self.committed(), "context_length": await self.context_length()}
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-farm", "meta": meta}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-farm", "meta": meta}]
+        for info in await self.fanout.adapters.all():
+            if not who.may_use(info.owner):
+                continue
+            for v in info.versions:
+                if v.state == "resident":
+                    meta = {"digest": v.digest, "base_version": v.base_version}
+                    card = {"id": f"{info.name}@v{v.version}", "object": "model", "created": int(v.pushed_at)}
+                    cards.append({**card, "owned_by": info.owner or "rollout-farm", "meta": meta})
+        return {"object": "list", "data": cards}
 
     async def context_length(self) -> int | None:
         return await self.checks.context_length()
 
-    async def completions(self, req: P.CompletionRequest) -> dict:
+    async def policy(self, model: str | None, who: Principal) -> P.AdapterRef | None:
+        """The adapter `model` names: "name@vN" (that version) or "name" (its newest resident version) of an adapter
+        `who` may use; None for any other name (the base model, as before adapters). "name@vN" of no adapter the
+        caller may use is a 404 naming `model`."""
+        ref = P.AdapterRef.parse(model) if model else None
+        if ref is None:
+            return None
+        if await self.fanout.adapters.visible(ref.name, who) is None:
+            if ref.version is None:
+                return None
+            raise NotFound(
+                f"model {model!r} names no adapter you may use: GET /v1/adapters lists them",
+                [{"field": "model", "message": "no such adapter"}],
+            )
+        return ref
+
+    async def completions(self, req: P.CompletionRequest, who: Principal = ANYONE) -> dict:
         if req.max_tokens == 0 and not req.echo:
             raise Invalid([{"field": "max_tokens", "message": "0 generates nothing: set echo=true to score"}])
+        adapter = await self.policy(req.model, who)
         prompts = await self.prompts(req.prompt, req.max_tokens)
         top_k = req.logprobs or 0
-        groups = await self.generate(prompts, req.n, sampling(max(1, req.max_tokens), req, req.stop))
+        rollout = await self.generate(prompts, req.n, sampling(max(1, req.max_tokens), req, req.stop), adapter)
+        groups = rollout.groups
         if req.max_tokens == 0:  # echo alone: the prompt, scored (lm-eval's loglikelihood); the one token is dropped
             groups = [g.model_copy(update={"samples": [nothing(s) for s in g.samples]}) for g in groups]
-        scored = await self.scored(groups, top_k, req.echo) if req.echo or top_k else None
+        scored = await self.scored(groups, top_k, req.echo, rollout.adapter) if req.echo or top_k else None
         pieces = await self.pieces(groups) if req.logprobs is not None and scored is None else None
-        return response("text_completion", self.model_name, groups, req.stop, False, pieces, scored, req.echo)
+        model = self.served_as(rollout.adapter)
+        return response("text_completion", model, groups, req.stop, False, pieces, scored, req.echo)
 
-    async def chat(self, req: P.ChatCompletionRequest) -> dict:
+    async def chat(self, req: P.ChatCompletionRequest, who: Principal = ANYONE) -> dict:
+        adapter = await self.policy(req.model, who)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         text = await self.renderer.render(messages)
         if text is None:
@@ -69,11 +106,12 @@ class OpenAICompat:
         if await self.checks.context_length() is not None:  # counted here: no Ray call to a replica
             counted = P.Prompt(token_ids=await self.renderer.prompt_ids(text))
             await self.checks.fits([counted], max_tokens, "max_completion_tokens", "messages")
-        groups = await self.generate([P.Prompt(text=text)], req.n, sampling(max_tokens, req, req.stop))
+        rollout = await self.generate([P.Prompt(text=text)], req.n, sampling(max_tokens, req, req.stop), adapter)
+        groups = rollout.groups
         top_k = req.top_logprobs or 0
-        scored = await self.scored(groups, top_k, False) if req.logprobs and top_k else None
+        scored = await self.scored(groups, top_k, False, rollout.adapter) if req.logprobs and top_k else None
         pieces = await self.pieces(groups) if req.logprobs and scored is None else None
-        return response("chat.completion", self.model_name, groups, req.stop, True, pieces, scored)
+        return response("chat.completion", self.served_as(rollout.adapter), groups, req.stop, True, pieces, scored)
 
     async def prompts(self, prompt, max_tokens: int) -> list[P.Prompt]:
         """OpenAI's four prompt shapes as rollout prompts; token ids checked against the vocabulary, and every
@@ -95,19 +133,28 @@ class OpenAICompat:
         await self.checks.fits(out, max_tokens, "max_tokens", "prompt")
         return out
 
-    async def generate(self, prompts: list[P.Prompt], n: int, params: P.SamplingParams) -> list[P.Group]:
-        rollout = P.RolloutRequest(prompts=prompts, n=n, sampling_params=params)
-        return (await self.fanout.produce(Job(len(prompts)), rollout)).groups
+    async def generate(
+        self, prompts: list[P.Prompt], n: int, params: P.SamplingParams, adapter: P.AdapterRef | None = None
+    ) -> Generated:
+        rollout = P.RolloutRequest(prompts=prompts, n=n, sampling_params=params, adapter=adapter)
+        groups = (await self.fanout.produce(Job(len(prompts)), rollout)).groups
+        return Generated(groups, rollout._resolved_adapter)
+
+    def served_as(self, adapter: tuple[P.AdapterRef, str] | None) -> str:
+        """The answer's `model`: the policy that drew it, "name@vN" for an adapter, else the served model's name."""
+        return adapter[0].key() if adapter else self.model_name
 
     async def pieces(self, groups: list[P.Group]) -> list[list[str]]:
         return await self.renderer.token_pieces([s.token_ids for g in groups for s in g.samples])
 
-    async def scored(self, groups: list[P.Group], top_k: int, echo: bool) -> list[dict]:
-        """Each choice's tokens scored in one pass over prompt and completion: logprobs and the top_k alternatives
-        of every token, the prompt's kept only with echo."""
+    async def scored(
+        self, groups: list[P.Group], top_k: int, echo: bool, adapter: tuple[P.AdapterRef, str] | None = None
+    ) -> list[dict]:
+        """Each choice's tokens scored in one pass over prompt and completion (under the adapter that drew them):
+        logprobs and the top_k alternatives of every token, the prompt's kept only with echo."""
         seqs = [g.prompt_token_ids + s.token_ids for g in groups for s in g.samples]
         starts = [0 if echo else len(g.prompt_token_ids) for g in groups for _ in g.samples]
-        scores = await self.replicas.call("score", seqs, top_k)
+        scores = await self.replicas.call("score", seqs, top_k, adapter)
         return [{k: v[start:] for k, v in sc.items()} for sc, start in zip(scores, starts)]
 
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.errors import Invalid, RolloutCancelled, pydantic_fields
+from rollout_farm.services.errors import Invalid, NotFound, RolloutCancelled, pydantic_fields
 from rollout_farm.services.protocol import sglang_native as S
+from rollout_farm.services.tenants.registry import ANYONE, Principal
 
 if TYPE_CHECKING:
     from rollout_farm.services.compat.openai_api import OpenAICompat
@@ -50,9 +51,10 @@ class SGLangNative:
         )
 
     # /generate -------------------------------------------------------------------------------------------
-    async def generate(self, req: S.GenerateRequest) -> dict | list[dict]:
+    async def generate(self, req: S.GenerateRequest, who: Principal = ANYONE) -> dict | list[dict]:
         """SGLang's answer: one dict for a single prompt with n=1, else a list (prompt-major, n per prompt)."""
         prompts, single = await self.prompts(req)
+        loras = [await self.adapter(x, who) for x in per_prompt(req.lora_path, len(prompts), "lora_path", [None])]
         params = per_prompt(req.sampling_params, len(prompts), "sampling_params", [S.SGLangSamplingParams()])
         logprob = per_prompt(req.return_logprob, len(prompts), "return_logprob", [False])
         start = per_prompt(req.logprob_start_len, len(prompts), "logprob_start_len", [-1])
@@ -60,15 +62,24 @@ class SGLangNative:
         if not all(0 <= k <= MAX_TOP_LOGPROBS for k in top):
             raise Invalid([{"field": "top_logprobs_num", "message": f"give 0..{MAX_TOP_LOGPROBS}"}])
         ids = rids(req.rid, len(prompts), single)
-        groups = await self.groups(prompts, params, req.rid if isinstance(req.rid, str) else None)
+        groups, drew = await self.groups(prompts, params, req.rid if isinstance(req.rid, str) else None, loras)
         answers = []
         for i, (prompt, group) in enumerate(zip(prompts, groups)):
             for j, s in enumerate(group.samples):
                 rid = ids[i] if params[i].n == 1 else f"{ids[i]}_{j}"
                 answers.append(answer(rid, prompt, s, params[i]))
                 if logprob[i]:
-                    answers[-1]["meta_info"] |= await self.logprobs(prompt, s, start[i], top[i], req)
+                    answers[-1]["meta_info"] |= await self.logprobs(prompt, s, start[i], top[i], req, drew[i])
         return answers[0] if single and len(answers) == 1 else answers
+
+    @staticmethod
+    def samples(req: S.GenerateRequest) -> int:
+        """How many samples the request asks for (what counts against a tenant's quota), before any check."""
+        given = req.text if req.text is not None else req.input_ids
+        single = isinstance(given, str) or bool(given) and isinstance(given[0], int)
+        prompts = 1 if single else max(1, len(given or []))
+        params = req.sampling_params or [S.SGLangSamplingParams()]
+        return prompts * params[0].n if len(params) == 1 else sum(p.n for p in params)
 
     async def prompts(self, req: S.GenerateRequest) -> tuple[list[list[int]], bool]:
         """Token ids of every prompt (texts encoded as SGLang does), and whether the request was a single one."""
@@ -85,13 +96,36 @@ class SGLangNative:
             raise Invalid([{"field": "input_ids", "message": "an empty prompt: give at least one token id"}])
         return ids, single
 
+    async def adapter(self, lora_path: str | None, who: Principal) -> P.AdapterRef | None:
+        """The adapter a prompt's lora_path names: 422 for a name that cannot be one, 404 for one the caller may not
+        use (SGLang refuses an adapter it has not loaded too)."""
+        if lora_path is None:
+            return None
+        ref = P.AdapterRef.parse(lora_path)
+        if ref is None:
+            raise Invalid([{"field": "lora_path", "message": f"{lora_path!r} is not 'name' or 'name@vN'"}])
+        if await self.openai.fanout.adapters.visible(ref.name, who) is None:
+            raise NotFound(
+                f"lora_path {lora_path!r} names no adapter you may use: GET /v1/adapters lists them",
+                [{"field": "lora_path", "message": "no such adapter"}],
+            )
+        return ref
+
     async def groups(
-        self, prompts: list[list[int]], params: list[S.SGLangSamplingParams], rid: str | None
-    ) -> list[P.Group | None]:
-        """One rollout per distinct sampling_params (usually one for the whole batch); each prompt's group.
-        A string rid keys the rollout (so /abort_request can cancel it) when the batch has one set of params."""
-        keys = [json.dumps(p.model_dump(), sort_keys=True) for p in params]
+        self,
+        prompts: list[list[int]],
+        params: list[S.SGLangSamplingParams],
+        rid: str | None,
+        loras: list[P.AdapterRef | None],
+    ) -> tuple[list[P.Group | None], list[tuple[P.AdapterRef, str] | None]]:
+        """One rollout per distinct sampling_params and adapter (usually one for the whole batch); each prompt's
+        group, and the exact adapter version that drew it. A string rid keys the rollout (so /abort_request can
+        cancel it) when the batch makes one rollout."""
+        keys = [
+            json.dumps([p.model_dump(), lora and lora.model_dump()], sort_keys=True) for p, lora in zip(params, loras)
+        ]
         out: list[P.Group | None] = [None] * len(prompts)
+        drew: list[tuple[P.AdapterRef, str] | None] = [None] * len(prompts)
         for key in dict.fromkeys(keys):
             idx = [i for i, k in enumerate(keys) if k == key]
             try:
@@ -100,6 +134,7 @@ class SGLangNative:
                     n=params[idx[0]].n,
                     sampling_params=farm_params(params[idx[0]]),
                     request_id=rid if len(set(keys)) == 1 else None,
+                    adapter=loras[idx[0]],
                 )
                 groups = (await self.rollouts.answer(req)).groups
             except ValidationError as e:
@@ -109,18 +144,27 @@ class SGLangNative:
             except Invalid as e:
                 raise Invalid([sglang_field(d, idx) for d in e.detail], e.message) from None
             for i, g in zip(idx, groups):
-                out[i] = g
-        return out
+                out[i], drew[i] = g, req._resolved_adapter
+        return out, drew
 
-    async def logprobs(self, prompt: list[int], s: P.Sample, start: int, top: int, req: S.GenerateRequest) -> dict:
+    async def logprobs(
+        self,
+        prompt: list[int],
+        s: P.Sample,
+        start: int,
+        top: int,
+        req: S.GenerateRequest,
+        adapter: tuple[P.AdapterRef, str] | None = None,
+    ) -> dict:
         """meta_info's logprob keys: the sampled tokens' own logprobs (those of /v1/rollouts); input logprobs from
-        `start` and the top alternatives come from one scoring pass over prompt and output."""
+        `start` and the top alternatives come from one scoring pass over prompt and output, under the policy that
+        drew the sample."""
         start = len(prompt) if start < 0 else min(start, len(prompt))
         texts = req.return_text_in_logprobs
         out = {"output_token_logprobs": await self.entries(s.logprobs, s.token_ids, texts)}
         if start == len(prompt) and not top:
             return out | {"input_token_logprobs": []}
-        (scored,) = await self.replicas.call("score_ids", [prompt + s.token_ids], top)
+        (scored,) = await self.replicas.call("score_ids", [prompt + s.token_ids], top, adapter)
         n = len(prompt)
         out["input_token_logprobs"] = await self.entries(scored["logprobs"][start:n], prompt[start:], texts)
         if top:

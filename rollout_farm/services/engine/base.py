@@ -336,6 +336,10 @@ class Engine(abc.ABC):
     def retire_adapter(self, key: str) -> None:
         """Nothing is resident on an engine without adapters."""
 
+    def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Each sequence's logprobs (None first) under the staged adapter `key`, for a push's probe."""
+        raise EngineVerbMissing.of(self, "adapter probes", "push without a probe, or use FARM_ENGINE=torch")
+
     def resident_adapters(self) -> dict[str, tuple[int, int]]:
         """key -> (bytes, calls using it) of the resident adapters."""
         return {}

@@ -38,6 +38,19 @@ prompt alone, then sends the samples (`_group`), as SGLang's own n > 1 path does
 Concurrency: the replica awaits agenerate, which awaits async_generate's future without holding a thread, so a
 replica keeps every rollout's calls in flight at once and SGLang's scheduler batches them continuously.
 
+Adapters (serves_adapters; sglang_adapters.py holds the checks, the folder and the key table). An engine started with
+a LoRA max rank (FARM_SGLANG_MAX_LORA_RANK) launches SGLang with enable_lora, max_lora_rank, lora_target_modules and
+max_loras_per_batch; without one, adapters are refused (501). stage_adapter checks the adapter (a 422 naming each
+misfit: SGLang itself checks little and would fail in its scheduler), writes it as a peft folder in a temporary
+directory and loads it (load_lora_adapter) under the farm key, `name@vN`, as SGLang's lora_name; commit_adapter lets
+calls name it; agenerate(adapter=key) pins the key until SGLang has returned and passes lora_path=key on each of its
+requests (the group's prefill too: SGLang keys its radix cache by adapter), AdapterNotResident for a key that is not
+resident. discard_adapter and retire_adapter stop routing to the key at once, and unload it (async_unload_lora_adapter,
+on the engine's loop: the caller does not wait) when its last call has ended, then delete the folder. Keys are not
+reused, but a key staged again while it retires is taken back without a reload, and one staged while it unloads waits
+for the unload. base_digest is None: SGLang holds the only copy of the served weights and this adapter cannot hash
+them, so an adapter's policy digest covers the adapter alone.
+
 Unmapped: `seed` becomes SGLang's sampling_seed, which is honoured only by an engine launched with
 enable_deterministic_inference (not set here). SGLang's ignore_eos also ignores stop_token_ids, so with
 both set the output is cut after the first stop token here. `threads` is unused.
@@ -46,9 +59,14 @@ both set the output is cut after the first stop token here. `threads` is unused.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import shutil
+import tempfile
 import threading
 import uuid
+import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +74,27 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rollout_farm.services.engine.base import ADMIT_POLL_S, ENGINES, Engine, EngineOutput
+from rollout_farm.services.adapters.peft_format import AdapterInvalid, LoraConfig, problem
+from rollout_farm.services.engine.base import (
+    ADMIT_POLL_S,
+    ENGINES,
+    AdapterNotResident,
+    Engine,
+    EngineOutput,
+    ScoredTokens,
+)
+from rollout_farm.services.engine.sglang_adapters import (
+    DEFAULT_MAX_LORAS_PER_BATCH,
+    DEFAULT_TARGET_MODULES,
+    KEY,
+    AdapterTable,
+    Held,
+    LoraLaunch,
+    check_adapter,
+    sglang_config,
+    write_folder,
+)
+from rollout_farm.services.errors import EngineVerbMissing
 from rollout_farm.services.protocol import InFlightPolicy, SamplingParams
 from rollout_farm.services.weights.checks import (
     WeightsError,
@@ -70,11 +108,15 @@ from rollout_farm.services.weights.state_dict import spec_of
 if TYPE_CHECKING:
     from rollout_farm.services.settings import ServiceSettings
 
+log = logging.getLogger("farm.service")
 TORCH_DTYPE_NAMES = {
     "BF16": "bfloat16",
     "F16": "float16",
     "F32": "float32",
 }  # SGLang's distributed update wants torch names
+UNLOAD_WAIT_S = 300.0  # longest a stage waits for an unload of the same key (SGLang's own wait for its requests)
+# SGLang's errors for a request naming an adapter it does not hold (tokenizer_manager.py, lora/lora_registry.py)
+NOT_LOADED = ("Got LoRA adapter that has never been loaded", "requested LoRA adapters are not loaded")
 
 
 class _LoopThread:
@@ -103,13 +145,27 @@ class _LoopThread:
 @ENGINES.register("sglang")
 class SGLangEngine(Engine):
     keeps_sessions = True  # agenerate takes a cache_key; the radix cache keeps the turns (see the module docstring)
+    serves_adapters = True  # LoRA adapters, when started with a max LoRA rank (see the module docstring)
 
     @classmethod
     def from_settings(cls, model_path: str, settings: ServiceSettings, threads: int | None) -> SGLangEngine:
         """Memory fraction and tensor parallelism from the GPU share (ServiceSettings.sglang_parallelism): engines
-        that share a GPU each take their part of it; an engine with several GPUs shards over all of them."""
+        that share a GPU each take their part of it; an engine with several GPUs shards over all of them. LoRA from
+        FARM_SGLANG_MAX_LORA_RANK (unset: none), FARM_SGLANG_LORA_TARGET_MODULES and FARM_SGLANG_MAX_LORAS_PER_BATCH."""
         fraction, tp = settings.sglang_parallelism
-        return cls(model_path, settings.device, settings.dtype, threads, mem_fraction_static=fraction, tp_size=tp)
+        lora = {}
+        max_rank = getattr(settings, "sglang_max_lora_rank", None)
+        if max_rank is not None:
+            lora = {
+                "max_lora_rank": max_rank,
+                "lora_target_modules": list(
+                    getattr(settings, "sglang_lora_target_modules", None) or DEFAULT_TARGET_MODULES
+                ),
+                "max_loras_per_batch": getattr(settings, "sglang_max_loras_per_batch", DEFAULT_MAX_LORAS_PER_BATCH),
+            }
+        return cls(
+            model_path, settings.device, settings.dtype, threads, mem_fraction_static=fraction, tp_size=tp, **lora
+        )
 
     def __init__(
         self,
@@ -119,7 +175,14 @@ class SGLangEngine(Engine):
         threads: int | None = None,
         mem_fraction_static: float | None = None,
         tp_size: int = 1,
+        max_lora_rank: int | None = None,
+        lora_target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+        max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH,
     ):
+        """max_lora_rank None: SGLang starts without LoRA (no adapter buffers) and adapters are refused."""
+        lora = LoraLaunch(max_lora_rank, tuple(lora_target_modules), max_loras_per_batch)
+        if problems := lora.problems():
+            raise ValueError("; ".join(problems))
         try:
             import sglang
         except ImportError as e:
@@ -138,14 +201,27 @@ class SGLangEngine(Engine):
             disable_radix_cache=False,
             mem_fraction_static=mem_fraction_static,  # None: SGLang's own, for an engine alone on its GPUs
             tp_size=tp_size,
-        )
+            enable_lora=lora.enabled,  # adapter buffers (sized by the three below) are allocated at the start
+            max_lora_rank=lora.max_rank,
+            lora_target_modules=list(lora.target_modules) if lora.enabled else None,
+            max_loras_per_batch=lora.max_loras_per_batch,  # the base model counts as one
+        )  # no max_loaded_loras: SGLang would unload adapters by itself past it
         self.ranks_per_engine = tp_size  # each tensor-parallel rank joins the trainer's NCCL group
+        self._attach(self.llm, lora)
+
+    def _attach(self, llm, lora: LoraLaunch) -> None:
+        """Serve through `llm` (the sglang.Engine; the unit tests pass a stand-in): the state every verb reads."""
+        self.llm = llm
         self.llm.loop = self._loop = _LoopThread()
         self.weight_version, self.generated_tokens = 0, 0
         self._cv = threading.Condition()  # guards the two below
         self._inflight, self._committing = 0, False
         self._staged: tuple[int, dict[str, torch.Tensor] | str] | None = None
         self._spec: dict[str, tuple[list[int], str]] | None = None
+        self._lora, self._adapters = lora, AdapterTable()
+        self._staging = threading.Lock()  # one stage_adapter at a time: a key is loaded once
+        self._adapter_root: Path | None = None  # the staged folders, made on first use, removed with the engine
+        self._linear_shapes: dict[str, tuple[int, int]] | None | bool = False  # False: not read yet
 
     # lifecycle -------------------------------------------------------------
     def abort(self) -> None:
@@ -166,13 +242,16 @@ class SGLangEngine(Engine):
         params: SamplingParams,
         cancel: threading.Event | None = None,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
         """Awaited on the replica's event loop, holding no thread: the replica keeps every rollout's calls in flight
         at once and SGLang's scheduler batches them continuously. The request itself runs on the engine's loop
         thread (_LoopThread: SGLang's tokenizer manager lives there, and the synchronous verbs need that loop too);
-        this coroutine awaits its future. Cancelling it, or setting `cancel`, aborts the request in SGLang."""
+        this coroutine awaits its future. Cancelling it, or setting `cancel`, aborts the request in SGLang.
+        `adapter`: a resident adapter's key, pinned until SGLang has returned (AdapterNotResident when it is not
+        resident)."""
         cancel = cancel or threading.Event()
-        while not self._enter():  # paused, or a commit holds new calls back
+        while not self._enter(adapter):  # paused, or a commit holds new calls back
             if cancel.is_set():
                 return self._cancelled_before_start(prompts)
             await asyncio.sleep(ADMIT_POLL_S)
@@ -180,11 +259,13 @@ class SGLangEngine(Engine):
         distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
         prefix_rids = [f"{rids[0]}-prefix-{i}" for i in range(len(distinct))] if len(distinct) < len(prompts) else []
         try:
-            done = self._loop.submit(self._group(prompts, distinct, self._sampling(params), rids, prefix_rids))
+            done = self._loop.submit(
+                self._group(prompts, distinct, self._sampling(params), rids, prefix_rids, adapter=adapter)
+            )
         except BaseException:
-            self._leave()
+            self._leave(adapter)
             raise
-        done.add_done_callback(lambda _: self._leave())  # when SGLang has returned, even if the caller has gone
+        done.add_done_callback(lambda _: self._leave(adapter))  # when SGLang has returned, even if the caller has gone
         result = asyncio.wrap_future(done)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning in the log
         try:
@@ -195,7 +276,12 @@ class SGLangEngine(Engine):
         except asyncio.CancelledError:
             self._abort_requests(prefix_rids + rids)
             raise
-        prefixes, results = await result  # done: no wait
+        try:
+            prefixes, results = await result  # done: no wait
+        except ValueError as e:  # a backstop: the key was checked at _enter, and is unloaded only once unpinned
+            if adapter is not None and any(m in str(e) for m in NOT_LOADED):
+                raise AdapterNotResident(adapter) from e
+            raise
         outs = [self._output(r, params, version) for r in results]
         for r in prefixes + results:
             self.stats.prefill(*self._prefill(r))
@@ -203,19 +289,27 @@ class SGLangEngine(Engine):
         return outs
 
     async def _group(
-        self, prompts: list[list[int]], distinct: list[list[int]], sampling: dict, rids: list[str], prefix_rids
+        self,
+        prompts: list[list[int]],
+        distinct: list[list[int]],
+        sampling: dict,
+        rids: list[str],
+        prefix_rids,
+        adapter: str | None = None,
     ) -> tuple[list[dict], list[dict]]:
         """On the engine's loop. When a prompt comes more than once (a group's n samples), each distinct prompt is
         first prefilled alone (max_new_tokens 0), then all the samples go, and find it in the radix cache: the form
         of SGLang's own n > 1 path (TokenizerManager._handle_batch_request, "Cache the common prefix"), which would
-        give the samples new rids that abort_request could not name. Returns (the prefills' results, the samples')."""
+        give the samples new rids that abort_request could not name. Both requests name the same adapter (lora_path,
+        SGLang's lora_name; None: the base model): SGLang keys the radix cache by adapter, so a prefill under another
+        one would warm nothing the samples find. Returns (the prefills' results, the samples')."""
         prefixes = []
         if prefix_rids:
             prefixes = await self.llm.async_generate(
-                input_ids=distinct, sampling_params={"max_new_tokens": 0}, rid=prefix_rids
+                input_ids=distinct, sampling_params={"max_new_tokens": 0}, rid=prefix_rids, lora_path=adapter
             )
         results = await self.llm.async_generate(
-            input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids
+            input_ids=prompts, sampling_params=sampling, return_logprob=True, rid=rids, lora_path=adapter
         )
         return prefixes, results
 
@@ -225,24 +319,35 @@ class SGLangEngine(Engine):
         params: SamplingParams,
         cancel: threading.Event | None = None,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> list[EngineOutput]:
         """agenerate, from a thread (the health check)."""
-        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel, cache_key))
+        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel, cache_key, adapter))
 
-    def _enter(self) -> bool:
-        """Count a call in flight, unless new calls are held back now (paused, or a commit)."""
+    def _enter(self, adapter: str | None = None) -> bool:
+        """Count a call in flight, and pin its adapter, unless new calls are held back now (paused, or a commit);
+        AdapterNotResident when the adapter is not resident (checked while held back too)."""
         with self._cv:
             if self.paused or self._committing:
+                if adapter is not None and adapter not in self._adapters.snapshot():
+                    raise AdapterNotResident(adapter)
                 return False
+            if adapter is not None:
+                try:
+                    self._adapters.pin(adapter)
+                except KeyError:
+                    raise AdapterNotResident(adapter) from None
             self._inflight += 1
             self.stats.busy(True)
             return True
 
-    def _leave(self) -> None:
+    def _leave(self, adapter: str | None = None) -> None:
         with self._cv:
             self._inflight -= 1
             self.stats.busy(self._inflight > 0)
             self._cv.notify_all()
+        if adapter is not None and (held := self._adapters.unpin(adapter)) is not None:
+            self._unload(adapter, held)  # retired while this call used it: it was the last
 
     def _abort_requests(self, rids: list[str]) -> None:
         for rid in rids:
@@ -285,12 +390,104 @@ class SGLangEngine(Engine):
                 ids, lps, reason = ids[:cut], lps[:cut], "stop"
         return EngineOutput(ids, lps, reason, version, [version] * len(ids))
 
+    def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
+        return super().score(sequences, top_k)  # EngineVerbMissing (a 501), with an adapter or without
+
+    # adapters (serves_adapters; sglang_adapters.py) ------------------------------------------------
+    def stage_adapter(self, key: str, config: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
+        """Check the adapter (AdapterInvalid naming each misfit, WeightsRejected for NaN or inf), write it as a peft
+        folder and load it in SGLang under `key`, which no call names before commit_adapter. SGLang's refusal is an
+        AdapterInvalid naming its message. Blocks (a worker thread: the replica runs it in one)."""
+        if not self._lora.enabled:
+            raise EngineVerbMissing.of(
+                self,
+                "LoRA adapters (it started without LoRA)",
+                "set FARM_SGLANG_MAX_LORA_RANK (and FARM_SGLANG_LORA_TARGET_MODULES) to start SGLang with LoRA",
+            )
+        if not KEY.fullmatch(key):
+            raise ValueError(f"{key!r} is not an adapter key (name@vN)")
+        pairs = check_adapter(config, tensors, self._linears(), self._lora, self.model_path)
+        if problems := non_finite(tensors):
+            raise WeightsRejected("; ".join(problems))
+        with self._staging:
+            if self._adapters.holds(key) or self._adapters.reclaim(key):
+                return  # loaded already (a key is never reused for other bytes)
+            pending = self._adapters.pending_unload(key)
+            if pending is not None:  # SGLang refuses a name it still holds
+                pending.result(timeout=UNLOAD_WAIT_S)
+            folder = self._adapter_folder(key)
+            try:
+                write_folder(folder, sglang_config(config, pairs, self.model_path), tensors)
+                result = self.llm.load_lora_adapter(lora_name=key, lora_path=str(folder))
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            if not result.success:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise AdapterInvalid([problem("adapter", f"SGLang did not load it: {result.error_message}")])
+            self._adapters.stage(key, Held(folder, sum(t.numel() * t.element_size() for t in tensors.values())))
+
+    def commit_adapter(self, key: str) -> None:
+        """Calls may name the staged `key` from now (a no-op when resident); KeyError when it was never staged."""
+        self._adapters.commit(key)
+
+    def discard_adapter(self, key: str) -> None:
+        """Unload a staged key (no call has named it), without waiting."""
+        if (held := self._adapters.discard(key)) is not None:
+            self._unload(key, held)
+
+    def retire_adapter(self, key: str) -> None:
+        """No new call may name `key` from now; it is unloaded when its last call ends (now when none uses it),
+        without waiting."""
+        if (held := self._adapters.retire(key)) is not None:
+            self._unload(key, held)
+
+    def resident_adapters(self) -> dict[str, tuple[int, int]]:
+        return self._adapters.snapshot()
+
+    def _unload(self, key: str, held: Held) -> None:
+        """Unload `key` in SGLang, then delete its folder, on the engine's loop; the caller does not wait."""
+        self._adapters.unload_started(key, self._loop.submit(self._unloaded(key, held.folder)))
+
+    async def _unloaded(self, key: str, folder: Path) -> None:
+        try:
+            result = await self.llm.async_unload_lora_adapter(lora_name=key)
+            if not result.success and "does not exist" not in (result.error_message or ""):
+                log.warning("adapter_unload_failed", extra={"adapter": key, "error": result.error_message})
+        except Exception as e:  # logged: nobody awaits this
+            log.warning("adapter_unload_failed", extra={"adapter": key, "error": repr(e)[:500]})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # after the unload: a straggler cannot load it again
+
+    def _adapter_folder(self, key: str) -> Path:
+        if self._adapter_root is None:
+            self._adapter_root = Path(tempfile.mkdtemp(prefix="farm-lora-"))
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
+        return self._adapter_root / f"{key}-{uuid.uuid4().hex[:8]}"
+
+    def _linears(self) -> dict[str, tuple[int, int]] | None:
+        """The model's linear layers, module path -> (in_features, out_features), as peft (and SGLang's adapter
+        loader) names them: from the config on the meta device; None when the model cannot be built so."""
+        if self._linear_shapes is False:
+            try:
+                modules = self._meta_model().named_modules()
+                self._linear_shapes = {
+                    p: (m.in_features, m.out_features) for p, m in modules if isinstance(m, torch.nn.Linear)
+                }
+            except Exception as e:
+                log.warning("adapter_linears_unknown", extra={"model": self.model_path, "error": repr(e)[:500]})
+                self._linear_shapes = None
+        return self._linear_shapes
+
     # weights ---------------------------------------------------------------
+    def _meta_model(self) -> torch.nn.Module:
+        """The model built from its config on the meta device: SGLang holds the only real copy."""
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
+
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
-        if self._spec is None:  # from the config on the meta device: SGLang holds the only real copy
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
-            self._spec = spec_of(dict(model.named_parameters()))
+        if self._spec is None:
+            self._spec = spec_of(dict(self._meta_model().named_parameters()))
         return self._spec
 
     def _check(self, got: dict[str, tuple[list[int], str]], version: int) -> None:

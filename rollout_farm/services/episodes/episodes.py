@@ -126,6 +126,7 @@ class Episodes:
                 sampler=req.sampler,
                 group_id=group_id,
                 min_weight_version=req.min_weight_version,
+                adapter=req.adapter,
                 tool_format=kind.tool_format,
                 ttl_s=req.ttl_s,
             ),

@@ -30,6 +30,8 @@ class Session:
     group_id: str | None = None
     sampler: dict = field(default_factory=lambda: {"name": "plain", "params": {}})
     malformed_tool_calls: str = "train"  # or "mask": a turn whose call did not parse gets loss mask 0
+    owner: str | None = None  # the tenant that opened it; None: the admin or nobody (rollout_farm/services/tenants/)
+    adapter: dict | None = None  # the LoRA adapter its turns sample from (a P.AdapterRef's fields); None: the base
     closed: bool = False
     reward: float | None = None
     segments: list[Segment] = field(default_factory=list)

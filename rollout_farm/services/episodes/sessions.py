@@ -26,8 +26,9 @@ from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
 from rollout_farm.services.episodes.segments import Segment, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
-from rollout_farm.services.errors import Conflict, Invalid
+from rollout_farm.services.errors import Conflict, Invalid, NotFound
 from rollout_farm.services.protocol import sessions as S
+from rollout_farm.services.tenants.registry import ADMIN, ANYONE, Principal
 
 if TYPE_CHECKING:
     from rollout_farm.services.chat.renderer import ChatRenderer
@@ -40,7 +41,8 @@ class Sessions:
     def __init__(self, answer: Answer, renderer: ChatRenderer, store: SessionStore, model: str):
         self.answer, self.renderer, self.store, self.model = answer, renderer, store, model
 
-    async def open(self, req: S.SessionCreate, base_url: str) -> S.SessionInfo:
+    async def open(self, req: S.SessionCreate, base_url: str, who: Principal = ANYONE) -> S.SessionInfo:
+        """A new session, owned by `who`'s tenant (the caller may use req.adapter: the route checks)."""
         if req.tool_format not in TOOL_FORMATS.names():
             raise invalid("tool_format", f"unknown tool format {req.tool_format!r}: {', '.join(TOOL_FORMATS.names())}")
         metrics.TOOL_CALLS.labels(req.tool_format)  # a series at 0 from the start: a parser that never reads shows
@@ -55,6 +57,8 @@ class Sessions:
             malformed_tool_calls=req.malformed_tool_calls,
             sampler=req.sampler.model_dump(),
             segments=[Segment("0")],
+            owner=who.tenant,
+            adapter=req.adapter.model_dump(exclude_none=True) if req.adapter else None,
         )
         await self.store.create(session)
         return info(session, base_url)
@@ -71,6 +75,7 @@ class Sessions:
             sampler=P.SamplerSpec(**session.sampler),
             min_weight_version=session.min_weight_version,
             routing_key=session.id,  # its home replica, and the KV cache kept there between turns
+            adapter=P.AdapterRef(**session.adapter) if session.adapter else None,
         )
         try:
             return (await self.answer(rollout)).groups[0].samples[0]
@@ -79,13 +84,15 @@ class Sessions:
                 raise
             raise chat_turns.renamed(e, fields) from None
 
-    async def chat(self, session_id: str, req: S.SessionChatRequest, context: int | None = None) -> dict:
+    async def chat(
+        self, session_id: str, req: S.SessionChatRequest, context: int | None = None, who: Principal = ADMIN
+    ) -> dict:
         """An OpenAI chat turn on the session's tokens (see the module's docstring). With `context` (the model's, for
         episodes run in the farm) the turn's max tokens shrink to what still fits, and ContextFull when none does."""
         tools, forced = chat_turns.checked_tools(req)
         messages = [m.as_chat() for m in req.messages]
         async with self.store.locked(session_id):
-            session = await self.open_session(session_id)
+            session = await self.open_session(session_id, who)
             fmt = TOOL_FORMATS.get(session.tool_format)()
             for segment in session.segments:
                 if not segment.from_token_ids and (turn := segment.answered(messages)) is not None:  # a retry
@@ -141,18 +148,25 @@ class Sessions:
             pieces = (await self.renderer.token_pieces([segment.token_ids[turn.start : turn.end]]))[0]
         return chat_turns.completion(session, segment, index, self.model, pieces)
 
-    async def open_session(self, session_id: str) -> Session:
+    async def load(self, session_id: str, who: Principal = ADMIN) -> Session:
+        """The session, when `who` may use it: another tenant's is unknown to it (404, as for no such session)."""
         session = await self.store.load(session_id)
+        if not who.may_use(session.owner):
+            raise NotFound(f"no session {session_id}: open one with POST /v1/sessions")
+        return session
+
+    async def open_session(self, session_id: str, who: Principal = ADMIN) -> Session:
+        session = await self.load(session_id, who)
         if session.closed:
             raise Conflict(f"session {session_id} is closed: open another")
         return session
 
-    async def info(self, session_id: str, base_url: str) -> S.SessionInfo:
-        return info(await self.store.load(session_id), base_url)
+    async def info(self, session_id: str, base_url: str, who: Principal = ADMIN) -> S.SessionInfo:
+        return info(await self.load(session_id, who), base_url)
 
-    async def generate(self, session_id: str, req: S.SessionGenerate) -> S.SessionTurn:
+    async def generate(self, session_id: str, req: S.SessionGenerate, who: Principal = ADMIN) -> S.SessionTurn:
         async with self.store.locked(session_id):
-            session = await self.open_session(session_id)
+            session = await self.open_session(session_id, who)
             if (answered := retried(session.head, req)) is not None:
                 return turn_answer(session, answered)
             head = rewritten(session, req)
@@ -169,9 +183,11 @@ class Sessions:
             await self.store.save(session)
             return turn_answer(session, len(head.turns) - 1)
 
-    async def reward(self, session_id: str, req: S.SessionReward, base_url: str) -> S.SessionInfo:
+    async def reward(
+        self, session_id: str, req: S.SessionReward, base_url: str, who: Principal = ADMIN
+    ) -> S.SessionInfo:
         async with self.store.locked(session_id):
-            session = await self.store.load(session_id)
+            session = await self.load(session_id, who)
             if req.turn is None:
                 session.reward = req.reward
             elif req.turn < len(session.head.turns):
@@ -181,15 +197,15 @@ class Sessions:
             await self.store.save(session)
             return info(session, base_url)
 
-    async def close(self, session_id: str, base_url: str) -> S.SessionInfo:
+    async def close(self, session_id: str, base_url: str, who: Principal = ADMIN) -> S.SessionInfo:
         async with self.store.locked(session_id):
-            session = await self.store.load(session_id)
+            session = await self.load(session_id, who)
             session.closed = True
             await self.store.save(session)
             return info(session, base_url)
 
-    async def trajectory(self, session_id: str) -> S.Trajectory:
-        session = await self.store.load(session_id)
+    async def trajectory(self, session_id: str, who: Principal = ADMIN) -> S.Trajectory:
+        session = await self.load(session_id, who)
         return S.Trajectory(
             session_id=session.id,
             group_id=session.group_id,

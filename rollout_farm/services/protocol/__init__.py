@@ -18,6 +18,7 @@ so that users of SGLang recognise them, and OpenAI's on the OpenAI-compatible en
 | `control.py` | health, readiness, and the control of every replica |
 | `openai.py` | the OpenAI-compatible requests; a field the farm cannot honour is a 422 naming it |
 | `sglang_native.py` | SGLang 0.5.14's native requests (`/generate`, weight and control routes), SGLang's names |
+| `tinker.py` | Tinker's sampling requests and answers (the tinker SDK 0.38.0), Tinker's names; unserved fields a 422 |
 """
 
 from rollout_farm.services.protocol.adapters import (
@@ -30,6 +31,7 @@ from rollout_farm.services.protocol.adapters import (
     Policy,
     TenantInfo,
     TenantList,
+    TenantQuota,
     TenantToken,
 )
 from rollout_farm.services.protocol.common import (
@@ -98,6 +100,7 @@ __all__ = [
     "Policy",
     "TenantInfo",
     "TenantList",
+    "TenantQuota",
     "TenantToken",
     "API_VERSION",
     "MAX_N",

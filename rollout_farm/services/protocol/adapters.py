@@ -7,7 +7,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_farm.services.protocol.common import Int64, RequestModel, Text
+from rollout_farm.services.protocol.common import Float, Int64, RequestModel, Text
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 NAME_AT_VERSION = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})(@v(?P<version>[0-9]{1,18}))?$")
@@ -16,7 +16,8 @@ NAME_AT_VERSION = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})(@v(?P<
 class AdapterRef(RequestModel):
     """Which policy a request samples from: an adapter by name, at an exact version or the newest from a floor."""
 
-    model_config = ConfigDict(extra="forbid")
+    # the validator's rule, for the schema: not both version and min_version
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {"required": ["version", "min_version"]}})
 
     name: str = Field(..., pattern=ADAPTER_NAME, description="The adapter's name (letters, digits, '.', '_', '-').")
     version: Int64 | None = Field(
@@ -64,6 +65,11 @@ class AdapterFromPath(RequestModel):
 
     path: Text = Field(..., min_length=1, description="Folder with adapter_config.json and adapter_model.safetensors.")
     version: Int64 = Field(..., ge=1, description="The new version of the adapter; never reused for other bytes.")
+    probe: dict | None = Field(
+        None,
+        description="Token sequences and the logprobs the pusher computed for them with this adapter: every replica "
+        "scores them before the commit ({sequences, logprobs, tolerance}; docs/tenants.md).",
+    )
 
 
 class AdapterVersion(BaseModel):
@@ -107,10 +113,25 @@ class TenantToken(BaseModel):
     tokens: int = Field(..., description="How many tokens the tenant has now.")
 
 
+class TenantQuota(RequestModel):
+    """PUT /v1/tenants/{tenant}/quota: what the tenant may use at once; an unset limit is no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    in_flight_samples: Int64 | None = Field(
+        None, gt=0, description="Samples generating at once for the tenant, at most (a request needing more waits)."
+    )
+    tokens_per_s: Int64 | None = Field(None, gt=0, description="Generated tokens per second, at most (on average).")
+    weight: Float = Field(
+        1.0, gt=0, le=1000, description="Its share of a busy farm against the other tenants' (FARM_FAIR_SHARE_SAMPLES)."
+    )
+
+
 class TenantInfo(BaseModel):
     tenant: str = Field(..., description="The tenant's id.")
     created: float = Field(..., description="Unix time it was created.")
     tokens: int = Field(..., description="How many tokens it has.")
+    quota: TenantQuota = Field(default_factory=TenantQuota, description="Its limits and weight.")
 
 
 class TenantList(BaseModel):

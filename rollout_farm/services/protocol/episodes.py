@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from rollout_farm.services.protocol.adapters import AdapterRef
 from rollout_farm.services.protocol.common import (
     MAX_N,
     MAX_PROMPTS,
@@ -55,6 +56,11 @@ class EpisodeRequest(EpisodeLimits):
     )
     sampler: SamplerSpec = Field(default_factory=SamplerSpec, description="How each turn is drawn (n=1 samplers).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
+    adapter: AdapterRef | None = Field(
+        None,
+        description="Sample from this LoRA adapter (an exact version, or the newest resident from min_version); "
+        "null: the base model. Every sample carries its policy.",
+    )
     ttl_s: Float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="Each episode's session stays readable this long."
     )

@@ -40,7 +40,11 @@ class CompletionRequest(RequestModel):
         }
     )
 
-    model: Text | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
+    model: Text | None = Field(
+        None,
+        description="A LoRA adapter, 'name@vN' or 'name' (its newest resident version; GET /v1/adapters), or any "
+        "other name for the base model (GET /v1/models).",
+    )
     prompt: (
         NonEmptyText
         | Annotated[list[NonEmptyText], Field(max_length=MAX_PROMPTS, json_schema_extra={"minItems": 1})]
@@ -92,7 +96,11 @@ class ChatCompletionRequest(RequestModel):
         }
     )
 
-    model: Text | None = Field(None, description="Any name: the service serves one policy (see GET /v1/models).")
+    model: Text | None = Field(
+        None,
+        description="A LoRA adapter, 'name@vN' or 'name' (its newest resident version; GET /v1/adapters), or any "
+        "other name for the base model (GET /v1/models).",
+    )
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, le=MAX_NEW_TOKENS, description="Deprecated OpenAI name of max_completion_tokens."

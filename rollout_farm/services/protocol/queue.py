@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_farm.services.protocol.adapters import AdapterRef
 from rollout_farm.services.protocol.common import MAX_N, Float, Int64, Prompt, RequestModel, SamplingParams, Text
 from rollout_farm.services.protocol.episodes import EpisodeLimits
 from rollout_farm.services.protocol.rollouts import Group, SamplerSpec
@@ -38,6 +39,11 @@ class QueueSource(RequestModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     reward: Text | None = Field(None, description="Registered reward name; defaults to the dataset's reward.")
+    adapter: AdapterRef | None = Field(
+        None,
+        description="Sample from this LoRA adapter (an exact version, or the newest resident from min_version); "
+        "null: the base model. Every sample carries its policy.",
+    )
     target_groups: int = Field(8, ge=1, le=4096, description="Groups kept generated ahead of the trainer.")
     seed: Int64 = Field(0, ge=0, description="Order of the dataset's prompts.")
     episodes: EpisodeLimits | None = Field(

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from rollout_farm.services.protocol.adapters import AdapterRef
 from rollout_farm.services.protocol.common import (
     MAX_NEW_TOKENS,
     MAX_STOPS,
@@ -41,6 +42,11 @@ class SessionCreate(RequestModel):
     )
     group_id: Text | None = Field(None, description="The GRPO group this episode belongs to (returned as given).")
     min_weight_version: Int64 = Field(0, ge=0, description="Every turn runs on this weight version or later.")
+    adapter: AdapterRef | None = Field(
+        None,
+        description="Every turn samples from this LoRA adapter (an exact version, or the newest resident from "
+        "min_version, resolved at each turn); null: the base model. Each turn's tokens carry their policy.",
+    )
     tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
     malformed_tool_calls: Literal["train", "mask"] = Field(
         "train",

@@ -98,6 +98,12 @@ class GenerateRequest(RequestModel):
     )
     return_text_in_logprobs: bool = Field(False, description="Fill the text slot of [logprob, token_id, text].")
     stream: bool = Field(False, description="Server-sent events; the farm sends each answer as one whole chunk.")
+    lora_path: NonEmptyText | list[NonEmptyText | None] | None = Field(
+        None,
+        description="The LoRA adapter to sample from (one, or one per prompt; null: the base): as in SGLang, a "
+        "loaded adapter's name, here 'name@vN' or 'name' (its newest resident version). 404 for one the caller may "
+        "not use.",
+    )
 
     @field_validator("sampling_params", mode="before")
     @classmethod

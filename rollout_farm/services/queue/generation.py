@@ -132,6 +132,7 @@ class QueueGeneration:
         )
         reward = spec.reward or (TASKS.get(spec.dataset).reward if spec.dataset else None)
         common = {"prompts": [p for _, p in taken], "n": spec.n, "sampling_params": params, "sampler": spec.sampler}
+        common["adapter"] = spec.adapter
         try:
             if spec.episodes is not None:
                 groups = await self.generate_episodes(E.EpisodeRequest(**spec.episodes.model_dump(), **common))

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.adapters import probe as probes
 from rollout_farm.services.adapters.digest import adapter_digest
 from rollout_farm.services.adapters.peft_format import AdapterInvalid, read_config
 from rollout_farm.services.engine import WeightsRejected
@@ -91,15 +92,18 @@ class ReplicaAdapters:
     def policy_of(self, adapter: tuple[P.AdapterRef, str] | None) -> PolicyStamp:
         return PolicyStamp(self.engine.weight_version, self.engine.base_digest, adapter)
 
-    async def stage_adapter(self, key: str, config_json: str, body: bytes) -> str | Invalid | Conflict:
+    async def stage_adapter(
+        self, key: str, config_json: str, body: bytes, probe_json: str | None = None
+    ) -> str | Invalid | Conflict:
         """Phase one: check the adapter against the served model and hold it; its digest as this replica computes
-        it. An adapter that does not fit is Invalid (422), returned."""
+        it. With a probe (probe.py), the staged adapter must compute the pusher's logprobs. An adapter that does not
+        fit, or fails its probe, is Invalid (422), returned."""
         try:
-            return await asyncio.to_thread(self._stage_adapter, key, config_json, body)
-        except (Invalid, Conflict) as e:
+            return await asyncio.to_thread(self._stage_adapter, key, config_json, body, probe_json)
+        except (Invalid, Conflict, NotSupported) as e:
             return e
 
-    def _stage_adapter(self, key: str, config_json: str, body: bytes) -> str:
+    def _stage_adapter(self, key: str, config_json: str, body: bytes, probe_json: str | None = None) -> str:
         if not self.engine.serves_adapters:
             raise NotSupported(f"the {type(self.engine).__name__} engine serves no adapters: use FARM_ENGINE=torch")
         try:
@@ -113,6 +117,15 @@ class ReplicaAdapters:
             raise Invalid([{"field": "adapter_model", "message": str(e)}]) from None
         except EngineVerbMissing as e:
             raise NotSupported(str(e)) from None
+        if probe_json is not None:
+            from rollout_farm.services.replica.weight_verbs import replica_id
+
+            probe = probes.parse(probe_json)
+            try:
+                probes.check(probe, self.engine.score_staged_adapter(key, probe.sequences), replica_id())
+            except Invalid:
+                self.engine.discard_adapter(key)
+                raise
         return adapter_digest(self.engine.base_digest or "", config.canonical(), hash_name, sums)
 
     async def commit_adapter(self, key: str) -> None:

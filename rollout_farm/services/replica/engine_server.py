@@ -341,10 +341,16 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         """Each prompt's length in tokens, tokenized as a rollout tokenizes it."""
         return [len(prompt_ids(self.engine.tokenizer, p)) for p in prompts]
 
-    async def score(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+    async def score(
+        self, sequences: list[list[int]], top_k: int, adapter: tuple[P.AdapterRef, str] | None = None
+    ) -> list[dict] | Conflict | NotSupported:
         """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
-        alternatives as {text: logprob}."""
-        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        alternatives as {text: logprob}; with `adapter` (resolved at the ingress), under that adapter."""
+        try:
+            keyed = {"adapter": await self.ensure_adapter(*adapter)} if adapter else {}
+        except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
+            return e
+        scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
         tok = self.engine.tokenizer
         return [
             {
@@ -356,10 +362,16 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         ]
 
     # for the SGLang surface -------------------------------------------------------------------------------
-    async def score_ids(self, sequences: list[list[int]], top_k: int) -> list[dict]:
+    async def score_ids(
+        self, sequences: list[list[int]], top_k: int, adapter: tuple[P.AdapterRef, str] | None = None
+    ) -> list[dict] | Conflict | NotSupported:
         """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
-        and the top_k alternatives of its position as [token_id, logprob] pairs."""
-        scored = await self._on_engine_thread(self.engine.score, sequences, top_k)
+        and the top_k alternatives of its position as [token_id, logprob] pairs; with `adapter`, under it."""
+        try:
+            keyed = {"adapter": await self.ensure_adapter(*adapter)} if adapter else {}
+        except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
+            return e
+        scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
         return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
 
     def token_texts(self, ids: list[int]) -> list[str]:

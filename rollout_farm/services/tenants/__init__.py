@@ -2,5 +2,6 @@
 
 | module | owns |
 | --- | --- |
+| `admission.py` | `Admission`: per-tenant quotas (in-flight samples, tokens/s) and weighted-fair shares, in Redis |
 | `registry.py` | `Tenants` (tokens kept as SHA-256 in Redis: create, list, revoke); `Principal`, who calls |
 """

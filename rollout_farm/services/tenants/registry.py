@@ -9,6 +9,7 @@ A token is shown once, when it is made (`farm tenants create`), and only its SHA
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -18,10 +19,12 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from rollout_farm.services.errors import Invalid, NotFound
+from rollout_farm.services import metrics
+from rollout_farm.services.errors import Invalid, NotFound, Overloaded
+from rollout_farm.services.tenants.admission import ANONYMOUS, Admission
 
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-TOKEN_PREFIX = "farm-"
+TOKEN_PREFIX = "tml-farm-"  # "tml-": a tenant token is a valid key for Tinker's SDK as it is (TINKER_API_KEY)
 
 
 def token_hash(token: str) -> str:
@@ -43,9 +46,14 @@ class Principal:
         return self.admin or (owner is not None and owner == self.tenant)
 
 
+ANYONE = Principal()  # a caller without a token: the base model and the admin's adapters and sessions
+ADMIN = Principal(admin=True)  # the admin token, and the farm's own calls (episodes run in the farm)
+
+
 class Tenants:
-    def __init__(self, r: Redis, prefix: str):
+    def __init__(self, r: Redis, prefix: str, fair_capacity: int = 0):
         self.r, self.key, self.prefix = r, f"{prefix}:tenants", prefix
+        self.admission = Admission(r, prefix, fair_capacity)
 
     def _token_key(self, digest: str) -> str:
         return f"{self.prefix}:tenant-token:{digest}"
@@ -68,18 +76,48 @@ class Tenants:
 
     async def revoke(self, tenant: str) -> dict:
         """Every token of the tenant stops working at once; its adapters stay (the admin may retire them)."""
-        raw = await self.r.hget(self.key, tenant)
-        if raw is None:
-            raise NotFound(
-                f"no tenant {tenant!r}: GET /v1/tenants lists them", [{"field": "tenant", "message": "unknown"}]
-            )
-        record = json.loads(raw)
+        record = await self._record(tenant)
         pipe = self.r.pipeline(transaction=True)
         for digest in record["tokens"]:
             pipe.delete(self._token_key(digest))
         pipe.hdel(self.key, tenant)
         await pipe.execute()
         return record
+
+    async def set_quota(self, tenant: str, quota: dict) -> dict:
+        record = await self._record(tenant)
+        record["quota"] = quota
+        await self.r.hset(self.key, tenant, json.dumps(record))
+        return record
+
+    async def _record(self, tenant: str) -> dict:
+        raw = await self.r.hget(self.key, tenant)
+        if raw is None:
+            raise NotFound(
+                f"no tenant {tenant!r}: GET /v1/tenants lists them", [{"field": "tenant", "message": "unknown"}]
+            )
+        return json.loads(raw)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, who: Principal, samples: int):
+        """Within: the request's `samples` count against its tenant's quota and fair share (admission.py); a 429
+        naming the tenant when they are used up. Yields a callback that takes the tokens the request generated."""
+        records = {t["tenant"]: t for t in await self.all()}
+        quota = (records.get(who.tenant) or {}).get("quota") or {}
+        weights = {t: float((r.get("quota") or {}).get("weight", 1.0)) for t, r in records.items()}
+        name = who.tenant or ANONYMOUS
+        try:
+            async with self.admission.admitted(who.tenant, samples, quota, {**weights, ANONYMOUS: 1.0}) as spent:
+                metrics.TENANT_ADMISSIONS.labels(name, "admitted").inc()
+
+                def took(tokens: int) -> None:
+                    metrics.TENANT_TOKENS.labels(name).inc(tokens)
+                    spent(tokens)
+
+                yield took
+        except Overloaded:
+            metrics.TENANT_ADMISSIONS.labels(name, "refused").inc()
+            raise
 
     async def of_token(self, token: str) -> str | None:
         """The tenant a token belongs to; None when it is nobody's."""

@@ -10,13 +10,21 @@ runs out.
 With `async_training.staleness_threshold` s > 0 the trainer keeps s steps of prompts fed ahead of the one it pulls,
 so the service generates them while it trains (rollout_farm/trainer/sync/staleness_bound.py); no group whose oldest
 token is more than s versions behind the trainer is trained on.
+
+With LoRA (rollout_farm/trainer/sync/adapter.py) every request names the adapter: a rollout the version just pushed
+(exact, as min_weight_version names the base version today), the queue source its newest resident version (a floor
+at the version pushed when the source was added). Every sample's policy digest is checked against what the trainer
+pushed, and its weight version becomes its adapter version: versions, staleness and the off-policy correction then
+count adapter versions, since the base never moves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from rollout_farm.services import protocol as P
@@ -48,6 +56,8 @@ def pull(run: TrainingRun) -> Batch | None:
     start, run.pull_stats = time.perf_counter(), {}
     run.pulls += 1
     groups = lease_groups(run) if run.cfg.trainer.rollout_source == "queue" else request_groups(run, draw_prompts(run))
+    if run.cfg.lora and run.cfg.trainer.rollout_source != "queue":  # the queue's are checked as they are leased
+        groups = run.adapter.verified_all(groups, run.version)
     run.pull_stats["rollout_wait_s"] = time.perf_counter() - start
     groups = [g for g in groups if g.samples]
     if not groups:
@@ -91,6 +101,17 @@ def max_new_tokens(run: TrainingRun) -> int:
     return run.cfg.data.max_response_length or run.task.max_new_tokens
 
 
+def adapter_ref(run: TrainingRun) -> P.AdapterRef | None:
+    """With LoRA, the adapter version the trainer pushed last (exact); None: the base model."""
+    return run.adapter.ref(run.version) if run.cfg.lora else None
+
+
+def min_weight_version(run: TrainingRun) -> int:
+    """The base version requests wait for: the trainer's version; with LoRA, the base version it started on (the
+    adapter names the trainer's version)."""
+    return run.base_version if run.cfg.lora else run.version
+
+
 def sampling(run: TrainingRun) -> tuple[P.SamplingParams, P.SamplerSpec]:
     """The step's sampling params (a fresh seed from the run's RNG) and the configured sampler."""
     r = run.cfg.actor_rollout_ref.rollout
@@ -109,7 +130,7 @@ def request_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
     n = run.cfg.actor_rollout_ref.rollout.n
     if (limits := episode_limits(run)) is not None:
         common = {"prompts": prompts, "n": n, "sampling_params": params, "sampler": sampler}
-        req = E.EpisodeRequest(**limits.model_dump(), **common, min_weight_version=run.version)
+        req = E.EpisodeRequest(**limits.model_dump(), **common, min_weight_version=min_weight_version(run))
         groups = [as_group(g, params) for g in run.client.episodes(req).groups]
         groups = [g for g in groups if g is not None]
         run.generated_tokens += sum(g.generated_tokens or 0 for g in groups)
@@ -120,7 +141,8 @@ def request_groups(run: TrainingRun, prompts: list[P.Prompt]) -> list[P.Group]:
         sampling_params=params,
         sampler=sampler,
         reward=t.reward or run.task.reward,
-        min_weight_version=run.version,
+        min_weight_version=min_weight_version(run),
+        adapter=adapter_ref(run),
     )
     out = run.client.rollouts(req)
     run.generated_tokens += (
@@ -145,7 +167,19 @@ def lease_groups(run: TrainingRun) -> list[P.Group]:
         run.batches += 1
         run.client.queue_add_prompts(name, draw_prompts(run), batch_id=f"{run.run_id}:{run.batches}")
     bound = a.staleness_threshold if a.enabled else t.queue_max_staleness
-    got = staleness_bound.lease(run.client, name, run.cfg.data.train_batch_size, run.version, bound, t.queue_lease_s)
+    verify = refused = None
+    if run.cfg.lora:  # the service's pull check counts base versions, which LoRA training never moves
+        verify, refused = run.adapter.verified, partial(requeue, run, name)
+    got = staleness_bound.lease(
+        run.client,
+        name,
+        run.cfg.data.train_batch_size,
+        run.version,
+        bound,
+        t.queue_lease_s,
+        verify=verify,
+        requeue=refused,
+    )
     run.pull_stats |= {"stale_dropped_groups": got.stale_dropped, "refused_groups": got.refused}
     run.leased = [i.item_id for i in got.items]
     run.redelivered += sum(i.deliveries > 1 for i in got.items)
@@ -153,9 +187,18 @@ def lease_groups(run: TrainingRun) -> list[P.Group]:
     return [i.group for i in got.items]
 
 
+def requeue(run: TrainingRun, name: str, items: list[P.QueueItem]) -> None:
+    """Settle refused queue groups and feed their prompts again, to be generated on the newest adapter version."""
+    run.client.queue_ack([i.item_id for i in items])
+    again = hashlib.sha256(items[0].item_id.encode()).hexdigest()[:16]  # a batch_id: at most 128 characters
+    run.client.queue_add_prompts(name, [i.prompt for i in items], batch_id=f"{run.run_id}:again:{again}")
+
+
 def source_name(run: TrainingRun) -> str:
     t = run.cfg.trainer
-    return t.queue_source or f"farm-trainer-{t.task}-{t.seed}"
+    if t.queue_source:
+        return t.queue_source
+    return f"farm-trainer-{run.cfg.adapter_name}" if run.cfg.lora else f"farm-trainer-{t.task}-{t.seed}"
 
 
 def add_queue_source(run: TrainingRun, name: str) -> P.QueueSourceState:
@@ -171,6 +214,7 @@ def add_queue_source(run: TrainingRun, name: str) -> P.QueueSourceState:
         reward=t.reward or run.task.reward,
         target_groups=staleness_bound.target_groups(run.cfg),
         episodes=episode_limits(run),
+        adapter=P.AdapterRef(name=run.adapter.name, min_version=run.version) if run.cfg.lora else None,
     )
     state = run.client.queue_add_source(source)
     log.info("queue_source_added", extra={"source": name})

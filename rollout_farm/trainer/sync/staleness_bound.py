@@ -19,11 +19,18 @@ version minus the oldest weight version among the sample's tokens
 In steady state nothing is dropped: the prompts fed at step k (version v) are generated on v or later and pulled at
 step k + s, when the trainer is at v + s. Drops happen when versions move faster than steps (a rollback pushes one
 more) or after a restart.
+
+With LoRA the versions are the adapter's, which the service's pull check does not see (it counts base versions):
+the trainer's check alone enforces the bound. Each group is first verified (rollout_farm/trainer/sync/adapter.py:
+its policy digest checked, its samples' versions made the adapter's), and a group too old, or from a version this
+trainer never pushed, is settled and its prompt fed again (`requeue`), since the service would deliver it again as
+it is.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout_farm.services import protocol as P
@@ -54,8 +61,12 @@ def lease(
     bound: int | None,
     lease_s: float,
     wait_s: float = QUEUE_WAIT_S,
+    verify: Callable[[P.Group], P.Group | None] | None = None,
+    requeue: Callable[[list[P.QueueItem]], None] | None = None,
 ) -> Leased:
-    """Lease `want` groups from the source, none older than `bound` versions behind `version` (None: any age)."""
+    """Lease `want` groups from the source, none older than `bound` versions behind `version` (None: any age). With
+    `verify`, each group as it returns it, refused when it returns None; `requeue` gets the refused groups of each
+    pull (else they are left unacked)."""
     out = Leased()
     deadline = time.monotonic() + wait_s
     while len(out.items) < want:
@@ -66,11 +77,16 @@ def lease(
         )
         got = client.queue_pull(req)
         out.stale_dropped += got.stale_dropped
+        refused = []
         for item in got.items:
-            if too_old(item.group, version, bound):
-                out.refused += 1
+            group = verify(item.group) if verify else item.group
+            if group is None or too_old(group, version, bound):
+                refused.append(item)
             else:
-                out.items.append(item)
+                out.items.append(item if group is item.group else item.model_copy(update={"group": group}))
+        out.refused += len(refused)
+        if refused and requeue:
+            requeue(refused)
     return out
 
 

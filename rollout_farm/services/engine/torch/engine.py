@@ -177,6 +177,9 @@ class TorchEngine(Engine):
     def discard_adapter(self, key: str) -> None:
         self.served.discard_adapter(key)
 
+    def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
+        return self.served.score_staged_adapter(key, sequences)
+
     def retire_adapter(self, key: str) -> None:
         self.served.lora.retire(key)
 

@@ -106,6 +106,17 @@ class ServedModel:
     def discard_adapter(self, key: str) -> None:
         self._staged_adapters.pop(key, None)
 
+    def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Each sequence's logprobs under the staged (not yet served) adapter `key`: the push's probe."""
+        pairs, scaling = self._staged_adapters[key]
+        probe = f"probe:{key}"  # no request can name it: adapter keys are name@vN
+        with self.lock:
+            self.lora.load(probe, pairs, scaling)
+        try:
+            return [s.logprobs for s in self.score(sequences, 0, probe)]
+        finally:
+            self.lora.retire(probe)
+
     # reading the model -----------------------------------------------------
     def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
         """One forward pass per sequence, under the lock, on the weights being served (with `adapter`, resident)."""
