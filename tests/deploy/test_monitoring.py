@@ -132,6 +132,7 @@ ROWS = [
     "Trainer",
     "Batching and overlap",
     "Agent sessions",
+    "Tenants",
     "Ray (:8080)",
     "GPUs (DCGM)",
 ]

@@ -106,6 +106,7 @@ def test_a_tenant_past_its_quota_gets_a_429_naming_it(http):
     bad = http.put("/v1/tenants/quota-a/quota", json={"in_flight_samples": 0}, headers=ADMIN)
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"].endswith("in_flight_samples")
     assert http.put("/v1/tenants/quota-a/quota", json={"in_flight_samples": 2}, headers=ADMIN).status_code == 200
+    time.sleep(1.1)  # every ingress replica applies a quota within RECORDS_TTL_S (1 s)
     me = {"Authorization": f"Bearer {token}"}
     long = {"prompts": [{"text": "1"}], "n": 2, "request_id": "quota-long"}
     long["sampling_params"] = {"max_new_tokens": 4000, "ignore_eos": True, "seed": 1}

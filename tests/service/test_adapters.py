@@ -71,7 +71,7 @@ def test_rows_of_several_adapters_share_batches_and_each_gets_its_own_policy(htt
         assert answer.status_code == 200 and tokens(answer) == alone[i]
 
 
-def test_versions_are_immutable_and_only_the_resident_window_is_served(http, folders):
+def test_versions_are_immutable_and_only_the_resident_window_is_served(http, folders, tiny_model):
     assert push(http, "gamma", 1, folders[1]).status_code == 200
     again = push(http, "gamma", 1, folders[1])
     assert again.status_code == 200 and again.json()["again"] is True
@@ -87,6 +87,8 @@ def test_versions_are_immutable_and_only_the_resident_window_is_served(http, fol
     assert newest.status_code == 200
     assert {s["policy"]["adapter_version"] for g in newest.json()["groups"] for s in g["samples"]} == {4}
     assert rollout(http, {"name": "gamma", "min_version": 5}).status_code == 409
+    served = push(http, tiny_model.name, 1, folders[1])  # the base's name: OpenAI clients would get the adapter
+    assert served.status_code == 422 and served.json()["detail"][0]["field"] == "name"
     unknown = rollout(http, {"name": "nobody", "version": 1})
     assert unknown.status_code == 404 and "nobody" in unknown.json()["error"]
     info = http.get("/v1/adapters/gamma").json()
@@ -170,7 +172,10 @@ def test_tenants_see_and_use_only_their_own_adapters(http, folders):
     assert http.post("/v1/weights", params={"version": 99}, content=b"x", headers=tokens_["team-a"]).status_code == 401
     # revoked: its token stops working at once
     assert http.delete("/v1/tenants/team-a", headers=ADMIN).status_code == 200
-    assert http.get("/v1/adapters", headers=tokens_["team-a"]).status_code == 401
+    assert push(http, "mine", 2, folders[2], headers=tokens_["team-a"]).status_code == 401
+    # on an open route a token that is nobody's is no one's: it sees what anyone sees (an OpenAI client's placeholder
+    # key must keep working), never the revoked tenant's adapters
+    assert "mine" not in json.dumps(http.get("/v1/adapters", headers=tokens_["team-a"]).json())
     http.delete("/v1/tenants/team-b", headers=ADMIN)
 
 

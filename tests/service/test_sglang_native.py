@@ -135,7 +135,7 @@ def test_stream_is_sglang_sse_ending_with_done(service):
     [
         ({"input_ids": [40], "sampling_params": {"min_p": 0.1}}, "min_p"),
         ({"input_ids": [40], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
-        ({"input_ids": [40], "lora_path": "x"}, "lora_path"),
+        ({"input_ids": [40], "lora_path": "bad name!"}, "lora_path"),  # not an adapter name (one: test_adapter_routes)
         ({"input_ids": [40], "image_data": "x"}, "image_data"),
         ({"input_ids": [40], "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
         ({"input_ids": [[40], [41]], "rid": ["same", "same"]}, "rid"),

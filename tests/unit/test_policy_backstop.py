@@ -1,12 +1,12 @@
-"""The ingress's backstop (rollout_farm/services/rollout/fanout.py): a rollout on an adapter delivers nothing if one of
-its samples carries another policy. Its negative controls are the failures of an engine that re-used a name for new
-bytes (another digest), served the base, or another version."""
+"""The ingress's backstop (rollout_farm/services/rollout/policy_check.py): a rollout on an adapter delivers nothing if
+one of its samples carries another policy. Its negative controls are the failures of an engine that re-used a name for
+new bytes (another digest), served the base, or another version."""
 
 import pytest
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import PolicyMismatch
-from rollout_farm.services.rollout.fanout import check_policy
+from rollout_farm.services.rollout.policy_check import check_policy
 
 REF, DIGEST = P.AdapterRef(name="run-a", version=3), "xxh3_128:" + "ab" * 16
 

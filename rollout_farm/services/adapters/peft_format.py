@@ -70,7 +70,7 @@ def read_config(raw: bytes | str | dict) -> LoraConfig:
     if not isinstance(raw, dict):
         try:
             raw = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise AdapterInvalid([problem("adapter_config", f"is not JSON ({e}): send peft's adapter_config.json")])
         if not isinstance(raw, dict):
             raise AdapterInvalid([problem("adapter_config", "is not a JSON object: send peft's adapter_config.json")])

@@ -65,6 +65,21 @@ def compute(model, sequences: list[list[int]], tolerance: float = DEFAULT_TOLERA
     return {"sequences": sequences, "logprobs": logprobs, "tolerance": tolerance}
 
 
+def in_vocabulary(probe: Probe, vocab_size: int) -> None:
+    """Invalid naming `probe.sequences` for a token id the model has no embedding for (on a GPU, an out-of-range
+    id would be a device-side assert that breaks the replica for everyone)."""
+    for i, ids in enumerate(probe.sequences):
+        if bad := [t for t in ids if t >= vocab_size][:3]:
+            raise Invalid(
+                [
+                    {
+                        "field": f"probe.sequences.{i}",
+                        "message": f"token ids {bad} are not below the vocabulary ({vocab_size})",
+                    }
+                ]
+            )
+
+
 def check(probe: Probe, scored: list[list[float | None]], replica: str) -> None:
     """The engine's logprobs for the probe's sequences against the pusher's; Invalid naming the replica and the
     largest difference when it is beyond the tolerance."""

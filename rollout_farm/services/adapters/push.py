@@ -10,12 +10,18 @@
   record   Redis keeps the version (and its bytes while it is resident, for replicas that start later)
   commit   every replica makes it resident; versions that left the resident window are retired (unloaded once no
            call uses them)
+
+Once its body is read, a push runs to its end even if its caller goes away (as a weight push does): a push cut
+between its phases would leave staged copies behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
+import pathlib
 import time
 from collections.abc import AsyncIterator
 
@@ -24,13 +30,16 @@ from redis.asyncio import Redis
 from rollout_farm.services import protocol as P
 from rollout_farm.services.adapters import probe as probes
 from rollout_farm.services.adapters.peft_format import AdapterInvalid, module_pairs, read_config
-from rollout_farm.services.adapters.registry import AdapterRegistry, version_record
-from rollout_farm.services.errors import Conflict, Invalid, ReplicasFailed, TooLarge
+from rollout_farm.services.adapters.registry import AdapterRegistry, not_found, version_record
+from rollout_farm.services.errors import Conflict, Forbidden, Invalid, ReplicasFailed, ServiceError, TooLarge
 from rollout_farm.services.peft_files import CONFIG_META, PROBE_META, folder_files
 from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.tenants.registry import Principal
 from rollout_farm.services.weights.checks import WeightsError, parse_header
+from rollout_farm.services.weights.push import run_to_end
 
 SYNC = "FARM_WEIGHT_SYNC_TIMEOUT_S"
+log = logging.getLogger("farm.service")
 
 
 def header_of(body: bytes) -> tuple[dict, dict]:
@@ -51,8 +60,13 @@ class AdapterPush:
     def __init__(self, replicas, registry: AdapterRegistry, settings: ServiceSettings, r: Redis, prefix: str):
         """`replicas`: the ingress's handle on the engine replicas (rollout_farm.services.replica.handle.Replicas)."""
         self.replicas, self.registry, self.settings, self.r, self.prefix = replicas, registry, settings, r, prefix
+        self.served_name = pathlib.PurePath(settings.model.rstrip("/")).name
 
-    async def upload(self, name: str, version: int, chunks: AsyncIterator[bytes], declared: int, owner: str | None):
+    def _lock(self, name: str):
+        """One push or retire of `name` at a time, across every ingress replica."""
+        return self.r.lock(f"{self.prefix}:adapter:{name}:lock", timeout=self.settings.weight_sync_timeout_s + 60)
+
+    async def upload(self, name: str, version: int, chunks: AsyncIterator[bytes], declared: int, who: Principal):
         limit = self.settings.max_weights_bytes
         too_large = TooLarge(f"adapter upload larger than FARM_MAX_WEIGHTS_BYTES={limit}: raise it, or push by path")
         if declared > limit:
@@ -66,44 +80,78 @@ class AdapterPush:
         body = b"".join(parts)
         spec, metadata = header_of(body)
         config_json = metadata.get(CONFIG_META)
-        if config_json is None:
+        if not isinstance(config_json, str):
             raise Invalid(
                 [
                     {
                         "field": "adapter_config",
-                        "message": f"missing: put adapter_config.json in the safetensors "
-                        f"__metadata__ under {CONFIG_META!r} (rollout_farm.services.peft_files.upload_body "
-                        "does), or push the folder by path",
+                        "message": f"missing: put adapter_config.json in the safetensors __metadata__ under "
+                        f"{CONFIG_META!r} (rollout_farm.services.peft_files.upload_body does), or push by path",
                     }
                 ]
             )
         probe = probes.parse(metadata.get(PROBE_META))
-        return await self._push(name, version, body, config_json, spec, owner, probe)
+        return await run_to_end(self._push(name, version, body, config_json, spec, who, probe))
 
-    async def from_path(self, name: str, req: P.AdapterFromPath, owner: str | None) -> P.AdapterPushResponse:
+    async def from_path(self, name: str, req: P.AdapterFromPath, who: Principal) -> P.AdapterPushResponse:
+        """A peft folder inside FARM_WEIGHTS_DIR (a tenant's: inside FARM_WEIGHTS_DIR/<tenant>, so that no tenant
+        reads another's folders), read whole within FARM_MAX_WEIGHTS_BYTES."""
+        folder = pathlib.Path(req.path).resolve()
+        root = self.settings.weights_dir
+        if who.tenant and not root:
+            raise Forbidden(
+                "a tenant pushes an adapter by upload (POST /v1/adapters/{name}): FARM_WEIGHTS_DIR is unset"
+            )
+        allowed = pathlib.Path(root).resolve() / (who.tenant or "") if root else None
+        if allowed is not None and not folder.is_relative_to(allowed):
+            raise Invalid([{"field": "path", "message": f"{req.path} is outside {allowed}: push a folder inside it"}])
         try:
-            config_file, tensors_file = folder_files(req.path)
+            config_file, tensors_file = folder_files(folder)
+            if tensors_file.stat().st_size > self.settings.max_weights_bytes:
+                raise TooLarge(
+                    f"{tensors_file} is larger than FARM_MAX_WEIGHTS_BYTES={self.settings.max_weights_bytes}"
+                )
+            body, config_json = await asyncio.to_thread(
+                lambda: (tensors_file.read_bytes(), config_file.read_text(encoding="utf-8"))
+            )
         except AdapterInvalid as e:
             raise Invalid(e.problems) from None
-        body = tensors_file.read_bytes()
+        except (OSError, UnicodeDecodeError) as e:
+            raise Invalid([{"field": "path", "message": f"cannot read the adapter's files: {e}"}]) from None
         spec, _ = header_of(body)
-        config_json = config_file.read_text()
-        probe = probes.parse(req.probe)
-        return await self._push(name, req.version, body, config_json, spec, owner, probe)
+        return await run_to_end(self._push(name, req.version, body, config_json, spec, who, probes.parse(req.probe)))
 
-    async def _push(self, name, version, body, config_json, spec, owner, probe=None) -> P.AdapterPushResponse:
+    async def _push(self, name, version, body, config_json, spec, who: Principal, probe) -> P.AdapterPushResponse:
         started = time.monotonic()
+        if name.lower() == self.served_name.lower():
+            raise Invalid(
+                [
+                    {
+                        "field": "name",
+                        "message": f"{name!r} is the served model's name: OpenAI clients asking for the "
+                        "base model by it would get the adapter. Choose another name",
+                    }
+                ]
+            )
         try:
             config = read_config(config_json)
             module_pairs(spec)
         except AdapterInvalid as e:
             raise Invalid(e.problems, "the adapter is malformed: fix the named fields") from None
-        sha = hashlib.sha256(body).hexdigest()
-        lock = self.r.lock(f"{self.prefix}:adapter:{name}:lock", timeout=self.settings.weight_sync_timeout_s + 60)
+        sha = hashlib.sha256(body + b"\0" + config_json.encode()).hexdigest()  # the tensors and the config
+        lock = self._lock(name)
         if not await lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
             raise Conflict(f"another push of adapter {name!r} runs for longer than {SYNC}: retry later")
         try:
-            info = await self.registry.claim(name, owner)
+            info = await self.registry.claim(name, who.tenant)
+            if not who.may_change(info.owner):  # another tenant's (it may have claimed the name meanwhile)
+                raise (
+                    not_found(name)
+                    if not who.may_use(info.owner)
+                    else Forbidden(
+                        f"adapter {name!r} belongs to the admin: push under another name, or use the admin token"
+                    )
+                )
             same = next((v for v in info.versions if v.version == version), None)
             if same is not None:
                 if same.sha256 == sha and same.state == "resident":
@@ -129,10 +177,14 @@ class AdapterPush:
                     [{"field": "version", "message": "older than the newest version"}],
                 )
             key = f"{name}@v{version}"
-            digest = await self._stage(key, config_json, body, probe and probe.model_dump_json())
-            base = min((await self.replicas.versions()).values())
-            record = version_record(version, digest, base, sha, len(body), config.r)
-            evicted = await self.registry.record(name, record, config_json, body)
+            try:
+                digest = await self._stage(key, config_json, body, probe and probe.model_dump_json())
+                base = min((await self.replicas.versions()).values())
+                record = version_record(version, digest, base, sha, len(body), config.r)
+                evicted = await self.registry.record(name, record, config_json, body)
+            except BaseException:  # refused, timed out or cut: nothing stays staged anywhere, nothing is recorded
+                await self._discard(key)
+                raise
             await self.replicas.errors("commit_adapter", key, timeout_s=60.0, setting=SYNC)  # a lost one loads later
             for v in evicted:
                 await self.replicas.each("retire_adapter", f"{name}@v{v}")
@@ -148,26 +200,31 @@ class AdapterPush:
             evicted=evicted,
         )
 
+    async def _discard(self, key: str) -> None:
+        try:
+            await self.replicas.each("discard_adapter", key)
+        except Exception as e:  # a replica that cannot be reached holds nothing it could serve: it was never committed
+            log.warning("adapter_discard_failed", extra={"adapter": key, "error": str(e)})
+
     async def _stage(self, key: str, config_json: str, body: bytes, probe_json: str | None) -> str:
-        """Stage on every replica (each checks the probe, if any); their common digest, or all discard and the
-        refusal is raised."""
+        """Stage on every replica (each checks the probe, if any); their common digest, or the refusal is raised
+        (the caller discards)."""
         timeout = self.settings.weight_sync_timeout_s
         results = await self.replicas.each("stage_adapter", key, config_json, body, probe_json, timeout_s=timeout)
         errors = [r for r in results if isinstance(r, Exception)]
         digests = {r for r in results if isinstance(r, str)}
-        if errors or len(digests) != 1:
-            await self.replicas.each("discard_adapter", key)
-            if errors and all(isinstance(e, Invalid) for e in errors):
-                raise Invalid(errors[0].detail, errors[0].message)
-            if errors:
-                raise (
-                    errors[0]
-                    if hasattr(errors[0], "status")
-                    else ReplicasFailed(
-                        f"replicas failed to stage {key}; nothing changed",
-                        [{"field": "replica", "message": str(errors[0])}],
-                    )
+        if errors and all(isinstance(e, Invalid) for e in errors):
+            raise Invalid(errors[0].detail, errors[0].message)
+        if errors:
+            raise (
+                errors[0]
+                if isinstance(errors[0], ServiceError)
+                else ReplicasFailed(
+                    f"replicas failed to stage {key}; nothing changed",
+                    [{"field": "replica", "message": str(errors[0])}],
                 )
+            )
+        if len(digests) != 1:
             raise ReplicasFailed(
                 f"the replicas computed different digests for {key} ({sorted(digests)}): they serve different base "
                 "weights; nothing changed, retry once GET /v1/weights/version shows one version",
@@ -193,7 +250,14 @@ class AdapterPush:
             await self.retire(name)
 
     async def retire(self, name: str) -> list[int]:
-        gone = await self.registry.retire(name)
-        for v in gone:
-            await self.replicas.each("retire_adapter", f"{name}@v{v}")
+        """Every resident version retired (under the adapter's push lock: a push never lands after it)."""
+        lock = self._lock(name)
+        if not await lock.acquire(blocking_timeout=self.settings.weight_sync_timeout_s):
+            raise Conflict(f"a push of adapter {name!r} runs for longer than {SYNC}: retry later")
+        try:
+            gone = await self.registry.retire(name)
+            for v in gone:
+                await self.replicas.each("retire_adapter", f"{name}@v{v}")
+        finally:
+            await lock.release()
         return gone

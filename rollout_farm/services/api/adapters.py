@@ -51,7 +51,7 @@ async def push_adapter(
     sample from it carries. A tenant's first push makes the adapter its own."""
     await _own(farm, name, who, change=True)
     declared = int(request.headers.get("content-length") or 0)
-    return await farm.adapter_push.upload(name, version, request.stream(), declared, who.tenant)
+    return await farm.adapter_push.upload(name, version, request.stream(), declared, who)
 
 
 @router.post("/v1/adapters/{name}/path", response_model=P.AdapterPushResponse, responses=ERRORS)
@@ -60,7 +60,7 @@ async def push_adapter_path(
 ):
     """Push a peft adapter folder every replica can read (adapter_config.json, adapter_model.safetensors)."""
     await _own(farm, name, who, change=True)
-    return await farm.adapter_push.from_path(name, body, who.tenant)
+    return await farm.adapter_push.from_path(name, body, who)
 
 
 @router.get("/v1/adapters", response_model=P.AdapterList)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
@@ -52,11 +52,18 @@ async def require_caller(request: Request, who: Principal = Depends(caller)) -> 
     return who
 
 
-async def admitted_stream(farm: Ingress, who: Principal, samples: int, lines: AsyncIterator[str]):
-    """A streamed answer's lines, admitted for the caller's tenant before the first one (a refusal is still a plain
-    429) and counted in flight until the last."""
+async def admitted_stream(
+    farm: Ingress, who: Principal, samples: int, start: Callable[[], Awaitable[AsyncIterator[str]]]
+):
+    """A streamed answer's lines: the caller's tenant admitted before the work starts (a refusal is a plain 429 and
+    nothing runs), counted in flight until the last line; `start()` starts the work and gives its lines."""
     stack = contextlib.AsyncExitStack()
     await stack.enter_async_context(farm.tenants.admitted(who, samples))
+    try:
+        lines = await start()
+    except BaseException:
+        await stack.aclose()
+        raise
 
     async def streamed():
         async with stack:

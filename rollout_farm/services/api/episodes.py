@@ -25,7 +25,7 @@ async def episodes(req: E.EpisodeRequest, who: Principal = Depends(caller), farm
     await may_sample(farm, req.adapter, who)
     samples = len(req.prompts) * req.n  # episodes in flight, against the caller's tenant quota and fair share
     if req.stream:
-        lines = await admitted_stream(farm, who, samples, await farm.episodes.stream(req))
+        lines = await admitted_stream(farm, who, samples, lambda: farm.episodes.stream(req))
         return StreamingResponse(lines, media_type="application/x-ndjson")
     async with farm.tenants.admitted(who, samples):
         return await farm.episodes.run(req)

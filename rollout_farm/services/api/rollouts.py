@@ -30,7 +30,7 @@ async def rollouts(req: P.RolloutRequest, who: Principal = Depends(caller), farm
     await may_sample(farm, req.adapter, who)
     samples = len(req.prompts) * req.n  # what counts against the caller's tenant quota and fair share
     if req.stream:
-        lines = await admitted_stream(farm, who, samples, await farm.rollouts.stream(req))
+        lines = await admitted_stream(farm, who, samples, lambda: farm.rollouts.stream(req))
         return StreamingResponse(lines, media_type="application/x-ndjson")
     async with farm.tenants.admitted(who, samples) as took:
         out = await farm.rollouts.answer(req)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import math
 import pathlib
 import threading
@@ -340,9 +341,19 @@ class Engine(abc.ABC):
         """Each sequence's logprobs (None first) under the staged adapter `key`, for a push's probe."""
         raise EngineVerbMissing.of(self, "adapter probes", "push without a probe, or use FARM_ENGINE=torch")
 
-    def resident_adapters(self) -> dict[str, tuple[int, int]]:
-        """key -> (bytes, calls using it) of the resident adapters."""
+    def resident_adapters(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
+        """key -> (bytes, calls using it) of the resident adapters (include_retiring: and of those retired while a
+        call still uses them)."""
         return {}
+
+    def served_base(self) -> tuple[int, str | None]:
+        """(the served weight version, its base digest), read together (a commit changes both)."""
+        return self.weight_version, self.base_digest
+
+    def pinned(self, adapter: str | None):
+        """A context in which resident `adapter` stays resident (AdapterNotResident when it is not); this default
+        pins nothing: an engine whose calls pin their own adapter (SGLang) needs no more."""
+        return contextlib.nullcontext()
 
     def served_tensors(self) -> dict[str, torch.Tensor] | None:
         """The served weights by canonical name (read only), which a delta push is rebuilt against; None when the

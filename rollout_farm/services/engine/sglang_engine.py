@@ -442,7 +442,9 @@ class SGLangEngine(Engine):
         if (held := self._adapters.retire(key)) is not None:
             self._unload(key, held)
 
-    def resident_adapters(self) -> dict[str, tuple[int, int]]:
+    def resident_adapters(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
+        """The usable adapters; a retiring one is never staged again under its key here (stage reclaims or waits),
+        so include_retiring adds nothing."""
         return self._adapters.snapshot()
 
     def _unload(self, key: str, held: Held) -> None:

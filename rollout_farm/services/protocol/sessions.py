@@ -45,7 +45,8 @@ class SessionCreate(RequestModel):
     adapter: AdapterRef | None = Field(
         None,
         description="Every turn samples from this LoRA adapter (an exact version, or the newest resident from "
-        "min_version, resolved at each turn); null: the base model. Each turn's tokens carry their policy.",
+        "min_version, resolved at each turn); null: the base model. Every turn's rollout is checked against the "
+        "version's digest; the trajectory records weight versions, not yet each turn's adapter version.",
     )
     tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
     malformed_tool_calls: Literal["train", "mask"] = Field(

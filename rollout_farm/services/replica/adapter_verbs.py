@@ -57,8 +57,19 @@ def adapter_store(settings: ServiceSettings) -> tuple[object, str]:
     return r, prefix(settings.app_name)
 
 
+def adapter_gone(ref: P.AdapterRef) -> Conflict:
+    """A version retired or evicted while the request waited for it: a 409, never another policy."""
+    return Conflict(
+        f"version {ref.version} of adapter {ref.name!r} was retired or left the resident window while this request "
+        "waited: ask for a newer version (GET /v1/adapters/{name} lists the resident ones)",
+        [{"field": "adapter.version", "message": "no longer resident"}],
+    )
+
+
 class PolicyStamp:
-    """The policy of a rollout's samples: the base (version and digest) served when it started, and its adapter."""
+    """The policy of a rollout's samples: the base (version and digest) served when it started, and its adapter with
+    the digest this replica computed from the bytes it loaded (never the ingress's expectation: the ingress checks
+    the one against the other, rollout_farm/services/rollout/fanout.py)."""
 
     def __init__(self, base_version: int, base_digest: str | None, adapter: tuple[P.AdapterRef, str] | None):
         self.base_version, self.base_digest, self.adapter = base_version, base_digest, adapter
@@ -88,9 +99,12 @@ class ReplicaAdapters:
     adapter_bodies: object  # a sync Redis client (rollout_farm/services/adapters/registry.py's keys)
     adapter_prefix: str
     adapter_lock: asyncio.Lock
+    # key -> (the adapter digest this replica computed when it staged it, the base digest it was computed on)
+    adapter_digests: dict[str, tuple[str, str | None]]
 
     def policy_of(self, adapter: tuple[P.AdapterRef, str] | None) -> PolicyStamp:
-        return PolicyStamp(self.engine.weight_version, self.engine.base_digest, adapter)
+        """The stamp of a rollout's samples; `adapter` is (the exact version, the digest this replica holds)."""
+        return PolicyStamp(*self.engine.served_base(), adapter)
 
     async def stage_adapter(
         self, key: str, config_json: str, body: bytes, probe_json: str | None = None
@@ -117,42 +131,75 @@ class ReplicaAdapters:
             raise Invalid([{"field": "adapter_model", "message": str(e)}]) from None
         except EngineVerbMissing as e:
             raise NotSupported(str(e)) from None
+        except (ValueError, TypeError) as e:  # a config field of the wrong type
+            raise Invalid([{"field": "adapter_config", "message": str(e)}]) from None
         if probe_json is not None:
             from rollout_farm.services.replica.weight_verbs import replica_id
 
             probe = probes.parse(probe_json)
             try:
+                probes.in_vocabulary(probe, self.engine.vocab_size())
                 probes.check(probe, self.engine.score_staged_adapter(key, probe.sequences), replica_id())
             except Invalid:
                 self.engine.discard_adapter(key)
                 raise
-        return adapter_digest(self.engine.base_digest or "", config.canonical(), hash_name, sums)
+        base = self.engine.base_digest
+        digest = adapter_digest(base or "", config.canonical(), hash_name, sums)
+        self.adapter_digests[key] = (digest, base)
+        return digest
 
     async def commit_adapter(self, key: str) -> None:
         self.engine.commit_adapter(key)
 
     async def discard_adapter(self, key: str) -> None:
         self.engine.discard_adapter(key)
+        if key not in self.engine.resident_adapters():
+            self.adapter_digests.pop(key, None)
 
     async def retire_adapter(self, key: str) -> None:
         """Unload now, or when the last call using it ends."""
         self.engine.retire_adapter(key)
+        self.adapter_digests.pop(key, None)
 
     async def resident_adapters(self) -> tuple[str, list[str]]:
         from rollout_farm.services.replica.weight_verbs import replica_id
 
         return replica_id(), sorted(self.engine.resident_adapters())
 
-    async def ensure_adapter(self, ref: P.AdapterRef, expected_digest: str) -> str:
-        """The resident key of `ref` (an exact version the ingress resolved), loaded from Redis first when this
-        replica lacks it. Conflict when its body is gone (it left the window meanwhile) or when the digest this
-        replica computes differs from the one the push recorded (the base weights changed under it)."""
+    def _held(self, key: str, expected_digest: str) -> str | None:
+        """The digest this replica holds for resident `key` when it is still right: computed on the base served
+        now, and the one the push recorded. An adapter whose base changed under it is retired here (a Conflict);
+        one whose bytes differ from the recorded ones too. None when `key` is not resident."""
+        if key not in self.engine.resident_adapters() or key not in self.adapter_digests:
+            return None
+        digest, base = self.adapter_digests[key]
+        if base != self.engine.base_digest or digest != expected_digest:
+            self.engine.retire_adapter(key)
+            self.adapter_digests.pop(key, None)
+            why = (
+                "the base weights changed since it was loaded"
+                if base != self.engine.base_digest
+                else (f"this replica holds digest {digest}, the push recorded {expected_digest}")
+            )
+            log.error("adapter_policy_mismatch", extra={"adapter": key, "why": why})
+            raise Conflict(
+                f"adapter {key} is not served here as it was pushed: {why}; it was unloaded. Push the adapter again "
+                "(a new version) on the base served now",
+                [{"field": "adapter.version", "message": "its policy on this replica is not the pushed one"}],
+            )
+        return digest
+
+    async def ensure_adapter(self, ref: P.AdapterRef, expected_digest: str) -> tuple[str, str]:
+        """(the resident key of `ref`, an exact version the ingress resolved, and the digest this replica computed
+        for it), loaded from Redis first when this replica lacks it. Conflict when its body is gone (it left the
+        window meanwhile) or when the digest this replica computes differs from the one the push recorded (the base
+        weights changed under it, or the bytes did)."""
         key = ref.key()
-        if key in self.engine.resident_adapters():
-            return key
+        if (held := self._held(key, expected_digest)) is not None:
+            return key, held
         async with self.adapter_lock:
-            if key in self.engine.resident_adapters():
-                return key
+            if (held := self._held(key, expected_digest)) is not None:
+                return key, held
             name = f"{self.adapter_prefix}:adapter:{ref.name}"
             raw, stored = await asyncio.to_thread(
                 lambda: (
@@ -161,16 +208,15 @@ class ReplicaAdapters:
                 )
             )
             if raw is None or stored is None:
-                raise Conflict(
-                    f"version {ref.version} of adapter {ref.name!r} left the resident window while this request "
-                    "waited: ask for a newer version",
-                    [{"field": "adapter.version", "message": "no longer resident"}],
-                )
+                raise adapter_gone(ref)
             record, stored = P.AdapterVersion.model_validate_json(raw), json.loads(stored)
             body = base64.b64decode(stored["body"])
+            if key in self.engine.resident_adapters(include_retiring=True):  # still used by a call: not replaced
+                raise adapter_gone(ref)
             got = await asyncio.to_thread(self._stage_adapter, key, stored["config"], body)
-            if got != record.digest:
+            if got != record.digest or got != expected_digest:
                 self.engine.discard_adapter(key)
+                self.adapter_digests.pop(key, None)
                 raise Conflict(
                     f"adapter {key} was pushed with digest {record.digest}, but on this replica's base weights it is "
                     f"{got}: the base changed since the push; push the adapter again",
@@ -178,4 +224,4 @@ class ReplicaAdapters:
                 )
             self.engine.commit_adapter(key)
             log.info("adapter_loaded", extra={"adapter": key, "digest": got})
-            return key
+            return key, got

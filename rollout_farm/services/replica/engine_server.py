@@ -26,7 +26,7 @@ from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.pieces import alternative, token_pieces
 from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
-from rollout_farm.services.engine.base import cancellable
+from rollout_farm.services.engine.base import AdapterNotResident, cancellable
 from rollout_farm.services.errors import (
     Conflict,
     EngineVerbMissing,
@@ -37,7 +37,7 @@ from rollout_farm.services.errors import (
     described,
 )
 from rollout_farm.services.plugins import load_plugins
-from rollout_farm.services.replica.adapter_verbs import ReplicaAdapters, adapter_store
+from rollout_farm.services.replica.adapter_verbs import ReplicaAdapters, adapter_gone, adapter_store
 from rollout_farm.services.replica.cuts import Cut, Cuts
 from rollout_farm.services.replica.group_sampling import sample_groups
 from rollout_farm.services.replica.overload import Full
@@ -95,6 +95,7 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         self.cuts = Cuts()  # the running rollouts by request_id, for cut_rollout (cuts.py)
         self.pauses = PauseBound(settings.pause_wait_s, lambda: self.engine.busy, replica_id())
         self.adapter_lock = asyncio.Lock()  # one adapter load from Redis at a time (adapter_verbs.py)
+        self.adapter_digests = {}  # key -> (digest computed at its stage, the base digest it was computed on)
         self.adapter_bodies, self.adapter_prefix = adapter_store(settings)
         await self.catch_up(0)  # before Serve routes any traffic here
         self.following = asyncio.create_task(self._follow_store())
@@ -163,33 +164,42 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
                 await self.session_route(routing_key)  # this replica is the key's home now (Serve routes it here)
             cache_key = routing_key if routing_key and self.engine.keeps_sessions else None
             try:
-                key = await self.ensure_adapter(*adapter) if adapter else None
+                key, held = await self.ensure_adapter(*adapter) if adapter else (None, None)
+                with self.engine.pinned(key):  # the version stays for every round and rerun of this rollout
+                    return await self._sample(
+                        prompts, n, params, reward, meta, spec, cache_key, cut, progress, adapter, key, held
+                    )
             except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
                 return e
-            policy = self.policy_of(adapter)
-            groups = await sample_groups(
-                functools.partial(
-                    self._generate_rerun,
-                    cache_key=cache_key,
-                    cut=cut,
-                    sampler=spec.name,
-                    progress=progress,
-                    adapter=key,
-                ),
-                self.engine.tokenizer,
-                prompts,
-                n,
-                params,
-                reward,
-                meta or {"sampler": "plain"},
-                make_sampler(spec, self.settings.plugins),
-            )
-            return policy.stamp(groups)
+            except AdapterNotResident:
+                return adapter_gone(adapter[0])
         except FarmPaused as e:  # an expected answer: returned, so Serve logs no traceback
             return e
         finally:
             self.rollouts_running -= 1
             self.rollout_slots.release()
+
+    async def _sample(self, prompts, n, params, reward, meta, spec, cache_key, cut, progress, adapter, key, held):
+        """The groups, on the pinned adapter `key` (None: the base), each sample stamped with its policy."""
+        policy = self.policy_of((adapter[0], held) if adapter else None)
+        groups = await sample_groups(
+            functools.partial(
+                self._generate_rerun,
+                cache_key=cache_key,
+                cut=cut,
+                sampler=spec.name,
+                progress=progress,
+                adapter=key,
+            ),
+            self.engine.tokenizer,
+            prompts,
+            n,
+            params,
+            reward,
+            meta or {"sampler": "plain"},
+            make_sampler(spec, self.settings.plugins),
+        )
+        return policy.stamp(groups)
 
     async def _generate_rerun(
         self,
@@ -347,10 +357,12 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
         alternatives as {text: logprob}; with `adapter` (resolved at the ingress), under that adapter."""
         try:
-            keyed = {"adapter": await self.ensure_adapter(*adapter)} if adapter else {}
+            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
+            scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
         except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
             return e
-        scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
+        except AdapterNotResident:
+            return adapter_gone(adapter[0])
         tok = self.engine.tokenizer
         return [
             {
@@ -368,10 +380,12 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
         and the top_k alternatives of its position as [token_id, logprob] pairs; with `adapter`, under it."""
         try:
-            keyed = {"adapter": await self.ensure_adapter(*adapter)} if adapter else {}
+            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
+            scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
         except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
             return e
-        scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
+        except AdapterNotResident:
+            return adapter_gone(adapter[0])
         return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
 
     def token_texts(self, ids: list[int]) -> list[str]:

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.adapters.registry import AdapterRegistry
-from rollout_farm.services.errors import PolicyMismatch
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.replica.seeds import chunk_params
 from rollout_farm.services.rollout import group_filter
 from rollout_farm.services.rollout.jobs import Job
+from rollout_farm.services.rollout.policy_check import check_policy
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
 from rollout_farm.services.samplers import make_sampler
 from rollout_farm.services.settings import ServiceSettings
@@ -26,23 +26,6 @@ def split(items: list, k: int) -> list[list]:
     q, r = divmod(len(items), k)
     bounds = [i * q + min(i, r) for i in range(k + 1)]
     return [items[bounds[i] : bounds[i + 1]] for i in range(k)]
-
-
-def check_policy(groups: list[P.Group], resolved: tuple[P.AdapterRef, str] | None) -> list[P.Group]:
-    """The backstop: every sample of a rollout on an adapter carries that adapter version's digest, or nothing is
-    delivered (a 503 naming the sample's policy): a sample from another policy must never reach a trainer."""
-    if resolved is None:
-        return groups
-    ref, digest = resolved
-    for g in groups:
-        for s in g.samples:
-            p = s.policy
-            if p is None or (p.adapter, p.adapter_version, p.digest) != (ref.name, ref.version, digest):
-                raise PolicyMismatch(
-                    f"a sample for {ref.key()} (digest {digest}) came with policy {p and p.model_dump()}: nothing "
-                    "was delivered; retry (the replica reloads the adapter)"
-                )
-    return groups
 
 
 class Fanout:

@@ -14,6 +14,7 @@ from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import Overloaded
 from rollout_farm.services.rollout.jobs import Job
+from rollout_farm.services.rollout.policy_check import check_policy
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
 from rollout_farm.services.samplers import DynamicGroupFilter, make_sampler
 from rollout_farm.services.settings import ServiceSettings
@@ -72,7 +73,7 @@ async def produce(
                     if not running:
                         await asyncio.sleep(0.1)
                     continue
-                for i, group in zip(chunk, fut.result()):
+                for i, group in zip(chunk, check_policy(fut.result(), req._resolved_adapter)):
                     group.prompt_index = i
                     outcome = "zero_variance" if flt.zero_variance(group) else "kept" if kept < target else "surplus"
                     finished.append((outcome, group))

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from rollout_farm.services import metrics
-from rollout_farm.services.errors import Invalid, NotFound, Overloaded
+from rollout_farm.services.errors import STATE_ERRORS, NotFound, Overloaded
 from rollout_farm.services.tenants.admission import ANONYMOUS, Admission
 
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+RECORDS_TTL_S = 1.0  # how long admission uses the tenants' records it read (quotas change within a second)
 TOKEN_PREFIX = "tml-farm-"  # "tml-": a tenant token is a valid key for Tinker's SDK as it is (TINKER_API_KEY)
 
 
@@ -54,6 +55,7 @@ class Tenants:
     def __init__(self, r: Redis, prefix: str, fair_capacity: int = 0):
         self.r, self.key, self.prefix = r, f"{prefix}:tenants", prefix
         self.admission = Admission(r, prefix, fair_capacity)
+        self._cache: tuple[float, dict[str, dict]] = (-1e9, {})  # (when read, tenant -> record)
 
     def _token_key(self, digest: str) -> str:
         return f"{self.prefix}:tenant-token:{digest}"
@@ -88,6 +90,7 @@ class Tenants:
         record = await self._record(tenant)
         record["quota"] = quota
         await self.r.hset(self.key, tenant, json.dumps(record))
+        self._cache = (-1e9, {})  # this ingress applies it now; the others within RECORDS_TTL_S
         return record
 
     async def _record(self, tenant: str) -> dict:
@@ -98,36 +101,50 @@ class Tenants:
             )
         return json.loads(raw)
 
+    async def _records(self, tenant: str | None) -> dict[str, dict]:
+        """Every tenant's record, read at most once a second (at once for a tenant not read yet); the last ones read
+        while Redis does not answer."""
+        at, records = self._cache
+        if time.monotonic() - at > RECORDS_TTL_S or (tenant is not None and tenant not in records):
+            try:
+                records = {t["tenant"]: t for t in await self.all()}
+                self._cache = (time.monotonic(), records)
+            except STATE_ERRORS:
+                pass
+        return records
+
     @contextlib.asynccontextmanager
     async def admitted(self, who: Principal, samples: int):
         """Within: the request's `samples` count against its tenant's quota and fair share (admission.py); a 429
-        naming the tenant when they are used up. Yields a callback that takes the tokens the request generated."""
-        records = {t["tenant"]: t for t in await self.all()}
+        naming the tenant when they are used up. Yields a callback that takes the tokens the request generated.
+        Without tenants the farm admits as before tenants (no count, no Redis); when Redis does not answer, the
+        admin's and open requests go on uncounted (a tenant's token could not be read either: its request is a 503
+        already)."""
+        records = await self._records(who.tenant)
+        name = who.tenant or ANONYMOUS
         quota = (records.get(who.tenant) or {}).get("quota") or {}
         weights = {t: float((r.get("quota") or {}).get("weight", 1.0)) for t, r in records.items()}
-        name = who.tenant or ANONYMOUS
-        try:
-            async with self.admission.admitted(who.tenant, samples, quota, {**weights, ANONYMOUS: 1.0}) as spent:
-                metrics.TENANT_ADMISSIONS.labels(name, "admitted").inc()
+        async with contextlib.AsyncExitStack() as stack:
+            spent = None
+            if records:
+                try:
+                    counted = self.admission.admitted(who.tenant, samples, quota, {**weights, ANONYMOUS: 1.0})
+                    spent = await stack.enter_async_context(counted)
+                except Overloaded:
+                    metrics.TENANT_ADMISSIONS.labels(name, "refused").inc()
+                    raise
+                except STATE_ERRORS:
+                    if who.tenant:
+                        raise
+            metrics.TENANT_ADMISSIONS.labels(name, "admitted").inc()
 
-                def took(tokens: int) -> None:
-                    metrics.TENANT_TOKENS.labels(name).inc(tokens)
+            def took(tokens: int) -> None:
+                metrics.TENANT_TOKENS.labels(name).inc(tokens)
+                if spent is not None:
                     spent(tokens)
 
-                yield took
-        except Overloaded:
-            metrics.TENANT_ADMISSIONS.labels(name, "refused").inc()
-            raise
+            yield took
 
     async def of_token(self, token: str) -> str | None:
         """The tenant a token belongs to; None when it is nobody's."""
         return await self.r.get(self._token_key(token_hash(token)))
-
-
-def checked_id(tenant: str) -> str:
-    if not TENANT_ID.match(tenant):
-        raise Invalid(
-            [{"field": "tenant", "message": "not a tenant id"}],
-            f"tenant id {tenant!r} is not lower-case letters, digits and '-' (1-63, starting with a letter or digit)",
-        )
-    return tenant

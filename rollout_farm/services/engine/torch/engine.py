@@ -162,11 +162,14 @@ class TorchEngine(Engine):
         return self.served.context_length()
 
     def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
-        with self._pinned(adapter):
+        with self.pinned(adapter):
             return self.served.score(sequences, top_k, adapter)
 
     # adapters (Engine.serves_adapters) -------------------------------------
     base_digest = property(attrgetter("served.digest"))
+
+    def served_base(self) -> tuple[int, str]:
+        return self.served.served()
 
     def stage_adapter(self, key: str, config, tensors: dict[str, torch.Tensor]) -> None:
         self.served.stage_adapter(key, config, tensors)
@@ -183,11 +186,11 @@ class TorchEngine(Engine):
     def retire_adapter(self, key: str) -> None:
         self.served.lora.retire(key)
 
-    def resident_adapters(self) -> dict[str, tuple[int, int]]:
-        return self.served.lora.resident()
+    def resident_adapters(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
+        return self.served.lora.resident(include_retiring)
 
     @contextlib.contextmanager
-    def _pinned(self, adapter: str | None):
+    def pinned(self, adapter: str | None):
         """`adapter` stays resident while the block runs; AdapterNotResident when it is not resident now."""
         if adapter is None:
             yield

@@ -80,10 +80,15 @@ class LoraLayers:
             self.adapters.pop(key, None)
             return True
 
-    def resident(self) -> dict[str, tuple[int, int]]:
-        """key -> (bytes on the device, calls pinning it) of every usable adapter."""
+    def resident(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
+        """key -> (bytes on the device, calls pinning it) of every usable adapter (include_retiring: and of those
+        retired while a call still uses them)."""
         with self._lock:
-            return {k: (a.bytes, self._pins.get(k, 0)) for k, a in self.adapters.items() if k not in self._retiring}
+            return {
+                k: (a.bytes, self._pins.get(k, 0))
+                for k, a in self.adapters.items()
+                if include_retiring or k not in self._retiring
+            }
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """module path -> (in_features, out_features) of every linear layer."""
@@ -91,6 +96,8 @@ class LoraLayers:
 
     def load(self, key: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Make adapter `key` resident: pairs is module path -> (lora_A, lora_B), checked against shapes()."""
+        if key in self._retiring:  # a call still uses the copy being retired: never two under one key
+            raise KeyError(f"adapter {key} is being retired: it cannot be loaded again until its calls end")
         weight = next(self.model.parameters())
         on = {p: (a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype)) for p, (a, b) in pairs.items()}
         for path in on:

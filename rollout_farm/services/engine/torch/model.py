@@ -41,16 +41,25 @@ class ServedModel:
         self.eos_ids = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.lock = threading.Lock()  # the model: one decode step, scoring pass or weight update at a time
-        self._version = 0
+        self._served = (0, "")  # (version, digest) as one value: a reader never sees a version with another's digest
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self.lora = LoraLayers(self.model)
         self._staged_adapters: dict[str, tuple[dict, float]] = {}  # key -> (module -> (A, B), scaling)
-        self.digest = self._digest()
+        self._served = (0, self._digest())
 
     @property
     def version(self) -> int:
         """The weight version served now."""
-        return self._version
+        return self._served[0]
+
+    @property
+    def digest(self) -> str:
+        """The served base weights' policy digest (rollout_farm/services/adapters/digest.py)."""
+        return self._served[1]
+
+    def served(self) -> tuple[int, str]:
+        """(version, digest), read together."""
+        return self._served
 
     @property
     def staged(self) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -79,8 +88,7 @@ class ServedModel:
                 params = canonical_state_dict(self.model)
                 for name, t in tensors.items():
                     params[name].copy_(t)
-            self._version, self._staged = version, None
-            self.digest = self._digest()
+            self._served, self._staged = (version, self._digest()), None
 
     def _digest(self) -> str:
         return base_digest(*tensor_checksums(canonical_state_dict(self.model)))
