@@ -1,10 +1,12 @@
 """Batched LoRA: rows of one forward pass use different adapters (or none) and share the base model's matmuls.
 
 Each adapted linear layer computes its base output once for the whole batch, then adds each row's low-rank delta,
-scaling * (x_rows @ A^T) @ B^T, gathered per segment of rows that use the same adapter: the segmented gather of
-Punica's SGMV and S-LoRA, written in PyTorch (one pair of small matmuls per adapter in the batch, none for the
-rows on the base model). A forward hook on the layer adds the deltas, so the HF model runs unchanged; `rows` says,
-for the forward passes inside it, which adapter each batch row uses.
+scaling * (x @ A^T) @ B^T. With one adapter for every row, that is two small matmuls. With several (or base rows
+among them), each row's A and B are gathered from the batch's adapters stacked (rank padded with zeros, a zero slot
+for the base rows and for layers an adapter leaves alone) and applied with two batched matmuls: Punica's BGMV
+written in PyTorch, a constant number of operations however many adapters share the batch. A forward hook on the
+layer adds the deltas, so the HF model runs unchanged; `rows` says, for the forward passes inside it, which
+adapter each batch row uses.
 
 Adapters are resident under a key (`name@vN`, never reused for other bytes): `load` puts their tensors on the
 model's device and dtype, `unload` drops them. A key is used only while resident; the engine pins keys for its calls
@@ -52,6 +54,7 @@ class LoraLayers:
         self._pins: dict[str, int] = {}
         self._retiring: set[str] = set()  # unload once unpinned
         self._lock = threading.Lock()
+        self._stacks: dict[tuple, tuple] = {}  # (path, adapters) -> their A, B and scalings stacked (Mix.stacked)
         _LAYERS[model] = self
 
     # residency -------------------------------------------------------------------------------------
@@ -70,6 +73,7 @@ class LoraLayers:
                 if key in self._retiring:
                     self._retiring.discard(key)
                     self.adapters.pop(key, None)
+                    self._stacks.clear()
 
     def retire(self, key: str) -> bool:
         """Unload `key` now, or when its last call ends; True when it is gone already."""
@@ -78,6 +82,7 @@ class LoraLayers:
                 self._retiring.add(key)
                 return False
             self.adapters.pop(key, None)
+            self._stacks.clear()
             return True
 
     def resident(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
@@ -105,12 +110,13 @@ class LoraLayers:
                 self.linears[path].register_forward_hook(self._hook(path))
                 self._hooked.add(path)
         self.adapters[key] = Adapter(on, scaling)
+        self._stacks.clear()
 
     @contextlib.contextmanager
     def rows(self, keys: list[str | None]):
         """Within: forward passes whose row i uses adapter keys[i] (None: the base model). KeyError for a key that is
         not resident."""
-        segments = _segments(keys, self.adapters)
+        segments = _segments(keys, self.adapters, self._stacks)
         before = getattr(self._local, "segments", None)
         self._local.segments = segments
         try:
@@ -124,23 +130,65 @@ class LoraLayers:
             if not segments:
                 return None
             x = inputs[0]
+            if isinstance(segments, Mix):
+                return segments.add(path, x, output)
             for adapter, rows in segments:
                 pair = adapter.pairs.get(path)
                 if pair is None:
                     continue
                 a, b = pair
                 if rows is None:  # every row on this adapter
-                    output = output + adapter.scaling * ((x @ a.T) @ b.T)
-                else:
-                    delta = adapter.scaling * ((x[rows] @ a.T) @ b.T)
-                    output = output.index_add(0, rows, delta)
+                    output.add_((x @ a.T) @ b.T, alpha=adapter.scaling)
+                else:  # in place: a copy of the whole output per adapter would cost more than the delta
+                    output.index_add_(0, rows, (x[rows] @ a.T) @ b.T, alpha=adapter.scaling)
             return output
 
         return add_deltas
 
 
-def _segments(keys: list[str | None], adapters: dict[str, Adapter]) -> list[tuple[Adapter, torch.Tensor | None]]:
-    """Per distinct adapter among `keys`, its rows (None when it has them all); the base rows need none."""
+class Mix:
+    """A batch whose rows use several adapters (or some the base): each row's slot in the adapters' stacks."""
+
+    def __init__(self, keys: list[str | None], adapters: dict[str, Adapter], stacks: dict[tuple, tuple]):
+        self.names = tuple(sorted({k for k in keys if k is not None}))
+        self.adapters = [adapters[k] for k in self.names]
+        self.stacks = stacks
+        device = next(iter(self.adapters[0].pairs.values()))[0].device
+        slot = {k: i + 1 for i, k in enumerate(self.names)}  # 0: the base (a zero delta)
+        self.idx = torch.tensor([slot.get(k, 0) if k is not None else 0 for k in keys], device=device)
+
+    def stacked(self, path: str, like: torch.Tensor):
+        """(A (n+1, r, in), B (n+1, out, r), scaling (n+1,)) of the batch's adapters at `path`, slot 0 and layers an
+        adapter leaves alone zero, ranks padded with zeros; kept until an adapter loads or leaves."""
+        key = (path, self.names)
+        found = self.stacks.get(key)  # read once: another thread may clear the cache meanwhile
+        if found is None:
+            pairs = [a.pairs.get(path) for a in self.adapters]
+            r = max(p[0].shape[0] for p in pairs if p is not None)
+            n_in, n_out = next((p[0].shape[1], p[1].shape[0]) for p in pairs if p is not None)
+            a_stack = like.new_zeros((len(pairs) + 1, r, n_in))
+            b_stack = like.new_zeros((len(pairs) + 1, n_out, r))
+            scale = like.new_zeros(len(pairs) + 1)
+            for i, (pair, adapter) in enumerate(zip(pairs, self.adapters), start=1):
+                if pair is not None:
+                    a, b = pair
+                    a_stack[i, : a.shape[0]], b_stack[i, :, : b.shape[1]], scale[i] = a, b, adapter.scaling
+            found = self.stacks[key] = (a_stack, b_stack, scale)
+        return found
+
+    def add(self, path: str, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if all(path not in a.pairs for a in self.adapters):
+            return output
+        a_stack, b_stack, scale = self.stacked(path, output)
+        a, b, s = a_stack[self.idx], b_stack[self.idx], scale[self.idx]  # each row's own
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
+        delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2)) * s[:, None, None]
+        return output.add_(delta.reshape(output.shape))
+
+
+def _segments(keys: list[str | None], adapters: dict[str, Adapter], stacks: dict[tuple, tuple]):
+    """The rows' adapters: [] when every row is on the base, [(adapter, None)] when one adapter has them all, else
+    a Mix."""
     distinct = {k for k in keys if k is not None}
     if not distinct:
         return []
@@ -149,11 +197,7 @@ def _segments(keys: list[str | None], adapters: dict[str, Adapter]) -> list[tupl
         raise KeyError(f"adapters {missing} are not resident")
     if len(distinct) == 1 and None not in keys:
         return [(adapters[next(iter(distinct))], None)]
-    device = next(iter(adapters[next(iter(distinct))].pairs.values()))[0].device
-    return [
-        (adapters[k], torch.tensor([i for i, x in enumerate(keys) if x == k], dtype=torch.long, device=device))
-        for k in sorted(distinct)
-    ]
+    return Mix(keys, adapters, stacks)
 
 
 def merged(model: nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
