@@ -356,13 +356,9 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
     ) -> list[dict] | Conflict | NotSupported:
         """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
         alternatives as {text: logprob}; with `adapter` (resolved at the ingress), under that adapter."""
-        try:
-            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
-            scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
-        except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
-            return e
-        except AdapterNotResident:
-            return adapter_gone(adapter[0])
+        scored = await self._scored(sequences, top_k, adapter)
+        if isinstance(scored, Conflict | NotSupported):
+            return scored
         tok = self.engine.tokenizer
         return [
             {
@@ -373,19 +369,26 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
             for ids, s in zip(sequences, scored)
         ]
 
+    async def _scored(self, sequences, top_k: int, adapter: tuple[P.AdapterRef, str] | None):
+        """engine.score on the engine's thread, under `adapter` when given; a refusal is returned (an expected
+        answer: Serve logs no traceback), a version retired meanwhile as a 409."""
+        try:
+            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
+            return await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
+        except (Conflict, NotSupported) as e:
+            return e
+        except AdapterNotResident:
+            return adapter_gone(adapter[0])
+
     # for the SGLang surface -------------------------------------------------------------------------------
     async def score_ids(
         self, sequences: list[list[int]], top_k: int, adapter: tuple[P.AdapterRef, str] | None = None
     ) -> list[dict] | Conflict | NotSupported:
         """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
         and the top_k alternatives of its position as [token_id, logprob] pairs; with `adapter`, under it."""
-        try:
-            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
-            scored = await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
-        except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
-            return e
-        except AdapterNotResident:
-            return adapter_gone(adapter[0])
+        scored = await self._scored(sequences, top_k, adapter)
+        if isinstance(scored, Conflict | NotSupported):
+            return scored
         return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
 
     def token_texts(self, ids: list[int]) -> list[str]:
