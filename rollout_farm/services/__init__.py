@@ -12,6 +12,7 @@ The layers and who imports whom: docs/architecture.md. Each sub-package's `__ini
 | `settings_doc.py` | docs/settings.md, generated from the settings model |
 | `errors.py` | the service's errors with their statuses, and `as_service_error`: any exception to one of them |
 | `client.py` | the Python client: each call defined once, sync and async faces, retries with `Retry-After` |
+| `client_calls.py` | one client call on the wire: its answer or `FarmError`, whether to send it again, a stream |
 | `metrics.py` | every Prometheus metric, and the scrape (replica gauges read at scrape time, from a table) |
 | `logs.py` | JSON log lines: one object per line, the event and its fields |
 | `registry.py` | `Registry`, the one type behind every extension point (names, dotted paths, helpful misses) |

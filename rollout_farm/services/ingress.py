@@ -87,6 +87,7 @@ class Ingress:
             self.episodes.generate_for_queue,
             self.weights.refresh,
             batch_groups=4 * settings.replicas,
+            admitted=self.tenants.admitted,
         )
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
         parts = (self.rollouts, self.fanout, self.checks, self.replicas, self.adapters, self.redis, prefix)

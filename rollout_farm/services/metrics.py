@@ -245,6 +245,20 @@ REPLICA_GAUGES = (
         lambda st: [(("proposed",), st.draft_tokens), (("accepted",), st.draft_accepted_tokens)],
     ),
     (
+        "farm_replica_adapter_bytes",
+        "Bytes of LoRA adapter versions each replica holds loaded (FARM_ADAPTER_BYTES_PER_REPLICA at most; read at "
+        "scrape time)",
+        (),
+        lambda st: [((), st.adapter_bytes)],
+    ),
+    (
+        "farm_replica_adapter_evictions",
+        "Adapter versions each replica unloaded since it started to make room within FARM_ADAPTER_BYTES_PER_REPLICA "
+        "(least recently used, none in use; loaded again when a request names them; read at scrape time)",
+        (),
+        lambda st: [((), st.adapter_evictions)],
+    ),
+    (
         "farm_sampler_draft_tokens",
         "Speculative decoding: drafted tokens verified (outcome=proposed) and accepted (outcome=accepted) for each "
         "sampler's rollouts on each replica since it started; acceptance rate per sampler = accepted / proposed "

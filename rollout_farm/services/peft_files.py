@@ -45,7 +45,7 @@ def folder_files(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 def upload_body(folder: str | pathlib.Path, probe: dict | None = None) -> bytes:
     """The body of POST /v1/adapters/{name}: the folder's adapter_model.safetensors with its adapter_config.json put
     in the header's __metadata__ (one self-describing file; the tensor bytes unchanged), and the probe, if any
-    (rollout_farm/services/adapters/probe.py: token sequences and the logprobs the pusher computed for them)."""
+    (rollout_farm/services/weights/probe.py: token sequences and the logprobs the pusher computed for them)."""
     config_file, tensors_file = folder_files(folder)  # the service checks the config (a 422 naming its fields)
     raw = tensors_file.read_bytes()
     n = int.from_bytes(raw[:8], "little")

@@ -182,6 +182,15 @@ class ServiceSettings(BaseSettings):
         description="Versions of each LoRA adapter a request may name: its newest ones (async training's staleness "
         "bound + 1). An older version is evicted: requests for it get a 409 naming the resident ones.",
     )
+    adapter_bytes_per_replica: int = Field(
+        2 << 30,
+        ge=0,
+        description="Bytes of LoRA adapter weights one engine replica keeps loaded, at most (0: no bound). Loading "
+        "one more unloads the least recently used versions no request is using; such a version stays in its "
+        "resident window and is loaded again, its digest checked, when a request names it. When the versions in use "
+        "leave no room, the request is a 429 naming this setting; an adapter larger than it is refused at its push "
+        "(422). Staged copies during a push are not counted.",
+    )
     max_upload_bytes: int = Field(
         64 << 20, ge=1, description="Largest accepted prompt upload (JSONL) to the queue, in bytes."
     )

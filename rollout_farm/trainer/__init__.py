@@ -8,6 +8,7 @@ writes are sub-packages. `presets/` holds the YAML presets (`design.yaml`).
 | `loop.py` | `train`: the loop, one call per phase |
 | `run.py` | `TrainingRun`: a run's state (models, optimizers, KL controller, client), its start (resume, first push) |
 | `config.py` | the configuration with verl's key names: YAML plus dotted overrides, every key checked |
+| `config_sections.py` | the config's model and learning sections: actor_rollout_ref, critic, algorithm |
 | `batch.py` | a rollout batch as right-padded tensors, each token's weight version; rank 0's batch on every rank |
 | `minibatches.py` | mini-batches of whole groups for the PPO epochs, this rank's share, micro-batches |
 | `actor.py` | the actor's update: verl's dual-clip PPO loss per mini-batch, in micro-batches |

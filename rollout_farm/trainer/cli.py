@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         from rollout_farm.trainer.config import ConfigError
         from rollout_farm.trainer.loop import train
         from rollout_farm.trainer.run import TrainingRun
+        from rollout_farm.trainer.sync.probe import ProbeRefused
 
         try:
             cfg = train_config(args)
@@ -115,7 +116,10 @@ def main(argv: list[str] | None = None) -> None:
             from rollout_farm.trainer.outputs.console import log_to_file
 
             log_to_file(args.log_file, cfg.trainer.total_training_steps)
-        train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))
+        try:
+            train(TrainingRun(cfg, os.environ.get("FARM_API_TOKEN", "")))
+        except ProbeRefused as e:  # the farm's engine does not compute the pushed policy: stop, saying so
+            sys.exit(f"the run stopped: {e}")
     elif args.cmd == "demo":
         from rollout_farm.trainer.demo import run_demo
 

@@ -26,6 +26,7 @@ from rollout_farm.trainer.config import Config, Optim
 from rollout_farm.trainer.guards.checks import Guard
 from rollout_farm.trainer.outputs import checkpoint, step_metrics
 from rollout_farm.trainer.sync.adapter import AdapterSync
+from rollout_farm.trainer.sync.probe import PushProbe
 from rollout_farm.trainer.sync.weights import push_weights
 
 log = logging.getLogger("farm.trainer")
@@ -75,10 +76,11 @@ class TrainingRun:
         self.version = 0 if cfg.lora else self.base_version  # with LoRA, the adapter's: set by the first push
         self.adapter = None  # with LoRA, on rank 0: the adapter's pushes and the digests samples must carry
         self.report_stats = True  # with LoRA, False once the farm refused the token for POST /v1/policy_stats
+        # each push's probe: the policy's logprobs of a few fixed sequences, scored by every replica before the commit
+        self.probe = PushProbe.of_run(t, self.tok, self.policy) if self.rank == 0 else None
         if cfg.lora and self.rank == 0:
-            self.adapter = AdapterSync(
-                self.client, cfg.adapter_name, lora.base_tensors(self.policy), t.adapter_push_dir
-            )
+            base = lora.base_tensors(self.policy)
+            self.adapter = AdapterSync(self.client, cfg.adapter_name, base, t.adapter_push_dir, self.probe)
         self._start()
 
     def _load_models(self, path: Path) -> None:
@@ -118,13 +120,14 @@ class TrainingRun:
     def push(self) -> None:
         """Send the policy as the service's next version (rank 0; the other ranks hold the same weights). With
         async training, samples in flight go on with the new weights ("partial"), or are cut and run again on them
-        ("abort"); else the push waits for them to end on the old weights ("finish")."""
+        ("abort"); else the push waits for them to end on the old weights ("finish"). Each push carries the policy's
+        probe (trainer.push_probe_sequences); the farm refusing it stops the run (ProbeRefused)."""
         if self.rank == 0 and self.adapter is not None:  # only the adapter, as <name>@v<step + 1> or above
             self.version = self.adapter.push(self.policy, self.step + 1)
         elif self.rank == 0:
             a = self.cfg.async_training
             policy = ("partial" if a.partial_rollout else "abort") if a.enabled else "finish"
-            self.version = push_weights(self.pusher, self.policy, policy)
+            self.version = push_weights(self.pusher, self.policy, policy, self.probe)
 
     def save(self) -> None:
         """Checkpoint this step: rank 0 writes it, and every rank waits until it is written."""

@@ -88,10 +88,9 @@ def push(
     )
 
 
-def push_path(service: str, folder, version: int) -> httpx.Response:
-    return httpx.post(
-        f"{service}/v1/weights/path", json={"path": str(folder), "version": version}, headers=AUTH, timeout=300
-    )
+def push_path(service: str, folder, version: int, **body) -> httpx.Response:
+    body = {"path": str(folder), "version": version, **body}
+    return httpx.post(f"{service}/v1/weights/path", json=body, headers=AUTH, timeout=300)
 
 
 def rollout(service: str, body: dict, timeout: float = 300) -> httpx.Response:

@@ -75,6 +75,10 @@ def test_a_session_samples_every_turn_from_its_adapter(http, adapter):
     turn = http.post(f"/v1/sessions/{sid}/generate", json={"append_token_ids": adapter["prompt_token_ids"]})
     assert turn.status_code == 200, turn.text
     assert turn.json()["token_ids"] == adapter["samples"][0]["token_ids"]
+    drew = adapter["samples"][0]["policy"]  # the rollout's, on the same version: its digest and base
+    assert drew["adapter"] == name and turn.json()["policies"] == [drew]  # each turn records the policy that drew it
+    (span,) = http.get(f"/v1/sessions/{sid}/trajectory").json()["segments"][-1]["turns"]
+    assert span["policies"] == [drew]
     missing = http.post("/v1/sessions", json={"adapter": {"name": "nobody", "version": 1}})
     assert missing.status_code == 404
 

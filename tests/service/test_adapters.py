@@ -149,6 +149,32 @@ def test_a_base_push_is_refused_while_adapters_are_resident_unless_forced(http, 
     assert rollout(http, {"name": "eps", "version": 1}).status_code == 409  # retired with the old base
 
 
+def test_a_forced_base_push_under_a_running_adapter_rollout_delivers_no_sample_of_it(http, folders, tiny_model):
+    """An adapter sample never spans a base commit: a forced base push retires the adapter, but a rollout running on
+    it keeps it pinned; the commit ("partial") lands under its tokens, so the rollout is a 409, not samples drawn by
+    the adapter on a base it was not pushed on."""
+    from tests.service.helpers import any_busy, in_thread, perturbed, wait_until
+
+    assert push(http, "eta", 1, folders[1]).status_code == 200
+    service = str(http.base_url).rstrip("/")
+    wait_until(lambda: not any_busy(service), "replicas idle before the test")
+    version = http.get("/v1/weights/version").json()["version"]
+    weights = save(perturbed(tiny_model, seed=4, scale=0.1))
+    long = {"temperature": 0, "max_new_tokens": 4096, "ignore_eos": True}
+    body = {"prompts": [{"token_ids": [40, 41, 42]}], "n": 2, "adapter": {"name": "eta", "version": 1}}
+    t, out = in_thread(lambda: http.post("/v1/rollouts", json={**body, "sampling_params": long}))
+    wait_until(lambda: any_busy(service), "a replica busy with the adapter rollout")
+    params = {"version": version + 1, "force": True, "policy": "partial"}
+    forced = http.post("/v1/weights", params=params, content=weights, headers=ADMIN)
+    assert forced.status_code == 200, forced.text
+    t.join(300)
+    assert out and not isinstance(out[0], Exception), out
+    answer = out[0]
+    assert answer.status_code == 409, answer.text[:500]
+    assert "base weights changed under adapter eta@v1" in answer.json()["error"]
+    assert answer.json()["detail"][0]["field"] == "adapter.version"
+
+
 def test_tenants_see_and_use_only_their_own_adapters(http, folders):
     tokens_ = {}
     for t in ("team-a", "team-b"):
@@ -179,11 +205,16 @@ def test_tenants_see_and_use_only_their_own_adapters(http, folders):
     http.delete("/v1/tenants/team-b", headers=ADMIN)
 
 
-def test_a_probe_proves_the_engine_and_a_wrong_one_refuses_the_push_everywhere(http, folders, tiny_model):
+def test_a_probe_proves_the_engine_and_a_wrong_one_refuses_the_push_everywhere(
+    http, folders, tiny_model, service_settings
+):
+    import redis
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rollout_farm.services.adapters.probe import compute
+    from rollout_farm.services import server
+    from rollout_farm.services.state.redis_client import prefix
+    from rollout_farm.services.weights.pusher import compute_probe as compute
 
     sequences = [[1, 5, 9, 2, 7], [3, 3, 8, 1]]
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folders[2])
@@ -199,5 +230,8 @@ def test_a_probe_proves_the_engine_and_a_wrong_one_refuses_the_push_everywhere(h
     assert [v["version"] for v in http.get("/v1/adapters/probed").json()["versions"]] == [1]  # nothing recorded
     info = http.get("/v1/adapters/probed").json()
     assert all(vs == [1] for vs in info["resident"].values())  # nothing of v2 stayed on any replica
+    embedded = next(e for e in server.EMBEDDED if str(e.folder) == service_settings.state_dir)
+    bodies = f"{prefix(service_settings.app_name)}:adapter:probed:v*:bytes"  # stored while the replicas staged v2
+    assert sorted(redis.Redis.from_url(embedded.url).keys(bodies)) == [bodies.replace("*", "1").encode()]
     malformed = push(http, "probed", 2, folders[2], probe={"sequences": [[1, 2]], "logprobs": []})
     assert malformed.status_code == 422 and malformed.json()["detail"][0]["field"].startswith("probe")

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from rollout_farm.services import client as farm_client
+from rollout_farm.services import client_calls as farm_client  # CHUNK_BYTES, the upload slices
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
 from rollout_farm.trainer import cli

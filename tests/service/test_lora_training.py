@@ -78,12 +78,11 @@ def test_a_tenant_trains_an_adapter_and_pushes_only_the_adapter(http, service, t
 
 def test_async_lora_training_through_the_queue_counts_adapter_versions(http, service, tiny_model, tmp_path):
     """The queue source samples the newest adapter version; the staleness bound counts adapter versions (the base
-    never moves), and every leased sample's digest is checked."""
+    never moves), and every leased sample's digest is checked. A tenant's token runs it: the source is its own."""
     import json
 
     from rollout_farm.trainer.loop import train
     from rollout_farm.trainer.run import TrainingRun
-    from tests.conftest import TOKEN
 
     cfg = load(
         None,
@@ -105,11 +104,16 @@ def test_async_lora_training_through_the_queue_counts_adapter_versions(http, ser
             "actor_rollout_ref.actor.optim.lr=0.05",
         ],
     )
-    run = TrainingRun(cfg, TOKEN)  # the queue routes take the admin's token
+    token = http.post("/v1/tenants/lora-queue-team", headers=ADMIN).json()["token"]
+    run = TrainingRun(cfg, token)
     try:
         train(run)
+        owned = http.get("/v1/queue/sources", headers={"Authorization": f"Bearer {token}"}).json()
+        assert [q["name"] for q in owned] == ["farm-trainer-lora-queue"]
+        assert http.get("/v1/adapters/lora-queue", headers=ADMIN).json()["owner"] == "lora-queue-team"
     finally:
         http.delete("/v1/queue/sources/farm-trainer-lora-queue", headers=ADMIN)
+        http.delete("/v1/tenants/lora-queue-team", headers=ADMIN)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["weight_version"] for s in steps] == [2, 3, 4]  # the adapter's versions after each step's push
     assert all(s["staleness_max"] <= 1 for s in steps) and sorted(run.adapter.digests) == [1, 2, 3, 4]

@@ -206,3 +206,22 @@ def test_a_prompt_batch_with_a_batch_id_is_added_once(service, client):
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"].endswith("batch_id")
     assert source_state(service, "batched")["acked"] == 4
     client.queue_remove_source("batched")
+
+
+def test_a_tenants_episode_source_runs_its_episodes_in_its_own_sessions(service, http):
+    """The sessions of the episodes a tenant's episode source runs are the tenant's: another tenant's token (or none)
+    gets a 404 on them; the owner's and the admin's read them."""
+    a, b = (
+        {"Authorization": f"Bearer {http.post(f'/v1/tenants/{t}', headers=AUTH).json()['token']}"}
+        for t in ("q-owner", "q-other")
+    )
+    spec = {"name": "owned-episodes", "prompts": [{"text": "Q: 1+1\nA:", "ground_truth": "2"}], "n": 1}
+    spec |= {"target_groups": 1, "sampling_params": SHORT, "episodes": {"env": {"name": "calculator"}, "max_turns": 1}}
+    assert http.post("/v1/queue/sources", json=spec, headers=a).status_code == 200
+    pulled = http.post("/v1/queue/pull", json={"source": "owned-episodes", "wait_s": 60}, headers=a).json()["items"]
+    sid = pulled[0]["group"]["samples"][0]["sampler_meta"]["session_id"]
+    for who in (b, {}):
+        assert http.get(f"/v1/sessions/{sid}/trajectory", headers=who).status_code == 404
+    for who in (a, AUTH):
+        assert http.get(f"/v1/sessions/{sid}/trajectory", headers=who).status_code == 200
+    assert http.delete("/v1/queue/sources/owned-episodes", headers=a).status_code == 200

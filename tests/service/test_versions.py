@@ -2,6 +2,8 @@
 
 from safetensors.torch import load_file, save
 
+from rollout_farm.services import protocol as P
+from rollout_farm.services.adapters.digest import base_digest, tensor_checksums
 from tests.conftest import MIN_VERSION_WAIT_S, TOKEN
 from tests.service.helpers import (
     LONG_TOKENS,
@@ -64,16 +66,33 @@ def _push_during_long_rollout(service, tiny_model, policy: str) -> tuple[int, li
     return old, [s for g in out[0].json()["groups"] for s in g["samples"]]
 
 
-def test_policy_partial_switches_weights_mid_sample(service, tiny_model):
+def test_policy_partial_switches_weights_mid_sample_and_names_each_tokens_policy(service, tiny_model, fresh_weights):
     old, samples = _push_during_long_rollout(service, tiny_model, "partial")
+    assert old == fresh_weights
     assert all(
         s["weight_version"] == old and len(s["token_ids"]) == PUSH_TOKENS and s["finish_reason"] == "length"
         for s in samples
     )
-    mixed = [s["token_weight_versions"] for s in samples if s["token_weight_versions"]]
+    mixed = [s for s in samples if s["token_weight_versions"]]
     assert mixed, "no sample saw the commit"
-    for v in mixed:
+    # what a trainer computes from what it pushed: the on-disk weights (old), then the perturbed ones
+    digests = {
+        old: base_digest(*tensor_checksums(load_file(tiny_model / "model.safetensors"))),
+        old + 1: base_digest(*tensor_checksums(perturbed(tiny_model, seed=3, scale=0.1))),
+    }
+    for s in samples:
+        v = s["token_weight_versions"]
+        if not v:
+            assert s["policies"] is None and s["policy"] == {**s["policy"], "base_version": old, "digest": digests[old]}
+            continue
         assert len(v) == PUSH_TOKENS and v[0] == old and v[-1] == old + 1 and v == sorted(v)
+        assert [(p["base_version"], p["digest"], p["adapter"]) for p in s["policies"]] == [
+            (old, digests[old], None),
+            (old + 1, digests[old + 1], None),
+        ]
+        assert s["policy"] == s["policies"][0]
+        per_token = P.Sample.model_validate(s).token_policies()
+        assert [(p.base_version, p.digest) for p in per_token] == [(x, digests[x]) for x in v]
 
 
 def test_policy_abort_reruns_in_flight_samples_on_the_new_weights(service, tiny_model):

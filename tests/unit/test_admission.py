@@ -7,19 +7,7 @@ import contextlib
 import pytest
 
 from rollout_farm.services.errors import Overloaded
-from rollout_farm.services.state.embedded_redis import EmbeddedRedis
-from rollout_farm.services.state.redis_client import connect
 from rollout_farm.services.tenants.admission import Admission
-
-
-@pytest.fixture
-async def redis(tmp_path):
-    server = EmbeddedRedis(tmp_path / "state")
-    server.start()
-    r = connect(server.url)
-    yield r
-    await r.aclose()
-    server.stop()
 
 
 async def hold(stack: contextlib.AsyncExitStack, a: Admission, tenant, samples, quota=None, weights=None):

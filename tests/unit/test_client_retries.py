@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from rollout_farm.services import client as farm_client
+from rollout_farm.services import client_calls as farm_client  # CHUNK_BYTES, the upload slices
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
 

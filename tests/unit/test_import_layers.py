@@ -29,6 +29,7 @@ BUILDS_AT_IMPORT = {
 SERVICE_BASE = {
     "rollout_farm.services",
     "rollout_farm.services.client",
+    "rollout_farm.services.client_calls",  # the client's calls on the wire (FarmError)
     "rollout_farm.services.protocol",
     "rollout_farm.services.models",
     "rollout_farm.services.tasks",

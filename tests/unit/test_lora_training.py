@@ -149,7 +149,7 @@ class FakeFarm:
         self.pushes: list[tuple[str, int]] = []
         self.owner_elsewhere = owner_elsewhere
 
-    def push_adapter(self, name, folder, version):
+    def push_adapter(self, name, folder, version, probe=None):
         self.pushes.append((name, version))
         if self.owner_elsewhere:
             raise FarmError(404, {"error": f"no adapter {name!r}"})

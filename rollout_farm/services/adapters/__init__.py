@@ -11,6 +11,6 @@ to an exact resident version (registry.py) and checked, sample by sample, agains
 | `peft_format.py` | peft's adapter format: the config's checks, the tensors' names and shapes against the model |
 | `digest.py` | the policy digest of the base weights and of an adapter, from per-tensor checksums (client-side too) |
 | `registry.py` | `AdapterRegistry`: owners, immutable versions, resident windows and bodies in Redis; `resolve` |
-| `probe.py` | a push's probe: sequences and the pusher's logprobs, scored on every replica before the commit |
+| `residency.py` | which versions one replica keeps loaded within its byte budget: least recently used, unpinned out |
 | `push.py` | `AdapterPush`: an adapter push's checks and its two phases over every replica; retiring |
 """

@@ -6,10 +6,13 @@
   version  `name@vN` is immutable: the same bytes again answer with the first push's record; other bytes are a 409;
            versions only go up
   stage    every replica checks the adapter against the served model and computes its policy digest from the bytes
-           it loaded; any refusal, or two replicas with different digests (different base weights): all discard
-  record   Redis keeps the version (and its bytes while it is resident, for replicas that start later)
-  commit   every replica makes it resident; versions that left the resident window are retired (unloaded once no
-           call uses them)
+           it loaded; any refusal, or two replicas with different digests (different base weights): all discard.
+           Meanwhile Redis stores its bytes, kept while it is resident for replicas that load it later
+  record   Redis keeps the version
+  commit   one call per replica: it makes the version resident, and retires the versions that left the resident
+           window (unloaded once no call uses them)
+
+Each push logs `adapter_pushed` with the seconds of its phases (checks, stage, record, commit).
 
 Once its body is read, a push runs to its end even if its caller goes away (as a weight push does): a push cut
 between its phases would leave staged copies behind.
@@ -18,6 +21,7 @@ between its phases would leave staged copies behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,13 +32,13 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.adapters import probe as probes
 from rollout_farm.services.adapters.peft_format import AdapterInvalid, module_pairs, read_config
 from rollout_farm.services.adapters.registry import AdapterRegistry, not_found, version_record
 from rollout_farm.services.errors import Conflict, Forbidden, Invalid, ReplicasFailed, ServiceError, TooLarge
 from rollout_farm.services.peft_files import CONFIG_META, PROBE_META, folder_files
 from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.tenants.registry import Principal
+from rollout_farm.services.weights import probe as probes
 from rollout_farm.services.weights.checks import WeightsError, parse_header
 from rollout_farm.services.weights.push import run_to_end
 
@@ -176,18 +180,28 @@ class AdapterPush:
                     f"{info.versions[-1].version + 1} or higher",
                     [{"field": "version", "message": "older than the newest version"}],
                 )
-            key = f"{name}@v{version}"
+            key, locked = f"{name}@v{version}", time.monotonic()
+            stored = asyncio.ensure_future(self.registry.store_body(name, version, config_json, body))  # meanwhile
             try:
-                digest = await self._stage(key, config_json, body, probe and probe.model_dump_json())
-                base = min((await self.replicas.versions()).values())
+                digest, base = await self._stage(key, config_json, body, probe and probe.model_dump_json())
+                staged = time.monotonic()
+                await stored
                 record = version_record(version, digest, base, sha, len(body), config.r)
-                evicted = await self.registry.record(name, record, config_json, body)
+                evicted = await self.registry.record(name, record)
             except BaseException:  # refused, timed out or cut: nothing stays staged anywhere, nothing is recorded
+                await asyncio.gather(stored, return_exceptions=True)
                 await self._discard(key)
+                with contextlib.suppress(Exception):  # a body left behind is overwritten by this version's next push
+                    await self.registry.drop_body(name, version)
                 raise
-            await self.replicas.errors("commit_adapter", key, timeout_s=60.0, setting=SYNC)  # a lost one loads later
-            for v in evicted:
-                await self.replicas.each("retire_adapter", f"{name}@v{v}")
+            # one call: load it, and retire the versions that left the window (a lost replica loads it later)
+            recorded, retired = time.monotonic(), [f"{name}@v{v}" for v in evicted]
+            if await self.replicas.errors("commit_adapter", key, retired, timeout_s=60.0, setting=SYNC):
+                for old in retired:  # a replica whose commit failed still retires them (a no-op where done)
+                    await self.replicas.each("retire_adapter", old)
+            phases = {"checks_s": locked - started, "stage_s": staged - locked, "record_s": recorded - staged}
+            phases["commit_s"] = time.monotonic() - recorded
+            log.info("adapter_pushed", extra={"adapter": key, "digest": digest, "evicted": evicted, **phases})
         finally:
             await lock.release()
         return P.AdapterPushResponse(
@@ -206,13 +220,13 @@ class AdapterPush:
         except Exception as e:  # a replica that cannot be reached holds nothing it could serve: it was never committed
             log.warning("adapter_discard_failed", extra={"adapter": key, "error": str(e)})
 
-    async def _stage(self, key: str, config_json: str, body: bytes, probe_json: str | None) -> str:
-        """Stage on every replica (each checks the probe, if any); their common digest, or the refusal is raised
-        (the caller discards)."""
+    async def _stage(self, key: str, config_json: str, body: bytes, probe_json: str | None) -> tuple[str, int]:
+        """Stage on every replica (each checks the probe, if any); (their common digest, the oldest base version
+        they computed it on), or the refusal is raised (the caller discards)."""
         timeout = self.settings.weight_sync_timeout_s
         results = await self.replicas.each("stage_adapter", key, config_json, body, probe_json, timeout_s=timeout)
         errors = [r for r in results if isinstance(r, Exception)]
-        digests = {r for r in results if isinstance(r, str)}
+        digests = {r[0] for r in results if isinstance(r, tuple)}
         if errors and all(isinstance(e, Invalid) for e in errors):
             raise Invalid(errors[0].detail, errors[0].message)
         if errors:
@@ -230,7 +244,7 @@ class AdapterPush:
                 "weights; nothing changed, retry once GET /v1/weights/version shows one version",
                 [{"field": "replica", "message": json.dumps(sorted(digests))}],
             )
-        return digests.pop()
+        return digests.pop(), min(r[1] for r in results)
 
     async def guard_base(self, force: bool) -> None:
         """Before a base weight push: 409 while adapters made on the served base are resident (they would be served

@@ -3,18 +3,19 @@ a version is never reused for other bytes) and which of them are resident.
 
   adapters                 set: every adapter name
   adapter:<name>           hash: "owner" (a tenant id, "" for the admin), and per version "v<N>": its record (JSON)
-  adapter:<name>:v<N>:body the version's config and safetensors bytes (JSON, base64), kept while it is resident, so
-                           that a replica
-                           that starts (or evicted it) loads it again before it serves it
+  adapter:<name>:v<N>:bytes hash: the version's "config" (JSON) and "body" (its safetensors bytes, as they are), kept
+                           while it is resident, so that a replica that starts (or unloaded it) loads it again before
+                           it serves it; written during the push with a TTL (UNRECORDED_TTL_S), which record() lifts
 
 The resident window: each adapter's last FARM_ADAPTER_VERSIONS_RESIDENT versions. A request may name any version in
 it; one that has left it, or was never pushed, is a 409 naming the window. A replica keeps a version loaded while a
-call uses it (pinned: rollout_farm/services/engine/torch/lora.py), even once it has left the window.
+call uses it (pinned: rollout_farm/services/engine/torch/lora.py), even once it has left the window. Within the window,
+a replica keeps at most FARM_ADAPTER_BYTES_PER_REPLICA bytes loaded (residency.py) and loads the others from their
+bodies here when a request names them.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 
@@ -25,6 +26,8 @@ from rollout_farm.services.errors import Conflict, NotFound
 from rollout_farm.services.tenants.registry import Principal
 
 RESIDENT, EVICTED = "resident", "evicted"
+
+UNRECORDED_TTL_S = 3600  # a stored body whose push never recorded it (its ingress died) lapses
 
 
 def not_found(name: str) -> NotFound:
@@ -43,7 +46,7 @@ class AdapterRegistry:
         return f"{self.prefix}:adapter:{name}"
 
     def _body_key(self, name: str, version: int) -> str:
-        return f"{self.prefix}:adapter:{name}:v{version}:body"
+        return f"{self.prefix}:adapter:{name}:v{version}:bytes"
 
     async def info(self, name: str) -> P.AdapterInfo | None:
         raw = await self.r.hgetall(self._key(name))
@@ -70,15 +73,26 @@ class AdapterRegistry:
         await self.r.sadd(f"{self.prefix}:adapters", name)
         return await self.info(name)
 
-    async def record(self, name: str, version: P.AdapterVersion, config_json: str, body: bytes) -> list[int]:
-        """A committed version, resident; the versions that leave the window (evicted: their bodies deleted)."""
+    async def store_body(self, name: str, version: int, config_json: str, body: bytes) -> None:
+        """A version's config and bytes, for the replicas that load it later; written while the replicas stage it
+        (record() makes it a version; drop_body() undoes this for a push that fails)."""
+        async with self.r.pipeline(transaction=True) as pipe:  # a push that dies before record() leaves nothing
+            pipe.hset(self._body_key(name, version), mapping={"config": config_json, "body": body})
+            pipe.expire(self._body_key(name, version), UNRECORDED_TTL_S)
+            await pipe.execute()
+
+    async def drop_body(self, name: str, version: int) -> None:
+        await self.r.delete(self._body_key(name, version))
+
+    async def record(self, name: str, version: P.AdapterVersion) -> list[int]:
+        """A committed version (its body stored), resident; the versions that leave the window (evicted: their
+        bodies deleted)."""
         info = await self.info(name)
         resident = [v.version for v in info.versions if v.state == RESIDENT] if info else []
         out = sorted({*resident, version.version})
         evicted = out[: max(0, len(out) - self.window)]
         pipe = self.r.pipeline(transaction=True)
-        stored = json.dumps({"config": config_json, "body": base64.b64encode(body).decode()})
-        pipe.set(self._body_key(name, version.version), stored)
+        pipe.persist(self._body_key(name, version.version))
         pipe.hset(self._key(name), f"v{version.version}", version.model_dump_json())
         for v in evicted:
             old = next(x for x in [*(info.versions if info else []), version] if x.version == v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -53,12 +54,18 @@ async def require_caller(request: Request, who: Principal = Depends(caller)) -> 
 
 
 async def admitted_stream(
-    farm: Ingress, who: Principal, samples: int, start: Callable[[], Awaitable[AsyncIterator[str]]]
+    farm: Ingress,
+    who: Principal,
+    samples: int,
+    start: Callable[[], Awaitable[AsyncIterator[str]]],
+    tokens: Callable[[str], int] = lambda line: 0,
 ):
     """A streamed answer's lines: the caller's tenant admitted before the work starts (a refusal is a plain 429 and
-    nothing runs), counted in flight until the last line; `start()` starts the work and gives its lines."""
+    nothing runs), counted in flight until the last line; `start()` starts the work and gives its lines. Each line's
+    generated tokens (`tokens(line)`) are charged against the tenant's tokens_per_s as it goes out, and taken from
+    its bucket when the stream ends (also one its caller left)."""
     stack = contextlib.AsyncExitStack()
-    await stack.enter_async_context(farm.tenants.admitted(who, samples))
+    took = await stack.enter_async_context(farm.tenants.admitted(who, samples))
     try:
         lines = await start()
     except BaseException:
@@ -66,15 +73,33 @@ async def admitted_stream(
         raise
 
     async def streamed():
+        sent = 0
         async with stack:
-            async for line in lines:
-                yield line
+            try:
+                async for line in lines:
+                    sent += tokens(line)
+                    yield line
+            finally:
+                took(sent)
 
     return streamed()
 
 
 def generated_tokens(groups) -> int:
     return sum(len(s.token_ids) for g in groups for s in g.samples)
+
+
+def group_line_tokens(line: str) -> int:
+    """The tokens a rollout stream's line carries: a GroupEvent's samples' (a StreamEnd: none)."""
+    group = json.loads(line).get("group") or {}
+    return sum(len(s["token_ids"]) for s in group.get("samples", []))
+
+
+def episode_line_tokens(line: str) -> int:
+    """The tokens an episode stream's line carries: its EpisodeGroup's sampled tokens, those with a weight version
+    (an EpisodeStreamEnd: none)."""
+    episodes = json.loads(line).get("episodes") or []
+    return sum(v >= 0 for e in episodes for seg in e["segments"] for v in seg["token_versions"])
 
 
 async def require_token_for_generation(request: Request, farm: Ingress = Depends(ingress)) -> None:

@@ -42,8 +42,10 @@ async def session_info(session_id: str, request: Request, who: Principal = WHO, 
 async def session_generate(session_id: str, req: S.SessionGenerate, who: Principal = WHO, farm=Depends(ingress)):
     """Token ids in, token ids out: append the ids, sample, append the sampled ids verbatim. A repeat of an answered
     `turn` gets its answer again; `offset` rewrites the session from that token in a new segment."""
-    async with farm.tenants.admitted(who, 1):
-        return await farm.sessions.generate(session_id, req, who)
+    async with farm.tenants.admitted(who, 1) as took:
+        out = await farm.sessions.generate(session_id, req, who)
+        took(len(out.token_ids))
+    return out
 
 
 @router.post("/v1/sessions/{session_id}/chat/completions", responses={**ERRORS, **STREAMED})
@@ -51,8 +53,9 @@ async def session_chat(session_id: str, req: S.SessionChatRequest, who: Principa
     """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
     verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
     base URL; `stream` answers in server-sent events."""
-    async with farm.tenants.admitted(who, 1):
+    async with farm.tenants.admitted(who, 1) as took:
         out = await farm.sessions.chat(session_id, req, who=who)
+        took(out["usage"]["completion_tokens"])
     return answer(out, req)
 
 

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from rollout_farm.services.api.deps import caller, ingress
 from rollout_farm.services.api.errors import refusal_logged
-from rollout_farm.services.compat.sglang_native import sse
+from rollout_farm.services.compat.sglang_shapes import sse
 from rollout_farm.services.protocol import ErrorResponse
 from rollout_farm.services.protocol import sglang_native as S
 from rollout_farm.services.tenants.registry import Principal

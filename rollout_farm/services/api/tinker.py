@@ -78,7 +78,9 @@ async def sampler(sampler_id: str, who: Principal = Depends(key_holder), farm=De
 
 @router.post("/asample", response_model=T.FutureHandle)
 async def asample(body: dict = BODY, who: Principal = Depends(key_holder), farm=Depends(ingress)):
-    return await farm.tinker.asample(body, who)
+    """Start a sample; the caller's tenant is admitted against its quota now (a 429 naming it), its samples counted
+    in flight until the sample ends and its tokens charged then."""
+    return await farm.tinker.asample(body, who, lambda samples: farm.tenants.admitted(who, samples))
 
 
 @router.post("/retrieve_future")

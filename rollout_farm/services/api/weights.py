@@ -8,7 +8,7 @@ from rollout_farm.services import protocol as P
 from rollout_farm.services.api.deps import ingress
 from rollout_farm.services.api.errors import refusal_logged
 
-PUSH_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 413, 422)}
+PUSH_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 413, 422, 501)}
 NCCL_ERRORS = {code: {"model": P.ErrorResponse} for code in (409, 501)}
 router = APIRouter(tags=["weights"])
 admin = APIRouter(tags=["weights"])  # needs the token
@@ -57,9 +57,12 @@ async def push_weights(
     """Upload a safetensors state dict (raw body, streamed) as `version`: one safetensors file, or several back to
     back (buckets of whole tensors). The first may carry a manifest in its `__metadata__` ("farm": per tensor a
     checksum and full/same/xor, and a `base` version) for a bucketed push of only the changed tensors or a delta push
-    (docs/api.md). Two phases: every replica stages it, then all commit; if any replica refuses, none changes.
-    Returns once all serve it. 409 with field `base`: the push does not apply to the served weights; send a full
-    push."""
+    (docs/api.md), and a probe under "probe" (token sequences and the logprobs the pusher computed for them:
+    rollout_farm/services/weights/probe.py). Two phases: every replica stages it (and scores the probe on the staged
+    weights), then all commit; if any replica refuses, none changes. Returns once all serve it. 409 with field `base`:
+    the push does not apply to the served weights; send a full push. 422 with field `probe`: a replica's staged
+    weights do not compute the probe's logprobs (the replica, sequence and token named). 501: the engine cannot score
+    a probe."""
     declared = int(request.headers.get("content-length") or 0)
     with refusal_logged("upload", version):
         return await farm.weights.upload(request.stream(), declared, version, policy, x_content_sha256, force)
@@ -67,8 +70,9 @@ async def push_weights(
 
 @admin.post("/v1/weights/path", response_model=P.WeightsPushResponse, responses=PUSH_ERRORS)
 async def push_weights_path(body: P.WeightsFromPath, farm=Depends(ingress)):
-    """Load a folder of safetensors files from storage every replica can read (no upload), in the same two phases.
-    Keep the folder until a newer version is committed: replicas that start later load it from there."""
+    """Load a folder of safetensors files from storage every replica can read (no upload), in the same two phases;
+    the body's `probe` (or a `probe.json` in the folder) is scored as an upload's. Keep the folder until a newer version
+    is committed: replicas that start later load it from there."""
     with refusal_logged("path", body.version):
         return await farm.weights.from_path(body)
 

@@ -9,6 +9,7 @@ SGLang engine is rollout_farm/services/engine/sglang_engine.py, not this HTTP su
 | `openai_api.py` | `OpenAICompat`: /v1/completions and /v1/chat/completions as rollouts; logprobs from a scoring pass |
 | `openai_stream.py` | the server-sent events of a streamed OpenAI answer |
 | `sglang_native.py` | `SGLangNative`: SGLang's /generate, weight, pause and abort routes onto Rollouts and WeightPush |
+| `sglang_shapes.py` | SGLang's /generate fields onto the farm's, and each sample back in SGLang's answer shape |
 | `tinker.py` | `TinkerCompat`: Tinker's sampling API for the tinker SDK: sessions, samples as rollouts, futures |
 | `tinker_proto.py` | the protobuf `SampleResponse` a Tinker sample answers with, encoded by hand |
 """

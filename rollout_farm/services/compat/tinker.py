@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import json
 import logging
@@ -219,9 +220,11 @@ class TinkerCompat:
         return T.Capabilities(supported_models=[T.ModelCapability(model_name=self.model, max_context_length=context)])
 
     # samples ------------------------------------------------------------------------------------------------
-    async def asample(self, body: dict, who: Principal) -> T.FutureHandle:
+    async def asample(self, body: dict, who: Principal, admit=None) -> T.FutureHandle:
         """Check the request, start its rollout in the background (once per sampling session and seq_id: a
-        resubmission finds the same future) and name the future."""
+        resubmission finds the same future) and name the future. `admit(samples)`, when given, is the caller's
+        tenant admission (Tenants.admitted: a 429 naming the tenant now, before anything runs); its samples count in
+        flight until the sample ends, and its generated tokens are taken then."""
         req = parsed(T.SampleRequest, body)
         sampler = await self.sampler(req.sampling_session_id, who)
         request_id = f"{req.sampling_session_id}:{req.seq_id}"
@@ -232,13 +235,20 @@ class TinkerCompat:
         if await self.r.exists(lease, result):
             return handle
         rollout, prompt = await self._rollout(req, sampler)
-        if await self.r.set(lease, owner(who), nx=True, ex=LEASE_S):
+        admission = contextlib.AsyncExitStack()
+        took = await admission.enter_async_context(admit(req.num_samples)) if admit else None
+        try:
+            if not await self.r.set(lease, owner(who), nx=True, ex=LEASE_S):
+                await admission.aclose()  # another submission of it runs
+                return handle
             scored = (len(prompt), req.prompt_logprobs_last_n) if req.prompt_logprobs else None
-            task = contextvars.Context().run(  # its own context: the engine calls outlive this request's
-                asyncio.create_task, self._run(lease, result, owner(who), rollout, scored)
-            )
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
+            run = self._run(lease, result, owner(who), rollout, scored, admission, took)
+        except BaseException:
+            await admission.aclose()
+            raise
+        task = contextvars.Context().run(asyncio.create_task, run)  # its own context: the engine calls outlive ours
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
         return handle
 
     async def _rollout(self, req: T.SampleRequest, sampler: T.Sampler) -> tuple[P.RolloutRequest, list[int]]:
@@ -274,12 +284,22 @@ class TinkerCompat:
         return rollout, prompt
 
     async def _run(
-        self, lease: str, result: str, who: str, rollout: P.RolloutRequest, scored: tuple[int, int | None] | None
+        self,
+        lease: str,
+        result: str,
+        who: str,
+        rollout: P.RolloutRequest,
+        scored: tuple[int, int | None] | None,
+        admission: contextlib.AsyncExitStack,
+        took=None,
     ) -> None:
-        """The sample, and its outcome recorded for retrieve_future. A passing failure leaves no outcome: 410."""
+        """The sample, and its outcome recorded for retrieve_future (a passing failure leaves none: 410); then the
+        admission ends (`took`: the tokens it generated)."""
         renewing = asyncio.create_task(self._renew(lease))
         try:
-            record = {"state": "done", "body": base64.b64encode(await self._sample(rollout, scored)).decode()}
+            async with admission:
+                body = await self._sample(rollout, scored, took)
+            record = {"state": "done", "body": base64.b64encode(body).decode()}
         except Exception as e:
             error = as_service_error(e)
             if error.status >= 500 and error.status not in RESUBMIT:
@@ -303,9 +323,11 @@ class TinkerCompat:
             except Exception as e:
                 log.warning("tinker_lease_renewal_failed", extra={"error": described(e)})
 
-    async def _sample(self, rollout: P.RolloutRequest, scored: tuple[int, int | None] | None) -> bytes:
-        """The rollout's samples (and the prompt's logprobs) as the protobuf SampleResponse."""
+    async def _sample(self, rollout: P.RolloutRequest, scored: tuple[int, int | None] | None, took=None) -> bytes:
+        """The rollout's samples (and the prompt's logprobs) as the protobuf SampleResponse (`took`: its tokens)."""
         (group,) = (await self.rollouts.answer(rollout)).groups
+        if took is not None:
+            took(sum(len(s.token_ids) for s in group.samples))
         sequences = []
         for i, s in enumerate(group.samples):
             if s.finish_reason == "abort":  # cut by a weight commit, after the replica's own reruns

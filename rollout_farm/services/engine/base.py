@@ -337,6 +337,13 @@ class Engine(abc.ABC):
     def retire_adapter(self, key: str) -> None:
         """Nothing is resident on an engine without adapters."""
 
+    def score_staged_weights(self, version: int, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Each sequence's logprobs (None first) under the base weights staged as `version`, which no request sees,
+        for a push's probe; WeightsRejected when `version` is not staged."""
+        raise EngineVerbMissing.of(
+            self, "probes on staged base weights", "push without a probe, or use FARM_ENGINE=torch"
+        )
+
     def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
         """Each sequence's logprobs (None first) under the staged adapter `key`, for a push's probe."""
         raise EngineVerbMissing.of(self, "adapter probes", "push without a probe, or use FARM_ENGINE=torch")

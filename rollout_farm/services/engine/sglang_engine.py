@@ -48,8 +48,8 @@ requests (the group's prefill too: SGLang keys its radix cache by adapter), Adap
 resident. discard_adapter and retire_adapter stop routing to the key at once, and unload it (async_unload_lora_adapter,
 on the engine's loop: the caller does not wait) when its last call has ended, then delete the folder. Keys are not
 reused, but a key staged again while it retires is taken back without a reload, and one staged while it unloads waits
-for the unload. base_digest is None: SGLang holds the only copy of the served weights and this adapter cannot hash
-them, so an adapter's policy digest covers the adapter alone.
+for the unload. base_digest hashes what SGLang was told to load (sglang_digest.py): the model folder at the start,
+each base push's tensors or folder; None after an NCCL push, which passes no bytes through here.
 
 Unmapped: `seed` becomes SGLang's sampling_seed, which is honoured only by an engine launched with
 enable_deterministic_inference (not set here). SGLang's ignore_eos also ignores stop_token_ids, so with
@@ -94,6 +94,7 @@ from rollout_farm.services.engine.sglang_adapters import (
     sglang_config,
     write_folder,
 )
+from rollout_farm.services.engine.sglang_digest import folder_digest, tensors_digest
 from rollout_farm.services.errors import EngineVerbMissing
 from rollout_farm.services.protocol import InFlightPolicy, SamplingParams
 from rollout_farm.services.weights.checks import (
@@ -114,6 +115,7 @@ TORCH_DTYPE_NAMES = {
     "F16": "float16",
     "F32": "float32",
 }  # SGLang's distributed update wants torch names
+DIGESTS_KEPT = 8  # base versions whose digests are kept (a sample spanning commits names each token's policy)
 UNLOAD_WAIT_S = 300.0  # longest a stage waits for an unload of the same key (SGLang's own wait for its requests)
 # SGLang's errors for a request naming an adapter it does not hold (tokenizer_manager.py, lora/lora_registry.py)
 NOT_LOADED = ("Got LoRA adapter that has never been loaded", "requested LoRA adapters are not loaded")
@@ -208,6 +210,7 @@ class SGLangEngine(Engine):
         )  # no max_loaded_loras: SGLang would unload adapters by itself past it
         self.ranks_per_engine = tp_size  # each tensor-parallel rank joins the trainer's NCCL group
         self._attach(self.llm, lora)
+        self._served_digest(0, folder_digest(model_path, self._names(), self.dtype))
 
     def _attach(self, llm, lora: LoraLaunch) -> None:
         """Serve through `llm` (the sglang.Engine; the unit tests pass a stand-in): the state every verb reads."""
@@ -222,6 +225,8 @@ class SGLangEngine(Engine):
         self._staging = threading.Lock()  # one stage_adapter at a time: a key is loaded once
         self._adapter_root: Path | None = None  # the staged folders, made on first use, removed with the engine
         self._linear_shapes: dict[str, tuple[int, int]] | None | bool = False  # False: not read yet
+        self.base_digest, self._digests, self._staged_digest = None, {}, None  # sglang_digest.py
+        self._served_lock, self._served_names = threading.Lock(), None
 
     # lifecycle -------------------------------------------------------------
     def abort(self) -> None:
@@ -487,6 +492,30 @@ class SGLangEngine(Engine):
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
 
+    def _names(self) -> set[str]:
+        """The served tensors' canonical names: the parameters (a tied one once) and the persistent buffers."""
+        if self._served_names is None:
+            model = self._meta_model()
+            buffers = {n for n, _ in model.named_buffers()} & model.state_dict().keys()
+            self._served_names = {n for n, _ in model.named_parameters()} | buffers
+        return self._served_names
+
+    def _served_digest(self, version: int, digest: str | None) -> None:
+        """Serve base `version`, of `digest`: both change together for served_base's readers."""
+        with self._served_lock:
+            self.weight_version, self.base_digest = version, digest
+            self._digests[version] = digest
+            for old in sorted(self._digests)[:-DIGESTS_KEPT]:
+                del self._digests[old]
+
+    def served_base(self) -> tuple[int, str | None]:
+        with self._served_lock:
+            return self.weight_version, self.base_digest
+
+    def base_digest_of(self, version: int) -> str | None:
+        """The digest of base version `version` when it was served lately; None when too old or unknown."""
+        return self._digests.get(version)
+
     def weight_spec(self) -> dict[str, tuple[list[int], str]]:
         if self._spec is None:
             self._spec = spec_of(dict(self._meta_model().named_parameters()))
@@ -501,7 +530,7 @@ class SGLangEngine(Engine):
         if problems := non_finite(state_dict):
             raise WeightsRejected("; ".join(problems))
         self._check(spec_of(state_dict), version)
-        self._staged = (version, state_dict)
+        self._staged, self._staged_digest = (version, state_dict), tensors_digest(state_dict, self._names(), self.dtype)
 
     def stage_weights_from_path(self, path: str, version: int) -> None:
         """Check the folder's safetensors headers; SGLang reads the files itself at the commit."""
@@ -512,7 +541,7 @@ class SGLangEngine(Engine):
         except WeightsError as e:
             raise WeightsRejected(str(e)) from None
         self._check(got, version)
-        self._staged = (version, str(path))
+        self._staged, self._staged_digest = (version, str(path)), folder_digest(path, self._names(), self.dtype)
 
     def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
         """Update SGLang's weights from the staged tensors or folder, alone: in-flight calls finish (or are aborted)
@@ -525,7 +554,8 @@ class SGLangEngine(Engine):
                 ok, message = self.llm.update_weights_from_tensor(list(staged.items()))
             if not ok:
                 raise WeightsRejected(message)
-            self.weight_version, self._staged = version, None
+            self._staged = None
+            self._served_digest(version, self._staged_digest)
 
     @contextmanager
     def _exclusive(self, abort: bool = False):
@@ -576,4 +606,4 @@ class SGLangEngine(Engine):
             )
             if not ok:
                 raise WeightsRejected(message)
-            self.weight_version = version
+            self._served_digest(version, None)  # no bytes passed through here: unknown

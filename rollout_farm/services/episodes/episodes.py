@@ -33,6 +33,7 @@ from rollout_farm.services.errors import Invalid, Overloaded, as_service_error
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol import sessions as S
 from rollout_farm.services.protocol.episode_groups import as_group
+from rollout_farm.services.tenants.registry import ANYONE, Principal
 
 ContextLength = Callable[[], Awaitable[int | None]]
 EPISODE_STRIDE = 1_000_003  # seed offset between the episodes of a seeded request (turns step by 1)
@@ -64,23 +65,26 @@ class Episodes:
             raise Invalid([{"field": f"{field}.name", "message": problem}])
         return kind, params
 
-    async def run(self, req: E.EpisodeRequest) -> E.EpisodeResponse:
-        groups = [g async for g in self.groups(req)]
+    async def run(self, req: E.EpisodeRequest, who: Principal = ANYONE) -> E.EpisodeResponse:
+        """The groups of the request; its episodes' sessions are `who`'s tenant's (another tenant's token gets a 404
+        on them; the admin's and anyone's: no owner, as before tenants)."""
+        groups = [g async for g in self.groups(req, who=who)]
         return E.EpisodeResponse(groups=sorted(groups, key=lambda g: g.prompt_index))
 
-    async def generate_for_queue(self, req: E.EpisodeRequest) -> list[P.Group]:
-        """An episode source's groups, as rollout groups (rollout_farm/services/protocol/episode_groups.py)."""
-        groups = [as_group(g, req.sampling_params) for g in (await self.run(req)).groups]
+    async def generate_for_queue(self, req: E.EpisodeRequest, owner: str | None = None) -> list[P.Group]:
+        """An episode source's groups, as rollout groups (rollout_farm/services/protocol/episode_groups.py); their
+        sessions are the source's owner's."""
+        groups = [as_group(g, req.sampling_params) for g in (await self.run(req, Principal(tenant=owner))).groups]
         return [g for g in groups if g is not None]
 
-    async def stream(self, req: E.EpisodeRequest) -> AsyncIterator[str]:
+    async def stream(self, req: E.EpisodeRequest, who: Principal = ANYONE) -> AsyncIterator[str]:
         """NDJSON lines; the request is checked before the first line, so a bad one is still a plain 422."""
         resolved = self.environment(req.env)
 
         async def lines() -> AsyncIterator[str]:
             sent = 0
             try:
-                async for group in self.groups(req, resolved):
+                async for group in self.groups(req, resolved, who):
                     sent += 1
                     yield group.model_dump_json() + "\n"
                 yield E.EpisodeStreamEnd(groups=sent).model_dump_json() + "\n"
@@ -90,11 +94,14 @@ class Episodes:
 
         return lines()
 
-    async def groups(self, req: E.EpisodeRequest, resolved=None) -> AsyncIterator[E.EpisodeGroup]:
+    async def groups(
+        self, req: E.EpisodeRequest, resolved=None, who: Principal = ANYONE
+    ) -> AsyncIterator[E.EpisodeGroup]:
         """The groups as they finish (`resolved`: the environment and its params, when checked already)."""
         kind, params = resolved or self.environment(req.env)
         context = await self.context_length()
-        tasks = [asyncio.create_task(self.group(req, kind, params, i, p, context)) for i, p in enumerate(req.prompts)]
+        groups = (self.group(req, kind, params, i, p, context, who) for i, p in enumerate(req.prompts))
+        tasks = [asyncio.create_task(g) for g in groups]
         try:
             for done in asyncio.as_completed(tasks):
                 yield await done
@@ -102,9 +109,12 @@ class Episodes:
             for t in tasks:
                 t.cancel()
 
-    async def group(self, req, kind, params, index: int, prompt: P.Prompt, context: int | None) -> E.EpisodeGroup:
+    async def group(
+        self, req, kind, params, index: int, prompt: P.Prompt, context: int | None, who: Principal = ANYONE
+    ) -> E.EpisodeGroup:
         group_id = f"{uuid.uuid4().hex[:12]}:{index}"  # the sessions of one group share it
-        runs = [self.episode(req, kind, params, prompt, group_id, context, index * req.n + j) for j in range(req.n)]
+        numbers = range(index * req.n, (index + 1) * req.n)
+        runs = [self.episode(req, kind, params, prompt, group_id, context, number, who) for number in numbers]
         episodes = await asyncio.gather(*runs)
         rewards = [e.reward for e in episodes]
         std = statistics.pstdev(rewards)
@@ -117,9 +127,18 @@ class Episodes:
         )
 
     async def episode(
-        self, req: E.EpisodeRequest, kind, params, prompt: P.Prompt, group_id: str, context: int | None, number: int
+        self,
+        req: E.EpisodeRequest,
+        kind,
+        params,
+        prompt: P.Prompt,
+        group_id: str,
+        context: int | None,
+        number: int,
+        who: Principal = ANYONE,
     ) -> E.EpisodeOut:
-        """Episode `number` of the request (its seed, with a seeded request: each episode and turn draws apart)."""
+        """Episode `number` of the request (its seed, with a seeded request: each episode and turn draws apart), in a
+        session owned by `who`'s tenant."""
         opened = await self.sessions.open(
             S.SessionCreate(
                 sampling_params=req.sampling_params,
@@ -131,6 +150,7 @@ class Episodes:
                 ttl_s=req.ttl_s,
             ),
             base_url="",
+            who=who,
         )
         sid = opened.session_id
         run = EpisodeRun(self.sessions, req, kind, sid, context)

@@ -61,6 +61,7 @@ class Turn:
     reward: float | None = None  # this turn's reward, when the client scores turns
     sampled_with: dict | None = None  # the params it was drawn with (P.SampledWith), after the sampler's plan
     sampling_known: bool = True  # whether its sampling_logprobs are q (False: the engine reported none, raw is not q)
+    policies: list[dict] | None = None  # the policies that drew it (P.Policy), in token order: one unless it spans
 
 
 @dataclass
@@ -97,15 +98,17 @@ class Segment:
         trained: bool = True,
         sampled_with: dict | None = None,
         sampling_known: bool = True,
+        policies: list[dict] | None = None,
     ) -> Turn:
         """The engine's ids, appended as they are, and the assistant message they are (content and parsed calls);
         `trained=False` keeps them out of the loss (mask 0: a malformed call masked by the session's policy).
-        `sampled_with`: the params they were drawn with; `sampling_known=False`: `sampling_logprobs` are not q."""
+        `sampled_with`: the params they were drawn with; `sampling_known=False`: `sampling_logprobs` are not q;
+        `policies`: the policies that drew them."""
         if not len(ids) == len(logprobs) == len(sampling_logprobs) == len(versions):
             raise ValueError("a sampled turn needs one logprob, sampling logprob and version per token")
         turn = Turn(len(self.token_ids), len(self.token_ids) + len(ids), len(self.messages), finish_reason)
         turn.tool_calls, turn.malformed = list(calls), list(malformed)
-        turn.sampled_with, turn.sampling_known = sampled_with, sampling_known
+        turn.sampled_with, turn.sampling_known, turn.policies = sampled_with, sampling_known, policies
         self._extend(ids, int(trained), logprobs, sampling_logprobs, versions)
         self.messages.append(message)
         self.message_ends.append(len(self.token_ids))

@@ -243,6 +243,7 @@ def append_sample(head: Segment, sample: P.Sample, parsed: ParsedTurn, trained: 
         trained,
         sampled_with=with_.model_dump() if with_ is not None else None,
         sampling_known=q is not None,
+        policies=[p.model_dump() for p in sample.policies or [sample.policy] if p is not None] or None,
     )
 
 
@@ -290,6 +291,7 @@ def turn_answer(session: Session, index: int) -> S.SessionTurn:
         finish_reason=t.finish_reason,
         weight_version=min(head.token_versions[t.start : t.end], default=-1),
         token_weight_versions=head.token_versions[t.start : t.end],
+        policies=t.policies,
     )
 
 
@@ -311,6 +313,7 @@ def segment_out(s: Segment) -> S.SegmentOut:
                 reward=t.reward,
                 sampled_with=t.sampled_with,
                 sampling_known=t.sampling_known,
+                policies=t.policies,
             )
             for t in s.turns
         ],

@@ -82,6 +82,12 @@ class ReplicaState(BaseModel):
     drafts_by_sampler: dict[str, DraftCounts] = Field(
         default_factory=dict, description="The drafted and accepted tokens of rollouts, per sampler, since start."
     )
+    adapter_bytes: int = Field(
+        0, description="Bytes of LoRA adapter versions loaded now (FARM_ADAPTER_BYTES_PER_REPLICA at most)."
+    )
+    adapter_evictions: int = Field(
+        0, description="Adapter versions unloaded since start to make room (least recently used, none in use)."
+    )
 
 
 class ControlResponse(BaseModel):

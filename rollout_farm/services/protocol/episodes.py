@@ -59,8 +59,8 @@ class EpisodeRequest(EpisodeLimits):
     adapter: AdapterRef | None = Field(
         None,
         description="Sample from this LoRA adapter (an exact version, or the newest resident from min_version); "
-        "null: the base model. Every turn is checked against the version's digest; the episode's segments record "
-        "weight versions, not yet each turn's adapter version.",
+        "null: the base model. Every turn is checked against the version's digest; each turn of the episode's "
+        "segments records the policy that drew it (`policies`).",
     )
     ttl_s: Float = Field(
         3600.0, gt=0, le=MAX_SESSION_TTL_S, description="Each episode's session stays readable this long."

@@ -147,7 +147,16 @@ class Sample(BaseModel):
     policy: Policy | None = Field(
         None,
         description="The policy that drew it: base version, adapter and version, and the digest of their bytes "
-        "(docs/tenants.md); the first token's where a commit landed mid-sample. Null from engines that run no model.",
+        "(docs/tenants.md); the first token's where a commit landed mid-sample (then see policies). Null from engines "
+        "that run no model.",
+    )
+    policies: list[Policy] | None = Field(
+        None,
+        description="Only for a sample whose tokens span a base weight commit (in-flight policy 'partial'; then "
+        "token_weight_versions is set): every policy that drew it, in token order, one per base version, the first "
+        "equal to `policy`. Token i's policy is the one whose base_version is token_weight_versions[i] "
+        "(Sample.token_policies). A digest is null where the replica no longer knew that version's. A sample on an "
+        "adapter never spans a commit (its rollout is a 409 instead). Null: every token is from `policy`.",
     )
     sampler_meta: dict = Field(default_factory=dict, description="What the sampler reports about this sample.")
     loss_mask: list[int] | None = Field(
@@ -155,6 +164,14 @@ class Sample(BaseModel):
         description="Per token: 1 where the model sampled it (trained), 0 on context inside the response (a "
         "multi-turn episode's tool results and template tokens). None: every token is sampled.",
     )
+
+    def token_policies(self) -> list[Policy | None]:
+        """Derived, not a field (not sent): each generated token's policy, from policies and token_weight_versions
+        (every token's is `policy` when the sample spans no commit)."""
+        if not self.policies or not self.token_weight_versions:
+            return [self.policy] * len(self.token_ids)
+        by_version = {p.base_version: p for p in self.policies}
+        return [by_version.get(v) for v in self.token_weight_versions]
 
 
 class Group(BaseModel):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from rollout_farm.services.protocol.adapters import AdapterRef
+from rollout_farm.services.protocol.adapters import AdapterRef, Policy
 from rollout_farm.services.protocol.common import (
     MAX_NEW_TOKENS,
     MAX_STOPS,
@@ -31,6 +31,14 @@ from rollout_farm.services.protocol.rollouts import SampledWith, SamplerSpec
 MAX_SESSION_TTL_S = 7 * 86400
 
 
+TURN_POLICIES = (
+    "The policies that drew the turn ({base_version, adapter, adapter_version, digest}: docs/tenants.md), in token "
+    "order: one, unless a base commit landed mid-turn (then one per base version of its tokens, as a sample's "
+    "`policies`). An adapter given as min_version may resolve to another version each turn. Null: a turn stored "
+    "before turns kept their policy, or an engine that runs no model."
+)
+
+
 class SessionCreate(RequestModel):
     """POST /v1/sessions."""
 
@@ -46,7 +54,7 @@ class SessionCreate(RequestModel):
         None,
         description="Every turn samples from this LoRA adapter (an exact version, or the newest resident from "
         "min_version, resolved at each turn); null: the base model. Every turn's rollout is checked against the "
-        "version's digest; the trajectory records weight versions, not yet each turn's adapter version.",
+        "version's digest; each turn records the policy that drew it (`policies`).",
     )
     tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
     malformed_tool_calls: Literal["train", "mask"] = Field(
@@ -106,6 +114,7 @@ class SessionTurn(BaseModel):
     finish_reason: str
     weight_version: int
     token_weight_versions: list[int]
+    policies: list[Policy] | None = Field(None, description=TURN_POLICIES)
 
 
 class SessionReward(RequestModel):
@@ -125,6 +134,7 @@ class TurnSpan(BaseModel):
         description="The params the turn was drawn with, after the sampler's plan (a sampler may change them between "
         "turns); None for a turn stored before they were kept.",
     )
+    policies: list[Policy] | None = Field(None, description=TURN_POLICIES)
     sampling_known: bool = Field(
         True,
         description="Whether the segment's sampling_logprobs on this turn are q, the distribution it was drawn from: "

@@ -18,6 +18,12 @@ class WeightsFromPath(RequestModel):
         description="Push even though LoRA adapters made on the served base are resident: they are retired first "
         "(without it, such a push is a 409 naming them).",
     )
+    probe: dict | None = Field(
+        None,
+        description="Token sequences and the logprobs the pusher computed for them with these weights: every replica "
+        "scores them on the staged weights before the commit ({sequences, logprobs, tolerance}; docs/tenants.md). "
+        "A `probe.json` in the folder does the same; give one or the other.",
+    )
 
 
 class DistributedGroup(RequestModel):

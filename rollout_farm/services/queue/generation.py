@@ -16,10 +16,11 @@ from redis.exceptions import WatchError
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
-from rollout_farm.services.errors import FarmPaused, described
+from rollout_farm.services.errors import FarmPaused, Overloaded, described
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
 from rollout_farm.services.tasks import TASKS
+from rollout_farm.services.tenants.registry import Principal
 
 log = logging.getLogger("farm.queue")
 
@@ -71,7 +72,7 @@ class QueueGeneration:
                 found = await self._source(name)
                 if found is None:
                     return
-                spec, nonce = found
+                spec, nonce, owner = found
                 await self._lease_orphans(k)
                 state = await self.state(name)
                 need = spec.target_groups - state.ready
@@ -81,7 +82,7 @@ class QueueGeneration:
                     await self.r.hincrbyfloat(k.stats, "idle_s", clock() - start)
                     continue
                 batch += 1
-                await self._generate_batch(k, spec, nonce, taken, batch)
+                await self._generate_batch(k, spec, nonce, taken, batch, owner)
                 await self.r.hincrbyfloat(k.stats, "busy_s", clock() - start)
         except asyncio.CancelledError:
             raise
@@ -124,7 +125,10 @@ class QueueGeneration:
             entries += more
         return [(e, P.Prompt.model_validate(json.loads(e)["prompt"])) for e in entries]
 
-    async def _generate_batch(self, k: Keys, spec: P.QueueSource, nonce: str, taken, batch: int) -> None:
+    async def _generate_batch(
+        self, k: Keys, spec: P.QueueSource, nonce: str, taken, batch: int, owner: str | None = None
+    ) -> None:
+        """A batch of the source's groups; an episode source's sessions are its owner's (a tenant's, or None)."""
         params = (
             spec.sampling_params
             if spec.sampling_params.seed is None
@@ -133,13 +137,21 @@ class QueueGeneration:
         reward = spec.reward or (TASKS.get(spec.dataset).reward if spec.dataset else None)
         common = {"prompts": [p for _, p in taken], "n": spec.n, "sampling_params": params, "sampler": spec.sampler}
         common["adapter"] = spec.adapter
-        try:
-            if spec.episodes is not None:
-                groups = await self.generate_episodes(E.EpisodeRequest(**spec.episodes.model_dump(), **common))
-            else:
-                groups = await self.generate(P.RolloutRequest(**common, reward=reward))
+        try:  # a tenant's batch counts against its quota and fair share, as its own requests do
+            async with self.admitted(Principal(tenant=owner), len(taken) * spec.n) as took:
+                if spec.episodes is not None:
+                    episodes = E.EpisodeRequest(**spec.episodes.model_dump(), **common)
+                    groups = await self.generate_episodes(episodes, owner)
+                else:
+                    groups = await self.generate(P.RolloutRequest(**common, reward=reward))
+                took(sum(len(s.token_ids) for g in groups for s in g.samples))
         except asyncio.CancelledError:
             raise
+        except Overloaded as e:  # the owner's quota or share is used up: the prompts wait at the front
+            await self._recover(k)
+            log.info("queue_generation_refused", extra={"source": spec.name, "owner": owner, "error": e.message})
+            await asyncio.sleep(e.retry_after_s)
+            return
         except FarmPaused:  # the farm is paused: the prompts wait at the front until it resumes; not an error
             await self._recover(k)
             log.info("queue_generation_paused", extra={"source": spec.name, "prompts": len(taken)})

@@ -10,6 +10,11 @@ out makes its unacked groups deliverable again under the same item_id. A group o
 The Redis keys and the scripts that settle entries are in rollout_farm/services/queue/store.py, the background
 generation in rollout_farm/services/queue/generation.py, the gauges in rollout_farm/services/queue/gauges.py.
 
+Sources are owned (docs/tenants.md): a tenant's token makes a source its own, and sees, feeds, pulls, acks and
+removes only its own; another's is as unknown (404; an ack of its item ids answers them `unknown`). The admin token
+sees and changes every source. Without a token, the list shows the sources the admin made (all of them, without
+tenants: as before tenants); the other routes take a token.
+
 Why a zset of deadlines and XCLAIM rather than XAUTOCLAIM: every pull sets its own lease_s, and XAUTOCLAIM
 takes one min-idle time per call. Settling (ack, stale drop) runs as Lua scripts: each checks and changes the
 entry in one step, so an ack racing a redelivery or a stale drop counts once.
@@ -21,6 +26,7 @@ import asyncio
 import json
 import logging
 import uuid
+from typing import NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
@@ -32,20 +38,34 @@ from rollout_farm.services.queue.gauges import GAUGES
 from rollout_farm.services.queue.generation import QueueGeneration
 from rollout_farm.services.queue.store import ACK, ADD, DROP, GROUP, Keys, prompt_entries
 from rollout_farm.services.state.redis_client import Owner
+from rollout_farm.services.tenants.registry import ADMIN, Principal
 
 log = logging.getLogger("farm.queue")
 
 POLL_S = 0.05  # a pull that waits for groups looks again this often
 
 
+class Source(NamedTuple):
+    spec: P.QueueSource
+    nonce: str  # a source added again under its name gets a new one: the old item ids are unknown to it
+    owner: str | None  # the tenant that added it; None: the admin
+
+
+def visible(who: Principal, owner: str | None) -> bool:
+    """Whether `who` sees (and, with a token, changes) a source of `owner`: the admin every source, a tenant its own,
+    a caller without a token the admin's."""
+    return who.admin or owner == who.tenant
+
+
 class TrajectoryQueue(QueueGeneration):
     """The queue as this ingress replica sees it. `generate(request)` returns the groups of a RolloutRequest, and
     `generate_episodes(request)` those of an EpisodeRequest (an episode source's); `await version()` the committed
-    version, read from the state (a push through another replica counts at once)."""
+    version, read from the state (a push through another replica counts at once); `admitted(principal, samples)`
+    counts a batch against its source owner's quota and fair share (Tenants.admitted)."""
 
-    def __init__(self, r: Redis, prefix: str, generate, generate_episodes, version, batch_groups: int):
+    def __init__(self, r: Redis, prefix: str, generate, generate_episodes, version, batch_groups: int, admitted):
         self.r, self.prefix, self.generate, self.version, self.batch_groups = r, prefix, generate, version, batch_groups
-        self.generate_episodes = generate_episodes
+        self.generate_episodes, self.admitted = generate_episodes, admitted
         self.sources_key = f"{prefix}:q:sources"  # name -> {"spec": QueueSource, "nonce": ...}
         self.owner = Owner(r)
         self.consumer = f"ingress-{self.owner.me[:12]}"
@@ -56,28 +76,39 @@ class TrajectoryQueue(QueueGeneration):
         GAUGES.queues.add(self)
 
     # sources ----------------------------------------------------------------------------------------------
-    async def _source(self, name: str) -> tuple[P.QueueSource, str] | None:
+    async def _source(self, name: str) -> Source | None:
         raw = await self.r.hget(self.sources_key, name)
         if raw is None:
             return None
         entry = json.loads(raw)
-        return P.QueueSource.model_validate(entry["spec"]), entry["nonce"]
+        return Source(P.QueueSource.model_validate(entry["spec"]), entry["nonce"], entry.get("owner"))
 
-    async def get(self, name: str) -> tuple[P.QueueSource, str]:
+    async def get(self, name: str, who: Principal = ADMIN) -> Source:
+        """The source, when `who` may see it; 404 otherwise (another tenant's is as unknown as none)."""
         found = await self._source(name)
-        if found is None:
-            names = sorted(await self.r.hkeys(self.sources_key))
+        if found is None or not visible(who, found.owner):
+            names = await self._names(who)
             raise NotFound(
-                f"no queue source {name!r}; registered: {', '.join(names) or 'none'} (POST /v1/queue/sources)"
+                f"no queue source {name!r}; registered: {', '.join(names) or 'none'} (POST /v1/queue/sources)",
+                [{"field": "source", "message": "unknown"}],
             )
         return found
 
-    async def add_source(self, spec: P.QueueSource) -> P.QueueSourceState:
+    async def _names(self, who: Principal) -> list[str]:
+        """The names of the sources `who` may see."""
+        entries = await self.r.hgetall(self.sources_key)
+        return sorted(n for n, raw in entries.items() if visible(who, json.loads(raw).get("owner")))
+
+    async def add_source(self, spec: P.QueueSource, who: Principal = ADMIN) -> P.QueueSourceState:
+        """A new source, owned by `who`'s tenant (the admin's: none)."""
         k = Keys(self.prefix, spec.name)
-        entry = json.dumps({"spec": spec.model_dump(mode="json"), "nonce": uuid.uuid4().hex[:8]})
+        made = {"spec": spec.model_dump(mode="json"), "nonce": uuid.uuid4().hex[:8], "owner": who.tenant}
+        entry = json.dumps(made)
         async with self.r.pipeline(transaction=True) as pipe:
             await pipe.watch(self.sources_key)
-            if await pipe.hexists(self.sources_key, spec.name):
+            if (held := await pipe.hget(self.sources_key, spec.name)) is not None:
+                if not visible(who, json.loads(held).get("owner")):  # another tenant's: nothing told about it
+                    raise Conflict(f"the source name {spec.name!r} is taken: pick another name")
                 raise Conflict(
                     f"source {spec.name!r} exists: DELETE /v1/queue/sources/{spec.name} first, or pick another name"
                 )
@@ -98,17 +129,19 @@ class TrajectoryQueue(QueueGeneration):
         )
         return await self.state(spec.name)
 
-    async def add_prompts(self, name: str, prompts: list[P.Prompt], batch_id: str | None = None) -> P.QueueSourceState:
+    async def add_prompts(
+        self, name: str, prompts: list[P.Prompt], batch_id: str | None = None, who: Principal = ADMIN
+    ) -> P.QueueSourceState:
         """Queue prompts at the back; with a batch_id, only the first addition of that id counts (a retry or a
         resumed trainer adding its step's prompts again adds nothing)."""
-        await self.get(name)
+        await self.get(name, who)
         k = Keys(self.prefix, name)
         prompt_json = [json.dumps(p.model_dump(mode="json")) for p in prompts]
         await self._add(keys=[k.pending, k.batches, k.stats], args=[batch_id or "", *prompt_json])
         return await self.state(name)
 
-    async def remove(self, name: str) -> P.QueueSourceState:
-        state = await self.state(name)
+    async def remove(self, name: str, who: Principal = ADMIN) -> P.QueueSourceState:
+        state = await self.state(name, who)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hdel(self.sources_key, name)
             pipe.delete(*Keys(self.prefix, name).all())
@@ -117,8 +150,8 @@ class TrajectoryQueue(QueueGeneration):
             task.cancel()
         return state
 
-    async def state(self, name: str) -> P.QueueSourceState:
-        spec, _ = await self.get(name)
+    async def state(self, name: str, who: Principal = ADMIN) -> P.QueueSourceState:
+        spec = (await self.get(name, who)).spec
         k = Keys(self.prefix, name)
         now = await self._now_ms()
         async with self.r.pipeline(transaction=False) as pipe:
@@ -142,15 +175,17 @@ class TrajectoryQueue(QueueGeneration):
             generation_idle_s=round(float(stats.get("idle_s", 0.0)), 3),
         )
 
-    async def states(self) -> list[P.QueueSourceState]:
+    async def states(self, who: Principal = ADMIN) -> list[P.QueueSourceState]:
+        """The sources `who` may see (the gauges keep the admin's view: every source)."""
         out = []
-        for name in sorted(await self.r.hkeys(self.sources_key)):
+        for name in await self._names(who):
             try:
                 out.append(await self.state(name))
                 metrics.init_source(name)  # sources added through another replica, or before a restart
             except NotFound:  # removed meanwhile
                 pass
-        self.snapshot = out
+        if who.admin:
+            self.snapshot = out
         return out
 
     async def _now_ms(self) -> int:
@@ -158,8 +193,9 @@ class TrajectoryQueue(QueueGeneration):
         return seconds * 1000 + micros // 1000
 
     # pulls and acks -------------------------------------------------------------------------------------
-    async def pull(self, req: P.PullRequest) -> P.PullResponse:
-        _, nonce = await self.get(req.source)
+    async def pull(self, req: P.PullRequest, who: Principal = ADMIN) -> P.PullResponse:
+        """Lease groups of `req.source`, one `who` may see (404 otherwise: never another tenant's groups)."""
+        nonce = (await self.get(req.source, who)).nonce
         k = Keys(self.prefix, req.source)
         deadline = await self._now_ms() + int(req.wait_s * 1000)
         taken, dropped = [], 0
@@ -245,15 +281,16 @@ class TrajectoryQueue(QueueGeneration):
             )
         return items
 
-    async def ack(self, item_ids: list[str]) -> P.AckResponse:
-        """Settle delivered groups, whatever their lease state; acking again changes nothing."""
+    async def ack(self, item_ids: list[str], who: Principal = ADMIN) -> P.AckResponse:
+        """Settle delivered groups, whatever their lease state; acking again changes nothing. The items of a source
+        `who` may not see are `unknown`, and stay as they are."""
         acked, already, unknown = [], [], []
         nonces: dict[str, str | None] = {}
         for item_id in item_ids:
             name, nonce, entry_id = (item_id.split(":") + ["", ""])[:3]
             if name not in nonces:
                 found = await self._source(name) if name else None
-                nonces[name] = found[1] if found else None
+                nonces[name] = found.nonce if found and visible(who, found.owner) else None
             if nonces[name] is None or nonce != nonces[name] or not entry_id:
                 unknown.append(item_id)
                 continue

@@ -32,6 +32,8 @@ from rollout_farm.services.errors import (
     EngineVerbMissing,
     FarmPaused,
     NotSupported,
+    Overloaded,
+    ServiceError,
     Unavailable,
     VersionNotReached,
     described,
@@ -169,7 +171,7 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
                     return await self._sample(
                         prompts, n, params, reward, meta, spec, cache_key, cut, progress, adapter, key, held
                     )
-            except (Conflict, NotSupported) as e:  # expected answers: returned, so Serve logs no traceback
+            except (Conflict, NotSupported, Overloaded, Unavailable) as e:  # expected: returned (Serve logs no trace)
                 return e
             except AdapterNotResident:
                 return adapter_gone(adapter[0])
@@ -287,6 +289,7 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
             weights_lost=self.weights_lost,
             drafts_by_sampler={name: P.DraftCounts(drafted=d, accepted=a) for name, (d, a) in self.drafts.items()},
             **e.stats.snapshot(),
+            **self.residency_state(),
         )
 
     async def pause(self, mode: str = "wait") -> P.ReplicaState:
@@ -353,11 +356,11 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
 
     async def score(
         self, sequences: list[list[int]], top_k: int, adapter: tuple[P.AdapterRef, str] | None = None
-    ) -> list[dict] | Conflict | NotSupported:
+    ) -> list[dict] | ServiceError:
         """Prompt logprobs (OpenAI's echo): per sequence, each token's text piece and logprob, and the top_k
         alternatives as {text: logprob}; with `adapter` (resolved at the ingress), under that adapter."""
         scored = await self._scored(sequences, top_k, adapter)
-        if isinstance(scored, Conflict | NotSupported):
+        if isinstance(scored, Exception):
             return scored
         tok = self.engine.tokenizer
         return [
@@ -369,25 +372,14 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
             for ids, s in zip(sequences, scored)
         ]
 
-    async def _scored(self, sequences, top_k: int, adapter: tuple[P.AdapterRef, str] | None):
-        """engine.score on the engine's thread, under `adapter` when given; a refusal is returned (an expected
-        answer: Serve logs no traceback), a version retired meanwhile as a 409."""
-        try:
-            keyed = {"adapter": (await self.ensure_adapter(*adapter))[0]} if adapter else {}
-            return await self._on_engine_thread(functools.partial(self.engine.score, sequences, top_k, **keyed))
-        except (Conflict, NotSupported) as e:
-            return e
-        except AdapterNotResident:
-            return adapter_gone(adapter[0])
-
     # for the SGLang surface -------------------------------------------------------------------------------
     async def score_ids(
         self, sequences: list[list[int]], top_k: int, adapter: tuple[P.AdapterRef, str] | None = None
-    ) -> list[dict] | Conflict | NotSupported:
+    ) -> list[dict] | ServiceError:
         """Prompt logprobs (SGLang's input_token_logprobs): per sequence, each token's logprob (None for the first)
         and the top_k alternatives of its position as [token_id, logprob] pairs; with `adapter`, under it."""
         scored = await self._scored(sequences, top_k, adapter)
-        if isinstance(scored, Conflict | NotSupported):
+        if isinstance(scored, Exception):
             return scored
         return [{"logprobs": s.logprobs, "top": [[[t, lp] for t, lp in alts] for alts in s.top]} for s in scored]
 

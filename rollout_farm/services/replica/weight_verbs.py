@@ -1,8 +1,14 @@
 """The weight verbs of an engine replica (EngineServer inherits them): catch-up to the committed version from the
 WeightStore, the two phases of a push (stage, with an upload's buckets staged one by one as they arrive, and
 commit), the record a starting replica loads, and the trainer's NCCL transport. Expected refusals (weights refused,
-a base that does not fit, an engine without NCCL) are returned, not raised: Serve logs every exception a replica
-method raises with its traceback."""
+a base that does not fit, a probe the staged weights fail, an engine without NCCL) are returned, not raised: Serve
+logs every exception a replica method raises with its traceback.
+
+A push's probe (rollout_farm/services/weights/probe.py) is scored in phase one, on the staged weights, which no
+request sees: the model's own forward pass with the staged tensors put in place of its parameters for the call
+(torch.func.functional_call), under the model lock that keeps every decode step and scoring pass out meanwhile. No
+copy of the weights is made (the staged tensors are already on the device), nothing is swapped in and rolled back,
+and the served weights never change: a mismatch on any replica refuses the push before any commit."""
 
 from __future__ import annotations
 
@@ -16,7 +22,15 @@ from ray import serve
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.engine import WeightsRejected
-from rollout_farm.services.errors import Conflict, EngineVerbMissing, Invalid, Unavailable, VersionNotReached
+from rollout_farm.services.errors import (
+    Conflict,
+    EngineVerbMissing,
+    Invalid,
+    NotSupported,
+    Unavailable,
+    VersionNotReached,
+)
+from rollout_farm.services.weights import probe as probes
 
 if TYPE_CHECKING:
     from rollout_farm.services.engine import Engine
@@ -63,16 +77,39 @@ class ReplicaWeights:
                 )
             await asyncio.sleep(0.05)
 
-    async def stage(self, source: tuple, version: int) -> int | Invalid | Conflict:
-        """Phase one of a push: check and hold the weights next to the served ones. Weights the engine refuses (e.g.
-        NaN or inf in a tensor) are Invalid, a 422 naming the tensor; a push with a base version that does not fit
-        the served weights is a Conflict (409) telling the client to send a full push. Both are expected answers,
-        returned, not raised (Serve logs every exception a replica method raises with its traceback): the ingress
-        takes a returned error as this replica's refusal (Replicas.errors) and logs the push's one warning line."""
+    async def stage(
+        self, source: tuple, version: int, probe_json: str | None = None
+    ) -> int | Invalid | Conflict | NotSupported:
+        """Phase one of a push: check and hold the weights next to the served ones, then score the push's probe on
+        them, if it has one. Weights the engine refuses (e.g. NaN or inf in a tensor) are Invalid, a 422 naming the
+        tensor, and so are staged weights that do not compute the probe's logprobs (naming `probe`, this replica, the
+        sequence and the token); a push with a base version that does not fit the served weights is a Conflict (409)
+        telling the client to send a full push; an engine that cannot score a probe is NotSupported (501). All are
+        expected answers, returned, not raised (Serve logs every exception a replica method raises with its
+        traceback): the ingress takes a returned error as this replica's refusal (Replicas.errors), makes every
+        replica discard, and logs the push's one warning line."""
         try:
-            return await self._stage(source, version)
-        except (Invalid, Conflict) as e:
+            await self._stage(source, version)
+            if probe_json is not None:
+                await asyncio.to_thread(self._probe, probes.parse(probe_json), version)
+            return version
+        except (Invalid, Conflict, NotSupported) as e:
             return e
+
+    def _probe(self, probe: probes.Probe, version: int) -> None:
+        """Invalid (naming `probe`) unless the weights staged as `version` compute the probe's logprobs."""
+        probes.in_vocabulary(probe, self.engine.vocab_size())
+        probes.check(probe, self._score_staged(version, probe.sequences), replica_id())
+
+    def _score_staged(self, version: int, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Each sequence's logprobs under the weights staged as `version`, which no request sees (the module's
+        docstring says how); NotSupported (501) for an engine that cannot (SGLang)."""
+        try:
+            return self.engine.score_staged_weights(version, sequences)
+        except EngineVerbMissing as e:
+            raise NotSupported(str(e)) from None
+        except WeightsRejected as e:
+            raise Invalid([{"field": "probe", "message": f"replica {replica_id()}: {e}"}]) from None
 
     async def stage_bucket(
         self, version: int, index: int, refs: list, manifest: Manifest | None

@@ -7,13 +7,16 @@ its caller leaves, and the job outlives its caller by FARM_DISCONNECT_GRACE_S, f
 The records live in Redis, shared by every ingress replica (keys under farm:<app>:job:<request_id>):
   (hash)    fp: the body's fingerprint; state: running, done or failed; result (done); error, status (failed)
   :groups   list: the GroupEvents in finishing order, for a replay that streams
-  :owner    the running replica's claim (rollout_farm/services/state/redis_client.py Owner): a record whose owner lapsed
-  is run again :cancel   set by DELETE /v1/rollouts/{id} on another replica; the owner cancels at its next heartbeat,
-  and the DELETE
-            waits for that to answer honestly (cancelled: false when the job finished first)
+  :owner    the running replica's claim (state/redis_client.py Owner): a record whose owner lapsed is run again
+  :cancel   set by DELETE /v1/rollouts/{id} on another replica; the owner cancels at its next heartbeat, and the
+            DELETE waits for that to answer honestly (cancelled: false when the job finished first)
   :waiting  refreshed by a replay waiting on another replica, so the owner's disconnect grace does not cancel
 A replay on the running replica follows the job in memory; on another replica it polls the record.
 Finished records expire after FARM_IDEMPOTENCY_TTL_S; failed and cancelled ones are run again by a new request.
+
+A tenant's request_ids are its own (owned()): the route keys its job under its tenant, a NUL, then the id: which no
+caller can send (a request's text may hold no NUL), so two tenants, or a tenant and a caller without one, using
+the same id never replay, cancel or cut each other's rollout. The admin's and anyone's ids are kept as sent.
 """
 
 from __future__ import annotations
@@ -40,6 +43,19 @@ HEARTBEAT_S = 1.0
 POLL_S = 0.05
 CUT_WAIT_S = 10.0  # how long a cut rollout may take to answer with what it had, before it is cancelled outright
 RECORD_WAIT_S = 5.0  # how long a failed job's caller waits for its record to say so (Redis slow or away: no longer)
+
+
+OWNED = "\0"  # between a tenant and its request_id in the id a job is kept under
+
+
+def owned(request_id: str | None, tenant: str | None) -> str | None:
+    """The id a request's job is kept under (its record, its replay, its cancel and cut on the replicas): a tenant's
+    own; the admin's and anyone's as sent."""
+    return f"{tenant}{OWNED}{request_id}" if request_id and tenant else request_id
+
+
+def shown(request_id: str) -> str:  # the request_id as its caller sent it
+    return request_id.rpartition(OWNED)[2]
 
 
 class Job:
@@ -135,11 +151,11 @@ class RolloutJobs:
                 raise self._conflict(req.request_id)
             metrics.REPLAYS.inc()
             return RemoteJob(key)
-        raise Conflict(f"request_id {req.request_id!r} is being claimed by another request: send it again")
+        raise Conflict(f"request_id {shown(req.request_id)!r} is being claimed by another request: send it again")
 
     @staticmethod
     def _conflict(request_id: str) -> Conflict:
-        return Conflict(f"request_id {request_id!r} was used for a different request: use a new id")
+        return Conflict(f"request_id {shown(request_id)!r} was used for a different request: use a new id")
 
     async def _claim(self, key: str, fp: str) -> bool:
         """Make this replica the record's owner: a new record, or one whose run failed or whose owner died."""

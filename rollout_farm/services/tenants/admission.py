@@ -18,6 +18,7 @@ replica admits against the same numbers; each in-flight entry carries a deadline
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -101,9 +102,10 @@ class Admission:
         try:
             yield spent.append
         finally:
-            await self.r.zrem(keys[0], member)
+            # shielded: a streamed answer's caller that leaves cancels this cleanup, which must still run
+            await asyncio.shield(self.r.zrem(keys[0], member))
             if rate and spent:
-                await self._take(tenant, rate, sum(spent))
+                await asyncio.shield(self._take(tenant, rate, sum(spent)))
 
     async def _bucket_wait(self, tenant: str, rate: float) -> float:
         """Seconds until the tenant's token bucket is out of debt (0: not in debt)."""

@@ -5,6 +5,10 @@
 
 A token is shown once, when it is made (`farm tenants create`), and only its SHA-256 is kept. The admin token
 (FARM_API_TOKEN) is every tenant's and none: it sees and changes everything.
+
+A record changes only inside a WATCH/MULTI transaction on the `tenants` hash (create, set_quota, revoke), retried
+when another ingress changed the hash meanwhile: a token made while a quota changes, or while the tenant is revoked,
+is never lost nor left working for a revoked tenant.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from rollout_farm.services import metrics
 from rollout_farm.services.errors import STATE_ERRORS, NotFound, Overloaded
@@ -64,42 +69,59 @@ class Tenants:
         """A new tenant (or a new token for an existing one): its record and the token, shown this once."""
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         digest = token_hash(token)
-        raw = await self.r.hget(self.key, tenant)
-        record = json.loads(raw) if raw else {"tenant": tenant, "created": time.time(), "tokens": []}
-        record["tokens"].append(digest)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.key, tenant, json.dumps(record))
-        pipe.set(self._token_key(digest), tenant)
-        await pipe.execute()
+
+        def add(record: dict | None) -> dict:
+            record = record or {"tenant": tenant, "created": time.time(), "tokens": []}
+            record["tokens"].append(digest)
+            return record
+
+        record = await self._change(tenant, add, lambda pipe: pipe.set(self._token_key(digest), tenant))
         return record, token
+
+    async def _change(self, tenant: str, change, also=lambda pipe: None) -> dict:
+        """The tenant's record changed by change(record or None) -> record, and also(pipe) queued with it, in one
+        transaction; run again when the hash changed meanwhile (a read-modify-write never loses another's change)."""
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.key)
+                    raw = await pipe.hget(self.key, tenant)
+                    record = change(json.loads(raw) if raw else None)
+                    pipe.multi()
+                    pipe.hset(self.key, tenant, json.dumps(record))
+                    also(pipe)
+                    await pipe.execute()
+                    return record
+                except WatchError:
+                    continue
 
     async def all(self) -> list[dict]:
         return [json.loads(v) for _, v in sorted((await self.r.hgetall(self.key)).items())]
 
     async def revoke(self, tenant: str) -> dict:
         """Every token of the tenant stops working at once; its adapters stay (the admin may retire them)."""
-        record = await self._record(tenant)
-        pipe = self.r.pipeline(transaction=True)
-        for digest in record["tokens"]:
-            pipe.delete(self._token_key(digest))
-        pipe.hdel(self.key, tenant)
-        await pipe.execute()
-        return record
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.key)
+                    raw = await pipe.hget(self.key, tenant)
+                    record = known(tenant, json.loads(raw) if raw else None)
+                    pipe.multi()
+                    for digest in record["tokens"]:
+                        pipe.delete(self._token_key(digest))
+                    pipe.hdel(self.key, tenant)
+                    await pipe.execute()
+                    return record
+                except WatchError:
+                    continue
 
     async def set_quota(self, tenant: str, quota: dict) -> dict:
-        record = await self._record(tenant)
-        record["quota"] = quota
-        await self.r.hset(self.key, tenant, json.dumps(record))
+        def change(record: dict | None) -> dict:
+            return {**known(tenant, record), "quota": quota}
+
+        record = await self._change(tenant, change)
         self._cache = (-1e9, {})  # this ingress applies it now; the others within RECORDS_TTL_S
         return record
-
-    async def _record(self, tenant: str) -> dict:
-        raw = await self.r.hget(self.key, tenant)
-        if raw is None:
-            raise NotFound(
-                f"no tenant {tenant!r}: GET /v1/tenants lists them", [{"field": "tenant", "message": "unknown"}]
-            )
-        return json.loads(raw)
 
     async def _records(self, tenant: str | None) -> dict[str, dict]:
         """Every tenant's record, read at most once a second (at once for a tenant not read yet); the last ones read
@@ -148,3 +170,10 @@ class Tenants:
     async def of_token(self, token: str) -> str | None:
         """The tenant a token belongs to; None when it is nobody's."""
         return await self.r.get(self._token_key(token_hash(token)))
+
+
+def known(tenant: str, record: dict | None) -> dict:
+    """The tenant's record; 404 when there is none."""
+    if record is None:
+        raise NotFound(f"no tenant {tenant!r}: GET /v1/tenants lists them", [{"field": "tenant", "message": "unknown"}])
+    return record

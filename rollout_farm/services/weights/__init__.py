@@ -7,7 +7,7 @@ push (ingress, every replica) -> stage (each replica) -> store (for replicas tha
 
 | module | owns |
 | --- | --- |
-| `pusher.py` | client side: `WeightPusher`, full, bucketed or delta pushes from a state dict, falling back to full |
+| `pusher.py` | client side: `WeightPusher`, full, bucketed or delta pushes, falling back to full; `compute_probe` |
 | `buckets.py` | the body's framing: safetensors files back to back, each a bucket of whole tensors; bucket views |
 | `manifest.py` | the push's manifest: per tensor a checksum of its new bytes and how it travels (full, same, xor) |
 | `delta.py` | byte-level deltas: XOR against the served bytes, in byte planes, zlib where it pays |
@@ -15,6 +15,7 @@ push (ingress, every replica) -> stage (each replica) -> store (for replicas tha
 | `early.py` | ingress: `EarlyStage`, each bucket sent to every replica to stage while the next one streams |
 | `push.py` | `WeightPush`: the push lock, stage on every replica, record, commit; any refusal, all discard; NCCL |
 | `stage.py` | replica: `Staging`, each bucket staged as it arrives (checksums, deltas), then the whole push checked |
+| `probe.py` | a push's probe (base or adapter): the pusher's logprobs, scored on each replica's staged policy |
 | `store.py` | `WeightStore`, the engine deployment's actor: the committed version and its source, for late replicas |
 | `checks.py` | every check on pushed weights: safetensors headers (no unpickling), `non_finite` (NaN and inf refused) |
 | `state_dict.py` | a model's tensors as the transports see them: canonical names, specs, safetensors dtypes |

@@ -20,18 +20,24 @@ import torch
 
 from rollout_farm.services.weights.checks import DTYPE_BYTES, WeightsError, parse_header
 from rollout_farm.services.weights.manifest import META_KEY, Manifest, tensor_bytes
+from rollout_farm.services.weights.probe import META_KEY as PROBE_KEY
 from rollout_farm.services.weights.state_dict import ST_DTYPES
 
 TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()} | {"U8": torch.uint8, "I16": torch.int16, "I8": torch.int8}
 BUCKET_BYTES = 64 << 20  # the client's default bucket size: the replicas stage one while the next streams
 
 
-def header(entries: list[tuple[str, str, list[int], int]], manifest: Manifest | None = None) -> bytes:
+def header(
+    entries: list[tuple[str, str, list[int], int]], manifest: Manifest | None = None, probe: str | None = None
+) -> bytes:
     """A safetensors header (its 8-byte length, then JSON padded to 8 bytes) for (name, dtype, shape, nbytes) laid
-    out in that order."""
+    out in that order; the manifest and the probe (JSON, rollout_farm/services/weights/probe.py) in its metadata."""
     head, offset = {}, 0
-    if manifest is not None:
-        head["__metadata__"] = {META_KEY: manifest.to_json()}
+    metadata = {META_KEY: manifest.to_json()} if manifest is not None else {}
+    if probe is not None:
+        metadata[PROBE_KEY] = probe
+    if metadata:
+        head["__metadata__"] = metadata
     for name, dtype, shape, nbytes in entries:
         head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -54,15 +60,18 @@ def plan(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 
 
 def buckets(
-    payloads: dict[str, tuple[str, list[int], memoryview]], manifest: Manifest | None, bucket_bytes: int
+    payloads: dict[str, tuple[str, list[int], memoryview]],
+    manifest: Manifest | None,
+    bucket_bytes: int,
+    probe: str | None = None,
 ) -> Iterator[memoryview]:
     """The body: for each bucket its header, then each payload's bytes (name -> (dtype, shape, bytes)). The manifest
-    goes in the first bucket; a push that sends no tensor at all is one bucket with the manifest alone."""
+    and the probe go in the first bucket; a push that sends no tensor at all is one bucket with the manifest alone."""
     groups = plan({n: len(p[2]) for n, p in payloads.items()}, bucket_bytes)
     for i, names in enumerate(groups):
         names = sorted(names, key=lambda n: -DTYPE_BYTES[payloads[n][0]])  # widest first: every tensor stays aligned
         entries = [(n, payloads[n][0], payloads[n][1], len(payloads[n][2])) for n in names]
-        yield memoryview(header(entries, manifest if i == 0 else None))
+        yield memoryview(header(entries, *((manifest, probe) if i == 0 else (None, None))))
         for n in names:
             yield payloads[n][2]
 
@@ -72,8 +81,13 @@ def full_payloads(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list
     return {n: (ST_DTYPES[t.dtype], list(t.shape), tensor_bytes(t)) for n, t in tensors.items()}
 
 
-def size(payloads: dict[str, tuple[str, list[int], memoryview]], manifest: Manifest | None, bucket_bytes: int) -> int:
-    return sum(len(piece) for piece in buckets(payloads, manifest, bucket_bytes))
+def size(
+    payloads: dict[str, tuple[str, list[int], memoryview]],
+    manifest: Manifest | None,
+    bucket_bytes: int,
+    probe: str | None = None,
+) -> int:
+    return sum(len(piece) for piece in buckets(payloads, manifest, bucket_bytes, probe))
 
 
 def views(buf) -> tuple[dict[str, torch.Tensor], dict]:

@@ -2,7 +2,8 @@
 
   stage   every replica checks the tensors and holds them next to the served ones; any refusal: all discard.
           An upload's buckets are staged as they arrive, while the next one streams
-          (rollout_farm/services/weights/early.py); the stage phase then checks the whole push on every replica
+          (rollout_farm/services/weights/early.py); the stage phase then checks the whole push on every replica,
+          and scores the push's probe, if any, on the staged weights (rollout_farm/services/weights/probe.py)
   record  the WeightStore keeps the version and its source, so a replica that starts from now on loads it
   commit  every replica serves the new version (its in-flight samples follow the push's policy)
 
@@ -28,8 +29,9 @@ from redis.exceptions import LockError
 
 from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
-from rollout_farm.services.errors import Conflict, Invalid, ReplicasFailed, TooLarge, replica_gone
+from rollout_farm.services.errors import Conflict, Invalid, NotSupported, ReplicasFailed, TooLarge, replica_gone
 from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.weights import probe as probes
 from rollout_farm.services.weights.checks import DTYPE_BYTES, WeightsError, check_state_dict, read_header_file
 from rollout_farm.services.weights.early import EarlyStage
 from rollout_farm.services.weights.stage import FULL_PUSH
@@ -60,8 +62,10 @@ def newer_than_served(version: int, served: dict[str, int], verb: str) -> int:
 
 def refusal(errors: list[Exception], version: int, current: int) -> Exception:
     """What a failed stage answers: 422 when every failing replica refused the content, 409 when one refused the
-    base, else 500 naming the replicas."""
+    base, 501 when an engine cannot score the push's probe, else 500 naming the replicas."""
     detail = list({str(d): d for e in errors for d in getattr(e, "detail", [])}.values())
+    if unsupported := [e for e in errors if isinstance(e, NotSupported)]:
+        return unsupported[0]
     if all(isinstance(e, Invalid) for e in errors):
         return Invalid(detail, errors[0].message)
     if all(isinstance(e, (Invalid, Conflict)) for e in errors):
@@ -183,7 +187,7 @@ class WeightPush:
         else:
             source = ("delta", {"base": base, "refs": got.refs, "bytes": got.bytes})
         push = self._phases(
-            version, policy, source, got.bytes, current, len(self.spec), start, base, len(got.names), early
+            version, policy, source, got.bytes, current, len(self.spec), start, base, len(got.names), early, got.probe
         )
         return await run_to_end(self._unlocking(push, early))
 
@@ -232,6 +236,8 @@ class WeightPush:
 
         async def check(spec):
             await self._guard(body.force)
+            nonlocal probe
+            probe = probes.one_of(probes.parse(body.probe), await asyncio.to_thread(probes.in_folder, folder))
             got = {}
             for f in files:
                 got.update(await asyncio.to_thread(read_header_file, f))
@@ -239,17 +245,18 @@ class WeightPush:
                 raise WeightsError(problems)
             return len(got)
 
+        probe = None
         size = sum(f.stat().st_size for f in files)
-        return run_to_end(self._push(body.version, body.policy, check, lambda: ("path", str(folder)), size))
+        push = self._push(body.version, body.policy, check, lambda: ("path", str(folder)), size, lambda: probe)
+        return run_to_end(push)
 
-    async def _push(
-        self, version: int, policy: str, check: Callable, source: Callable[[], tuple], size: int
-    ) -> P.WeightsPushResponse:
-        """The two phases over every replica, under the push lock: admit, stage, record, commit."""
+    async def _push(self, version: int, policy: str, check: Callable, source: Callable, size: int, probe: Callable):
+        """The two phases over every replica, under the push lock: admit, stage, record, commit (`source()` and
+        `probe()` as `check` found them)."""
         async with self._locked():
             start = time.perf_counter()
             current, tensors = await self._admit(version, check)
-            return await self._phases(version, policy, source(), size, current, tensors, start)
+            return await self._phases(version, policy, source(), size, current, tensors, start, probe=probe())
 
     async def _phases(
         self,
@@ -263,10 +270,11 @@ class WeightPush:
         base: int | None = None,
         sent: int | None = None,
         early: EarlyStage | None = None,
+        probe: probes.Probe | None = None,
     ) -> P.WeightsPushResponse:
         """stage, record, commit, the push lock held (`early`: an upload's buckets were staged as they came, and the
-        stage phase checks the whole push)."""
-        await self._stage(version, where, size, current, early)
+        stage phase checks the whole push; `probe`: every replica scores it on the staged weights)."""
+        await self._stage(version, where, size, current, early, probe)
         await self._record(version, where, current)
         await self._commit(version, policy, where)
         self.committed = version  # the store wrote it to Redis, for the other ingress replicas
@@ -292,19 +300,20 @@ class WeightPush:
         except WeightsError as e:
             raise Invalid([{"field": "body", "message": m} for m in e.problems], REFUSED) from None
 
-    async def _stage(self, version: int, source: tuple, size: int, current: int, early: EarlyStage | None) -> None:
-        """Phase one: every replica stages, or (an upload's buckets staged as they came) checks the whole push; any
-        refusal and every replica discards. A large upload is copied by the store meanwhile
-        (rollout_farm/services/weights/ store.py; the buckets it has not copied yet as they came), a small one at the
-        commit."""
+    async def _stage(self, version: int, source: tuple, size: int, current: int, early: EarlyStage | None, probe=None):
+        """Phase one: every replica stages, or (an upload's buckets staged as they came) checks the whole push, then
+        scores the probe on what it staged; any refusal and every replica discards. A large upload is copied by the
+        store meanwhile (rollout_farm/services/weights/store.py; the buckets it has not copied yet as they came), a
+        small one at the commit."""
         big = source[0] != "path" and size > HOLD_ABOVE
         hold = None
         if big and early is not None:
             hold = early.hold_rest(source)
         elif big:
             hold = asyncio.ensure_future(self.replicas.call("record", version, source, True))
+        probe_json = probe.model_dump_json() if probe is not None else None
         errors = await self.replicas.errors(
-            "stage", source, version, timeout_s=self.settings.weight_sync_timeout_s, setting=SYNC_TIMEOUT
+            "stage", source, version, probe_json, timeout_s=self.settings.weight_sync_timeout_s, setting=SYNC_TIMEOUT
         )
         with contextlib.suppress(Exception):  # a failed copy is taken again at the commit
             await hold if hold else None

@@ -10,9 +10,15 @@
 bucketed and delta name the last pushed version as their base. A 409 on field `base` (a replica missed that version,
 or the store's chain of deltas is full) makes the pusher send the same version again in full. The pusher keeps the
 last pushed checksums, and for delta a CPU copy of the last pushed tensors (one model's worth of memory).
+
+A push may carry a probe (rollout_farm/services/weights/probe.py): `compute_probe` scores a few token sequences with
+the model pushed, and the pusher puts the probe in the first bucket's `__metadata__`; every replica scores it on the
+staged weights before the commit, and a mismatch refuses the push everywhere (a 422 on `probe`).
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -21,6 +27,7 @@ from rollout_farm.services.client import FarmClient, FarmError
 from rollout_farm.services.weights.buckets import BUCKET_BYTES, buckets, full_payloads, size
 from rollout_farm.services.weights.delta import encode
 from rollout_farm.services.weights.manifest import Manifest, default_hash, digest, tensor_bytes
+from rollout_farm.services.weights.probe import DEFAULT_TOLERANCE
 
 MODES = ("full", "bucketed", "delta")
 DELTA_KEEP = 0.9  # send a tensor in full when its delta is not below this share of its bytes
@@ -30,6 +37,23 @@ def base_refused(e: FarmError) -> bool:
     """A 409 that says the push does not apply to the served weights: send a full push instead."""
     body = e.body if isinstance(e.body, dict) else {}
     return e.status == 409 and any(d.get("field") == "base" for d in body.get("detail") or [])
+
+
+def compute_probe(model: torch.nn.Module, sequences: list[list[int]], tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """A probe (rollout_farm/services/weights/probe.py) for `sequences` from a torch causal LM as it is now (with its
+    adapter, for a peft model): each token's logprob given the tokens before it, at temperature 1, in float32, in eval
+    mode (no dropout; the model's mode is restored)."""
+    training, logprobs = model.training, []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+                logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+                logprobs.append([None, *logp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()])
+    finally:
+        model.train(training)
+    return {"sequences": [list(ids) for ids in sequences], "logprobs": logprobs, "tolerance": tolerance}
 
 
 class _SendFull(Exception):
@@ -49,11 +73,17 @@ class WeightPusher:
         self.hashes: dict[str, str] = {}
         self.copy: dict[str, torch.Tensor] = {}  # delta: the last pushed tensors
         self.last: dict = {}  # the last push: mode sent, bytes, tensors sent, fallback
+        self.probe: str | None = None  # the push's probe, as JSON, for its first bucket
 
     def push(
-        self, tensors: dict[str, torch.Tensor], version: int, policy: P.InFlightPolicy = "finish"
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        policy: P.InFlightPolicy = "finish",
+        probe: dict | None = None,
     ) -> P.WeightsPushResponse:
-        """Push `tensors` (the canonical state dict) as `version`."""
+        """Push `tensors` (the canonical state dict) as `version`, with `probe` (compute_probe's) if given."""
+        self.probe = None if probe is None else json.dumps(probe)
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
         hashes = {n: digest(self.hash, tensor_bytes(t)) for n, t in tensors.items()}
         fallback = False
@@ -92,9 +122,9 @@ class WeightPusher:
 
     def _send(self, payloads, manifest, version, policy) -> P.WeightsPushResponse:
         def pieces():
-            return buckets(payloads, manifest, self.bucket_bytes)
+            return buckets(payloads, manifest, self.bucket_bytes, self.probe)
 
-        n = size(payloads, manifest, self.bucket_bytes)
+        n = size(payloads, manifest, self.bucket_bytes, self.probe)
         return self.client.push_pieces(pieces, n, version, policy)
 
     def _done(self, tensors, hashes, r: P.WeightsPushResponse, mode: str, fallback: bool = False):

@@ -19,8 +19,10 @@ import numpy as np
 import ray
 
 from rollout_farm.services.errors import Invalid, TooLarge
+from rollout_farm.services.weights import probe as probes
 from rollout_farm.services.weights.checks import WeightsError, check_state_dict, parse_header, payload_size
 from rollout_farm.services.weights.manifest import Manifest
+from rollout_farm.services.weights.probe import Probe
 
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
@@ -71,6 +73,7 @@ class Body:
 class Received:
     refs: list = field(default_factory=list)  # one ObjectRef per bucket (a numpy uint8 array)
     manifest: Manifest | None = None
+    probe: Probe | None = None  # in the first bucket's __metadata__ (rollout_farm/services/weights/probe.py)
     names: set[str] = field(default_factory=set)  # the tensors whose bytes came
     bytes: int = 0
     sha256: str | None = None
@@ -121,10 +124,11 @@ async def receive(body: Body, spec: dict, on_manifest: OnManifest = None, on_buc
         got, offsets, metadata = parse_header(raw, None)
         if first:
             out.manifest = Manifest.from_metadata(metadata)
+            out.probe = probes.parse(metadata.get(probes.META_KEY))  # a malformed one: 422 naming probe.<field>
             if on_manifest is not None:
                 await on_manifest(out.manifest)
-        elif metadata.get("farm") is not None:
-            raise WeightsError(["the manifest must be in the first bucket"])
+        elif metadata.get("farm") is not None or metadata.get(probes.META_KEY) is not None:
+            raise WeightsError(["the manifest and the probe must be in the first bucket"])
         if problems := check_bucket(spec, got, out.manifest, out.names):
             raise WeightsError(problems)
         if body.count - len(body.pending) + payload_size(offsets) > body.limit:  # before allocating it

@@ -14,6 +14,10 @@ start), and the adapter's config and tensors. The push answer's digest must be t
 other base weights, and the run stops with both digests. (A farm serving the same base in bfloat16 or float16 gives
 the digest of those tensors cast: it is accepted as such, and logged.)
 
+The probe. Each push carries a probe (rollout_farm/trainer/sync/probe.py): logprobs of a few sequences under the
+actor with this adapter, in float32, which every replica scores on the staged adapter before the commit. A farm that
+refuses the push for it stops the run (ProbeRefused).
+
 Every sample must then carry `policy` {adapter: this name, adapter_version: a version this trainer pushed, digest:
 that version's}. A sample with another policy stops the run (PolicyMismatch) rather than being dropped: a farm
 that serves other bytes under the run's name, or another policy, is broken, and dropping its samples would train on
@@ -38,6 +42,7 @@ from rollout_farm.services.adapters.digest import adapter_digest, base_digest, t
 from rollout_farm.services.adapters.peft_format import read_folder
 from rollout_farm.services.client import FarmClient, FarmError
 from rollout_farm.trainer import lora
+from rollout_farm.trainer.sync.probe import PushProbe, stop_if_probe_refused
 
 log = logging.getLogger("farm.trainer")
 
@@ -51,9 +56,17 @@ class PolicyMismatch(RuntimeError):
 class AdapterSync:
     """One run's adapter at the farm: its pushes, and the digest of every version pushed."""
 
-    def __init__(self, client: FarmClient, name: str, base: dict[str, torch.Tensor], push_dir: str | None = None):
-        """`base`: the base model's tensors under the farm's names (lora.base_tensors); hashed here, once."""
-        self.client, self.name, self.base = client, name, base
+    def __init__(
+        self,
+        client: FarmClient,
+        name: str,
+        base: dict[str, torch.Tensor],
+        push_dir: str | None = None,
+        probe: PushProbe | None = None,
+    ):
+        """`base`: the base model's tensors under the farm's names (lora.base_tensors); hashed here, once. `probe`:
+        each push's probe sequences (None: pushes carry none)."""
+        self.client, self.name, self.base, self.probe = client, name, base, probe
         self.push_dir = Path(push_dir) / name if push_dir else None
         self.hash, sums = tensor_checksums(base)
         self._bases = {(self.hash, None): base_digest(self.hash, sums)}  # (hash, served dtype) -> base digest
@@ -75,19 +88,30 @@ class AdapterSync:
     # the push -------------------------------------------------------------------------------------------------
     def push(self, model: torch.nn.Module, version: int) -> int:
         """Push the model's adapter as `version`, or above the last push; returns the version the farm serves now.
-        PolicyMismatch when the farm's digest of it is not the one computed here."""
+        PolicyMismatch when the farm's digest of it is not the one computed here; ProbeRefused when the farm refuses
+        it for its probe."""
         version = max(version, self.last + 1)
+        scored = self.probe.of(model) if self.probe is not None else None
         with self._folder(version) as folder:
             lora.save_adapter(model, folder)
-            answer = self._send(folder, version)
+            try:
+                try:
+                    answer = self._send(folder, version, scored)
+                except FarmError as e:
+                    if scored is None or not self.probe.cannot_score(e):
+                        raise
+                    answer = self._send(folder, version, None)
+            except FarmError as e:
+                stop_if_probe_refused(e, f"adapter {self.name}@v{version}")
+                raise
             want = self.expected(folder, answer.digest)
         self.digests[answer.version], self.last = want, answer.version
         log.info("adapter_pushed", extra={"adapter": self.name, "version": answer.version, "digest": want})
         return answer.version
 
-    def _send(self, folder: Path, version: int) -> P.AdapterPushResponse:
+    def _send(self, folder: Path, version: int, probe: dict | None = None) -> P.AdapterPushResponse:
         try:
-            return self._push(folder, version)
+            return self._push(folder, version, probe)
         except FarmError as e:
             if e.status == 404:
                 raise RuntimeError(
@@ -97,12 +121,12 @@ class AdapterSync:
                 raise
         newest = max((v.version for v in self.client.adapter(self.name).versions), default=0)
         log.warning("adapter_version_taken", extra={"adapter": self.name, "version": version, "newest": newest})
-        return self._push(folder, newest + 1)
+        return self._push(folder, newest + 1, probe)
 
-    def _push(self, folder: Path, version: int) -> P.AdapterPushResponse:
+    def _push(self, folder: Path, version: int, probe: dict | None) -> P.AdapterPushResponse:
         if self.push_dir is not None:
-            return self.client.push_adapter_path(self.name, str(folder.resolve()), version)
-        return self.client.push_adapter(self.name, str(folder), version)
+            return self.client.push_adapter_path(self.name, str(folder.resolve()), version, probe)
+        return self.client.push_adapter(self.name, str(folder), version, probe)
 
     @contextlib.contextmanager
     def _folder(self, version: int) -> Iterator[Path]:

@@ -5,6 +5,7 @@
 | `engine.py` | TorchEngine, the Engine verbs: builds the parts, gives each what it uses, delegates to them |
 | `model.py` | ServedModel: the HF model and tokenizer, the model lock, the served version, the staged weights |
 | `scheduler.py` | Scheduler: the pending and running calls, their Batch and Slots, the loop thread, commits, aborts |
+| `row_endings.py` | RowEndings, the Scheduler's part that ends rows and calls: outputs, the batch's removal, delivery |
 | `call.py` | Call: one generate call's prompts, params, cancel event, future and outputs |
 | `batch.py` | Batch: the running rows' left-padded KV cache (prefill, decode, verify); Slots: their outputs so far |
 | `prefill.py` | Prefill: the session KV cache, the prompt cache, a prompt's prefill shared by its rows |

@@ -180,8 +180,21 @@ class TorchEngine(Engine):
     def discard_adapter(self, key: str) -> None:
         self.served.discard_adapter(key)
 
+    def staged_adapter_bytes(self, key: str) -> int:
+        return self.served.staged_adapter_bytes(key)
+
+    def evict_adapter(self, key: str) -> bool:
+        """Unload `key` now unless a call pins it (a replica's byte budget); False when one does."""
+        return self.served.lora.evict(key)
+
+    def base_digest_of(self, version: int) -> str | None:
+        return self.served.digest_of(version)
+
     def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
         return self.served.score_staged_adapter(key, sequences)
+
+    def score_staged_weights(self, version: int, sequences: list[list[int]]) -> list[list[float | None]]:
+        return self.served.score_staged_weights(version, sequences)
 
     def retire_adapter(self, key: str) -> None:
         self.served.lora.retire(key)

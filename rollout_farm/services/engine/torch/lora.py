@@ -9,8 +9,9 @@ layer adds the deltas, so the HF model runs unchanged; `rows` says, for the forw
 adapter each batch row uses.
 
 Adapters are resident under a key (`name@vN`, never reused for other bytes): `load` puts their tensors on the
-model's device and dtype, `unload` drops them. A key is used only while resident; the engine pins keys for its calls
-(engine.py), so nothing unloads an adapter a running row uses.
+model's device and dtype, `retire` drops them (once unpinned), `evict` drops them only if unpinned (a replica's byte
+budget). A key is used only while resident; the engine pins keys for its calls (engine.py), so nothing unloads an
+adapter a running row uses.
 """
 
 from __future__ import annotations
@@ -80,6 +81,16 @@ class LoraLayers:
         with self._lock:
             if self._pins.get(key):
                 self._retiring.add(key)
+                return False
+            self.adapters.pop(key, None)
+            self._stacks.clear()
+            return True
+
+    def evict(self, key: str) -> bool:
+        """Unload `key` now if no call pins it (a replica's byte budget: rollout_farm/services/adapters/residency.py);
+        False, and nothing changes, when one does. Unlike retire, the key may be loaded again at once."""
+        with self._lock:
+            if self._pins.get(key) or key in self._retiring:
                 return False
             self.adapters.pop(key, None)
             self._stacks.clear()

@@ -23,6 +23,8 @@ from rollout_farm.services.engine.torch.lora import LoraLayers, adapter_rows
 from rollout_farm.services.weights.checks import WeightsRejected, non_finite
 from rollout_farm.services.weights.state_dict import canonical_state_dict, spec_of
 
+DIGESTS_KEPT = 16  # base versions whose digest stays known (digest_of)
+
 
 class ServedModel:
     """Owns the HF `model` and `tokenizer` on `device`, the stop ids a call ends at unless it ignores EOS (`eos_ids`),
@@ -46,6 +48,7 @@ class ServedModel:
         self.lora = LoraLayers(self.model)
         self._staged_adapters: dict[str, tuple[dict, float]] = {}  # key -> (module -> (A, B), scaling)
         self._served = (0, self._digest())
+        self._digests = {0: self._served[1]}  # version -> digest, of the last DIGESTS_KEPT versions served
 
     @property
     def version(self) -> int:
@@ -65,6 +68,17 @@ class ServedModel:
     def staged(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The weights staged for the next commit, (version, tensors on the device), or None."""
         return self._staged
+
+    def score_staged_weights(self, version: int, sequences: list[list[int]]) -> list[list[float | None]]:
+        """The probe's logprobs under the weights staged as `version`, swapped in for this one forward pass under
+        the lock (rollout_farm/services/weights/probe.py's score_staged): no request sees them."""
+        from rollout_farm.services.weights.probe import score_staged
+
+        staged = self._staged
+        if staged is None or staged[0] != version:
+            raise WeightsRejected(f"version {version} is not staged here")
+        with self.lock:
+            return score_staged(self.model, staged[1], sequences)
 
     # weights ---------------------------------------------------------------
     def spec(self) -> dict[str, tuple[list[int], str]]:
@@ -89,6 +103,14 @@ class ServedModel:
                 for name, t in tensors.items():
                     params[name].copy_(t)
             self._served, self._staged = (version, self._digest()), None
+            self._digests[version] = self._served[1]
+            for old in sorted(self._digests)[:-DIGESTS_KEPT]:
+                del self._digests[old]
+
+    def digest_of(self, version: int) -> str | None:
+        """The digest of base version `version` when it was served lately (a sample that spans commits names the
+        policy of each of its tokens); None when it is too old, or was never served here."""
+        return self._digests.get(version)
 
     def _digest(self) -> str:
         return base_digest(*tensor_checksums(canonical_state_dict(self.model)))
@@ -113,6 +135,12 @@ class ServedModel:
 
     def discard_adapter(self, key: str) -> None:
         self._staged_adapters.pop(key, None)
+
+    def staged_adapter_bytes(self, key: str) -> int:
+        """The bytes staged adapter `key` will hold once resident (in the model's dtype: LoraLayers.load)."""
+        pairs, _ = self._staged_adapters[key]
+        size = next(self.model.parameters()).element_size()
+        return sum((a.numel() + b.numel()) * size for a, b in pairs.values())
 
     def score_staged_adapter(self, key: str, sequences: list[list[int]]) -> list[list[float | None]]:
         """Each sequence's logprobs under the staged (not yet served) adapter `key`: the push's probe."""

@@ -22,7 +22,8 @@ Each loop: commits and cancellations first, then admission, then one step.
   - one decode step of the running rows and one prefill of the admitted ones, one draw for all of them.
 The parts it is given do the rest: the admitted rows' prefill (Prefill, prefill.py), the pause modes that hold the
 running rows (Hold, hold.py), a step with drafts (Drafter, draft_step.py), who draws with which generator (Draws,
-sampling.py); the weights and the model lock are the served model's (ServedModel, model.py).
+sampling.py); the weights and the model lock are the served model's (ServedModel, model.py). The rows that end, and
+the calls they end, are handled by the part it inherits (RowEndings, row_endings.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rollout_farm.services.engine.stats import EngineStats
 from rollout_farm.services.engine.torch.batch import Batch, Slots
 from rollout_farm.services.engine.torch.call import Call
 from rollout_farm.services.engine.torch.hold import HOLD_POLL_S, Continuation, Hold, HoldMode, carry_over, retract
+from rollout_farm.services.engine.torch.row_endings import RowEndings
 from rollout_farm.services.engine.torch.sampling import Draws, RegexMask, draw, text_hits_stop
 from rollout_farm.services.protocol import InFlightPolicy, SamplingParams
 
@@ -54,7 +56,7 @@ log = logging.getLogger("farm.service")
 IDLE_WAIT_S = 0.05  # how often an idle scheduler looks at the pending calls' cancel events
 
 
-class Scheduler:
+class Scheduler(RowEndings):
     """Owns the pending calls (and `_cv`, the condition that guards them and wakes the loop), the running calls with
     their rows' Batch and Slots, the loop thread, the commit waiting to be applied, the abort epoch and the count of
     tokens generated. Given the served model (its lock and weights), the Prefill, Hold and Drafter (None: no
@@ -375,70 +377,3 @@ class Scheduler:
         t["step"] = torch.where(live, n, t["step"])
         lengths = n if d.dead is None else n - d.dead.to(torch.long)  # a dead row ends before its token
         return ended, lengths, hit, int(live.sum()) if not everyone else len(b)
-
-    # rows that end -------------------------------------------------------------------------------------------
-    def _finish_row(self, i: int, length: int, reason: str) -> None:
-        b = self.batch
-        call, slot = b.calls[i], int(b.t["slot"][i])
-        tok, lp, slp, ver = self.slots.read(slot, length)
-        if self.drafter is not None:
-            self.drafter.close(int(b.t["hist"][i]), keep=reason != "abort")
-        drafts = int(b.t["drafted"][i]), int(b.t["accepted"][i])
-        first = ver[0] if length else self.served.version
-        call.outputs[b.index[i]] = EngineOutput(tok, lp, reason, first, ver, slp, *drafts)
-        if call.cache_key is not None and reason != "abort":
-            self.prefill.keep_session(b, i, call, tok)
-        call.live -= 1
-        if not call.live:
-            del self._active[call]
-            self._generated += sum(len(o.token_ids) for o in call.outputs)
-            self._done.append(call)
-
-    def _remove(self, ended: torch.Tensor) -> None:
-        """Rows that ended leave the batch (unless rows_to_keep keeps them: then they are gone, not decoded for)."""
-        b = self.batch
-        keep = self.rows_to_keep(ended | b.t["gone"], torch.arange(len(b), device=ended.device))
-        b.t["gone"] |= ended
-        self._forget_drafts(b.t["hist"][~keep])
-        if bool(b.t["gone"][keep].all()):  # only rows kept after their end: the batch is over
-            keep = torch.zeros_like(keep)
-        self.slots.release(b.t["slot"][~keep].tolist())
-        b.select(keep)
-        self.draws.changed()
-
-    def _forget_drafts(self, hist: torch.Tensor) -> None:
-        if self.drafter is not None:
-            self.drafter.forget(hist)
-
-    def _end_cancelled(self) -> None:
-        """The running calls that were cancelled, or running when abort() was called: their rows end ("abort")."""
-        b = self.batch
-        ending = [c for c in self._active if c.cancel.is_set() or c.epoch != self._abort_epoch]
-        if not ending:
-            return
-        ending_set = set(ending)
-        ended = torch.tensor([c in ending_set for c in b.calls], dtype=torch.bool, device=self.served.device)
-        ended &= ~b.t["gone"]
-        steps = b.t["step"].tolist()
-        for i in ended.nonzero().squeeze(-1).tolist():
-            self._finish_row(i, steps[i], "abort")
-        self._remove(ended)
-
-    def _fail_running(self, error: Exception) -> None:
-        with self.served.lock:
-            for call in [*self._active, *self._admitting]:
-                if not call.future.done():
-                    call.future.set_exception(error)
-            self._active.clear()
-            self._admitting = []
-            if len(self.batch):
-                self._forget_drafts(self.batch.t["hist"])
-            self.batch, self.slots = Batch(), Slots(self.served.device)
-            self.draws.changed()
-            self.stats.busy(False)
-
-    def _deliver(self) -> None:
-        done, self._done = self._done, []
-        for call in done:
-            if not call.future.done():
-                call.future.set_result(call.outputs)
