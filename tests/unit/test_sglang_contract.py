@@ -24,7 +24,16 @@ except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTER = ROOT / "rollout_farm" / "services" / "engine" / "sglang_engine.py"
+ENGINE = ROOT / "rollout_farm" / "services" / "engine"
+ADAPTER = ENGINE / "sglang_engine.py"
+# every file of the adapter that calls `self.llm` (the sglang.Engine): checked as one source, the class first
+ADAPTER_FILES = [ADAPTER, ENGINE / "sglang_adapter_verbs.py", ENGINE / "sglang_weights.py"]
+
+
+def adapter_source() -> str:
+    return "\n".join(f.read_text() for f in ADAPTER_FILES)
+
+
 WHEEL_CACHE = Path(os.environ.get("FARM_CACHE", Path.home() / ".cache" / "rollout-farm")) / "wheels"
 # Every build of a release holds the same Python source: fetch one fixed build, whatever machine runs the test.
 WHEEL_BUILD = ["--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"]
@@ -75,9 +84,9 @@ def test_the_adapter_names_the_pinned_version():
 
 
 def test_the_adapter_matches_the_pinned_sglang(wheel):
-    problems = check(ADAPTER.read_text(), wheel)
+    problems = check(adapter_source(), wheel)
     assert not problems, (
-        f"{ADAPTER.relative_to(ROOT)} disagrees with sglang {pinned_sglang_version()}'s source:\n  "
+        f"{', '.join(f.name for f in ADAPTER_FILES)} disagree with sglang {pinned_sglang_version()}'s source:\n  "
         + "\n  ".join(problems)
         + "\nFix the adapter for this version, or pin the version it was written for in pyproject.toml"
     )
@@ -85,7 +94,7 @@ def test_the_adapter_matches_the_pinned_sglang(wheel):
 
 def test_the_checker_finds_the_adapters_uses():
     """Against a checker that silently finds nothing: the uses it derives include the ones known today."""
-    adapter = Adapter(ADAPTER.read_text())
+    adapter = Adapter(adapter_source())
     chains = {".".join(chain) for _, chain, _ in adapter.engine_uses}
     assert {"async_generate", "update_weights_from_tensor", "tokenizer_manager.abort_request", "loop"} <= chains
     assert {"load_lora_adapter", "async_unload_lora_adapter"} <= chains  # the adapter verbs
@@ -121,7 +130,7 @@ def test_the_adapter_keeps_many_requests_in_flight_without_a_thread_each():
     """The replica awaits agenerate for every rollout at once: it must be a coroutine that submits async_generate to
     the engine's loop and awaits its future, never blocking its event loop on a future or a sleep (SGLang's
     continuous batching needs the requests in flight together). The synchronous generate runs agenerate."""
-    tree = ast.parse(ADAPTER.read_text())
+    tree = ast.parse(adapter_source())
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     agenerate, group = methods["agenerate"], methods["_group"]
     assert isinstance(agenerate, ast.AsyncFunctionDef) and isinstance(group, ast.AsyncFunctionDef)
@@ -175,7 +184,7 @@ def test_a_group_is_sent_in_the_form_the_pinned_sglang_caches(wheel):
 
 
 def test_a_drift_in_the_real_adapter_is_reported(wheel):
-    source = ADAPTER.read_text()
+    source = adapter_source()
     source = source.replace('"sampling_seed": params.seed', '"seed": params.seed')  # SGLang calls it sampling_seed
     source = source.replace("abort_request, abort_all=True", "abort_request, abort_everything=True")
     problems = check(source, wheel)
@@ -185,7 +194,7 @@ def test_a_drift_in_the_real_adapter_is_reported(wheel):
 
 def test_a_lora_drift_in_the_real_adapter_is_reported(wheel):
     """Negative controls on the adapter verbs' calls, made in the real adapter's source."""
-    source = ADAPTER.read_text()
+    source = adapter_source()
     drifts = [
         ("max_lora_rank=lora.max_rank", "max_lora_ranks=lora.max_rank", "ServerArgs has no field 'max_lora_ranks'"),
         (
@@ -227,7 +236,7 @@ def test_a_lora_verbs_result_is_an_object_the_adapter_reads_by_field(wheel):
         assert f"tokenizer_manager.{verb.removeprefix('async_')}(" in ast.unparse(engine[verb]), verb
     assert {wheel.find_class(c)[1].name for c in RESULT_TYPES.values()} == {"LoRAUpdateOutput"}
     # the checker's results check (check() above) is not vacuous: it finds both verbs' results, read by field
-    adapter = Adapter(ADAPTER.read_text())
+    adapter = Adapter(adapter_source())
     assert {verb for _, verb, _ in adapter.results} == {"load_lora_adapter", "async_unload_lora_adapter"}
     tree = adapter.tree
     read = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _is_name(n.value, "result")}

@@ -6,6 +6,8 @@
 | `torch/` | the torch engine (FARM_ENGINE=torch, the default; what CI and development use): any HF causal LM |
 | `sglang_engine.py` | SGLang's offline engine on GPUs (the optional `sglang` extra, imported when the engine starts) |
 | `sglang_adapters.py` | LoRA on SGLang: its launch, the checks before a load, the peft folder, the keys' states |
+| `sglang_adapter_verbs.py` | SGLang's adapter verbs: stage, commit, discard and retire under SGLang's LoRA calls |
+| `sglang_weights.py` | SGLang's weight verbs: a push's checks, its commit, the NCCL transport, the base digest |
 | `sglang_digest.py` | SGLang's base digest, from the folder or tensors it was told to load, cast as it serves them |
 | `bench_engine.py` | fixed latency per decode step and no model: for benchmarks and tests of the service layer |
 | `stats.py` | EngineStats: busy time, batch sizes, prefill and draft token counts |

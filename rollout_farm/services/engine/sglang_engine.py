@@ -12,16 +12,7 @@ Greedy batches (temperature 0) always return raw logprobs. So SGLang reports one
 `sampling_logprobs` (the logprobs under the tempered, truncated distribution sampled), and a Sample's stay None
 (the importance_resampling sampler's 'policy_ratio' target, which needs them, is a 422 on this engine).
 
-Weight commits. SGLang's own update (update_weights_from_tensor/_disk/_distributed) takes a writer lock
-that waits for every running request and holds new ones back, so in-flight samples finish on the old
-weights. This adapter does the same, with its own gate, so that it knows each sample's version:
-  finish   wait for in-flight calls, then update (SGLang's default behaviour)
-  abort    abort_request(abort_all=True) on in-flight calls, wait for them to return, then update
-  partial  the same as finish: every sample keeps one version. A mid-sample switch would need
-           pause_generation(mode="retract"), but in 0.5.14 the cache flush after the update then fails on
-           the retracted requests and asserts in the scheduler (and without the flush the prefix cache
-           keeps old-weight KV); per-token versions (meta_info["weight_versions"]) come only in 0.5.19.
-stage_weights_from_path checks the folder's safetensors headers; SGLang reads the files at commit.
+Weight commits: sglang_weights.py (its docstring says how a commit keeps each sample on one version).
 
 Sessions (keeps_sessions). SGLang has no per-session state to keep: its radix cache holds every prompt's KV by
 prefix (evicted least recently used), and this adapter launches it with the cache on (disable_radix_cache=False,
@@ -61,20 +52,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import uuid
-import weakref
 from collections.abc import Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from rollout_farm.services.adapters.peft_format import AdapterInvalid, LoraConfig, problem
 from rollout_farm.services.engine.base import (
     ADMIT_POLL_S,
     ENGINES,
@@ -83,40 +69,21 @@ from rollout_farm.services.engine.base import (
     EngineOutput,
     ScoredTokens,
 )
+from rollout_farm.services.engine.sglang_adapter_verbs import SGLangAdapterVerbs
 from rollout_farm.services.engine.sglang_adapters import (
     DEFAULT_MAX_LORAS_PER_BATCH,
     DEFAULT_TARGET_MODULES,
-    KEY,
     AdapterTable,
-    Held,
     LoraLaunch,
-    check_adapter,
-    sglang_config,
-    write_folder,
 )
-from rollout_farm.services.engine.sglang_digest import folder_digest, tensors_digest
-from rollout_farm.services.errors import EngineVerbMissing
-from rollout_farm.services.protocol import InFlightPolicy, SamplingParams
-from rollout_farm.services.weights.checks import (
-    WeightsError,
-    WeightsRejected,
-    check_state_dict,
-    non_finite,
-    read_header_file,
-)
-from rollout_farm.services.weights.state_dict import spec_of
+from rollout_farm.services.engine.sglang_digest import folder_digest
+from rollout_farm.services.engine.sglang_weights import SGLangWeights
+from rollout_farm.services.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from rollout_farm.services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
-TORCH_DTYPE_NAMES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-}  # SGLang's distributed update wants torch names
-DIGESTS_KEPT = 8  # base versions whose digests are kept (a sample spanning commits names each token's policy)
-UNLOAD_WAIT_S = 300.0  # longest a stage waits for an unload of the same key (SGLang's own wait for its requests)
 # SGLang's errors for a request naming an adapter it does not hold (tokenizer_manager.py, lora/lora_registry.py)
 NOT_LOADED = ("Got LoRA adapter that has never been loaded", "requested LoRA adapters are not loaded")
 
@@ -145,7 +112,7 @@ class _LoopThread:
 
 
 @ENGINES.register("sglang")
-class SGLangEngine(Engine):
+class SGLangEngine(SGLangAdapterVerbs, SGLangWeights, Engine):
     keeps_sessions = True  # agenerate takes a cache_key; the radix cache keeps the turns (see the module docstring)
     serves_adapters = True  # LoRA adapters, when started with a max LoRA rank (see the module docstring)
 
@@ -220,13 +187,11 @@ class SGLangEngine(Engine):
         self._cv = threading.Condition()  # guards the two below
         self._inflight, self._committing = 0, False
         self._staged: tuple[int, dict[str, torch.Tensor] | str] | None = None
-        self._spec: dict[str, tuple[list[int], str]] | None = None
         self._lora, self._adapters = lora, AdapterTable()
         self._staging = threading.Lock()  # one stage_adapter at a time: a key is loaded once
         self._adapter_root: Path | None = None  # the staged folders, made on first use, removed with the engine
         self._linear_shapes: dict[str, tuple[int, int]] | None | bool = False  # False: not read yet
-        self.base_digest, self._digests, self._staged_digest = None, {}, None  # sglang_digest.py
-        self._served_lock, self._served_names = threading.Lock(), None
+        self._attach_weights()
 
     # lifecycle -------------------------------------------------------------
     def abort(self) -> None:
@@ -397,213 +362,3 @@ class SGLangEngine(Engine):
 
     def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None) -> list[ScoredTokens]:
         return super().score(sequences, top_k)  # EngineVerbMissing (a 501), with an adapter or without
-
-    # adapters (serves_adapters; sglang_adapters.py) ------------------------------------------------
-    def stage_adapter(self, key: str, config: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
-        """Check the adapter (AdapterInvalid naming each misfit, WeightsRejected for NaN or inf), write it as a peft
-        folder and load it in SGLang under `key`, which no call names before commit_adapter. SGLang's refusal is an
-        AdapterInvalid naming its message. Blocks (a worker thread: the replica runs it in one)."""
-        if not self._lora.enabled:
-            raise EngineVerbMissing.of(
-                self,
-                "LoRA adapters (it started without LoRA)",
-                "set FARM_SGLANG_MAX_LORA_RANK (and FARM_SGLANG_LORA_TARGET_MODULES) to start SGLang with LoRA",
-            )
-        if not KEY.fullmatch(key):
-            raise ValueError(f"{key!r} is not an adapter key (name@vN)")
-        pairs = check_adapter(config, tensors, self._linears(), self._lora, self.model_path)
-        if problems := non_finite(tensors):
-            raise WeightsRejected("; ".join(problems))
-        with self._staging:
-            if self._adapters.holds(key) or self._adapters.reclaim(key):
-                return  # loaded already (a key is never reused for other bytes)
-            pending = self._adapters.pending_unload(key)
-            if pending is not None:  # SGLang refuses a name it still holds
-                pending.result(timeout=UNLOAD_WAIT_S)
-            folder = self._adapter_folder(key)
-            try:
-                write_folder(folder, sglang_config(config, pairs, self.model_path), tensors)
-                result = self.llm.load_lora_adapter(lora_name=key, lora_path=str(folder))
-            except BaseException:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
-            if not result.success:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise AdapterInvalid([problem("adapter", f"SGLang did not load it: {result.error_message}")])
-            self._adapters.stage(key, Held(folder, sum(t.numel() * t.element_size() for t in tensors.values())))
-
-    def commit_adapter(self, key: str) -> None:
-        """Calls may name the staged `key` from now (a no-op when resident); KeyError when it was never staged."""
-        self._adapters.commit(key)
-
-    def discard_adapter(self, key: str) -> None:
-        """Unload a staged key (no call has named it), without waiting."""
-        if (held := self._adapters.discard(key)) is not None:
-            self._unload(key, held)
-
-    def retire_adapter(self, key: str) -> None:
-        """No new call may name `key` from now; it is unloaded when its last call ends (now when none uses it),
-        without waiting."""
-        if (held := self._adapters.retire(key)) is not None:
-            self._unload(key, held)
-
-    def resident_adapters(self, include_retiring: bool = False) -> dict[str, tuple[int, int]]:
-        """The usable adapters; a retiring one is never staged again under its key here (stage reclaims or waits),
-        so include_retiring adds nothing."""
-        return self._adapters.snapshot()
-
-    def _unload(self, key: str, held: Held) -> None:
-        """Unload `key` in SGLang, then delete its folder, on the engine's loop; the caller does not wait."""
-        self._adapters.unload_started(key, self._loop.submit(self._unloaded(key, held.folder)))
-
-    async def _unloaded(self, key: str, folder: Path) -> None:
-        try:
-            result = await self.llm.async_unload_lora_adapter(lora_name=key)
-            if not result.success and "does not exist" not in (result.error_message or ""):
-                log.warning("adapter_unload_failed", extra={"adapter": key, "error": result.error_message})
-        except Exception as e:  # logged: nobody awaits this
-            log.warning("adapter_unload_failed", extra={"adapter": key, "error": repr(e)[:500]})
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)  # after the unload: a straggler cannot load it again
-
-    def _adapter_folder(self, key: str) -> Path:
-        if self._adapter_root is None:
-            self._adapter_root = Path(tempfile.mkdtemp(prefix="farm-lora-"))
-            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
-        return self._adapter_root / f"{key}-{uuid.uuid4().hex[:8]}"
-
-    def _linears(self) -> dict[str, tuple[int, int]] | None:
-        """The model's linear layers, module path -> (in_features, out_features), as peft (and SGLang's adapter
-        loader) names them: from the config on the meta device; None when the model cannot be built so."""
-        if self._linear_shapes is False:
-            try:
-                modules = self._meta_model().named_modules()
-                self._linear_shapes = {
-                    p: (m.in_features, m.out_features) for p, m in modules if isinstance(m, torch.nn.Linear)
-                }
-            except Exception as e:
-                log.warning("adapter_linears_unknown", extra={"model": self.model_path, "error": repr(e)[:500]})
-                self._linear_shapes = None
-        return self._linear_shapes
-
-    # weights ---------------------------------------------------------------
-    def _meta_model(self) -> torch.nn.Module:
-        """The model built from its config on the meta device: SGLang holds the only real copy."""
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=self.dtype)
-
-    def _names(self) -> set[str]:
-        """The served tensors' canonical names: the parameters (a tied one once) and the persistent buffers."""
-        if self._served_names is None:
-            model = self._meta_model()
-            buffers = {n for n, _ in model.named_buffers()} & model.state_dict().keys()
-            self._served_names = {n for n, _ in model.named_parameters()} | buffers
-        return self._served_names
-
-    def _served_digest(self, version: int, digest: str | None) -> None:
-        """Serve base `version`, of `digest`: both change together for served_base's readers."""
-        with self._served_lock:
-            self.weight_version, self.base_digest = version, digest
-            self._digests[version] = digest
-            for old in sorted(self._digests)[:-DIGESTS_KEPT]:
-                del self._digests[old]
-
-    def served_base(self) -> tuple[int, str | None]:
-        with self._served_lock:
-            return self.weight_version, self.base_digest
-
-    def base_digest_of(self, version: int) -> str | None:
-        """The digest of base version `version` when it was served lately; None when too old or unknown."""
-        return self._digests.get(version)
-
-    def weight_spec(self) -> dict[str, tuple[list[int], str]]:
-        if self._spec is None:
-            self._spec = spec_of(dict(self._meta_model().named_parameters()))
-        return self._spec
-
-    def _check(self, got: dict[str, tuple[list[int], str]], version: int) -> None:
-        problems = check_state_dict(self.weight_spec(), got) + self._version_problems(version)
-        if problems:
-            raise WeightsRejected("; ".join(problems))
-
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if problems := non_finite(state_dict):
-            raise WeightsRejected("; ".join(problems))
-        self._check(spec_of(state_dict), version)
-        self._staged, self._staged_digest = (version, state_dict), tensors_digest(state_dict, self._names(), self.dtype)
-
-    def stage_weights_from_path(self, path: str, version: int) -> None:
-        """Check the folder's safetensors headers; SGLang reads the files itself at the commit."""
-        got = {}
-        try:
-            for f in sorted(Path(path).glob("*.safetensors")):
-                got.update(read_header_file(f))
-        except WeightsError as e:
-            raise WeightsRejected(str(e)) from None
-        self._check(got, version)
-        self._staged, self._staged_digest = (version, str(path)), folder_digest(path, self._names(), self.dtype)
-
-    def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
-        """Update SGLang's weights from the staged tensors or folder, alone: in-flight calls finish (or are aborted)
-        first and new ones wait ("partial" is "finish" here)."""
-        staged = self._staged[1]
-        with self._exclusive(abort=policy == "abort"):
-            if isinstance(staged, str):
-                ok, message = self.llm.update_weights_from_disk(staged)[:2]
-            else:
-                ok, message = self.llm.update_weights_from_tensor(list(staged.items()))
-            if not ok:
-                raise WeightsRejected(message)
-            self._staged = None
-            self._served_digest(version, self._staged_digest)
-
-    @contextmanager
-    def _exclusive(self, abort: bool = False):
-        """Hold new generate calls back and wait for the in-flight ones (aborting them first if asked)."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._committing)
-            self._committing = True
-            while self._inflight:
-                if abort:
-                    self.abort()
-                self._cv.wait(0.05)
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._committing = False
-                self._cv.notify_all()
-
-    # NCCL transport: the trainer is rank 0 of the group and broadcasts each tensor ----------------
-    # ranks_per_engine (set in __init__): tp_size GPUs per engine; replica i's ranks start at rank_offset + i * tp_size
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
-        ok, message = self.llm.init_weights_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
-        if not ok:
-            raise RuntimeError(message)
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        version: int,
-        group_name: str = "weight_update_group",
-    ) -> None:
-        with self._exclusive():
-            ok, message = self.llm.update_weights_from_distributed(
-                names, [TORCH_DTYPE_NAMES.get(d, d) for d in dtypes], shapes, group_name
-            )
-            if not ok:
-                raise WeightsRejected(message)
-            self._served_digest(version, None)  # no bytes passed through here: unknown
