@@ -13,8 +13,9 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
           per-request cost (HTTP, Serve's proxy, the ingress, two Ray calls).
   chat    (--chat) K concurrent POST /v1/chat/completions vs one with n=K; OpenAI's API has no ignore_eos, so
           samples end at EOS and the lengths, and the figure, vary more.
-Each of --http-proxy (serve, haproxy) is a pass of its own: the service started with that FARM_HTTP_PROXY, all
-its rounds, stopped (the engine arm runs in the first pass only). The replica's busy share during each arm
+Each of --fronts (serve and haproxy by default: FARM_HTTP_PROXY; '+fused' adds FARM_FRONT=fused, '+coalesce2'
+FARM_COALESCE_MS=2) is a pass of its own: the service started with those settings, all its rounds, stopped (the
+engine arm runs in the first pass only). The replica's busy share during each arm
 (farm_replica_busy_seconds: time with at least one sample generating) and the most calls that shared one decode
 step are reported too, and the CPU each request costs at Serve's HTTP proxy and at the ingress replica (user + system
 CPU time of their processes, psutil, over the arm, divided by its requests): in the many arm that is the cost of one
@@ -23,7 +24,7 @@ one-sample request, in the one arm that of one request of K samples. What the tw
 
     .venv/bin/python bench/concurrency.py                            # about 15 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
-    .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 --rounds 1 --chat --http-proxy serve \
+    .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 --rounds 1 --chat --fronts serve \
         --max-foreign 1 --quick                                      # a smoke (a few minutes; figures noisy)
 Goal: >= 0.8 at both K.
 """
@@ -42,7 +43,43 @@ from overload import processes
 
 PROMPT = "Q: 12+30\nA:"
 PER_ROUND = ("ratio", "many_429", "other_processes_cpu_share")  # kept per round in the JSON
-FRONT = ("proxy", "ingress")  # the processes whose CPU per request is reported
+FRONT = ("proxy", "haproxy", "ingress", "engine")  # the processes whose CPU per request is reported
+
+
+def front_settings(front: str) -> dict:
+    """A --fronts name as the service's settings: 'haproxy+fused' -> http_proxy haproxy, front fused."""
+    proxy, *options = front.split("+")
+    settings: dict = {"http_proxy": proxy}
+    for option in options:
+        if option == "fused":
+            settings["front"] = "fused"
+        elif option.startswith("coalesce"):
+            settings["coalesce_ms"] = float(option.removeprefix("coalesce"))
+        else:
+            raise ValueError(f"unknown front option {option!r}: fused or coalesceMS")
+    return settings
+
+
+def front_settings_checked(front: str) -> str:
+    try:
+        settings = front_settings(front)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if settings["http_proxy"] not in ("serve", "haproxy"):
+        raise argparse.ArgumentTypeError(f"{front}: starts with serve or haproxy")
+    return front
+
+
+def service_processes() -> dict[str, list]:
+    """overload.processes(), and HAProxy's (FARM_HTTP_PROXY=haproxy: a child of Serve's proxy actor)."""
+    import psutil
+
+    found = processes()
+    found["haproxy"] = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("haproxy")]
+    return found
+
+
+TURNS = 5  # a session's turns (--sessions)
 IDLE_S = 1.0  # before each HTTP arm: the front's CPU with no request in flight, per second, taken off the arm's
 
 
@@ -68,12 +105,59 @@ def readyz(http: httpx.Client, url: str) -> dict:
     return replica
 
 
+REQUEST_TIMEOUT_S = 120  # a request not answered by then counts as status 0 (a hang is a figure, not a crash)
+
+
+async def post(http: httpx.AsyncClient, url: str, body: dict | None = None) -> httpx.Response | int:
+    """One POST: its response, or 0 when it was not answered within REQUEST_TIMEOUT_S (logged)."""
+    try:
+        return await http.post(url, json=body, timeout=REQUEST_TIMEOUT_S)
+    except httpx.TimeoutException:
+        log(f"no answer within {REQUEST_TIMEOUT_S} s: POST {url}")
+        return 0
+
+
+def status(answer: httpx.Response | int) -> int:
+    return answer if isinstance(answer, int) else answer.status_code
+
+
 async def post_all(url: str, path: str, bodies: list[dict]) -> list[int]:
     """Send the bodies at once; their status codes."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        answers = await asyncio.gather(*[http.post(f"{url}{path}", json=b) for b in bodies])
-        return [r.status_code for r in answers]
+    async with httpx.AsyncClient(limits=limits) as http:
+        return [status(r) for r in await asyncio.gather(*[post(http, f"{url}{path}", b) for b in bodies])]
+
+
+async def sessions_many(url: str, ids: list[int], k: int, sampling: dict) -> list[int]:
+    """K sessions at once, each TURNS turns of one sample (token ids in: the prompt, then the prompt again after each
+    answer); the status codes of their turns (a session that could not start counts as TURNS failures)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as http:
+
+        async def session() -> list[int]:
+            r = await post(http, f"{url}/v1/sessions", {"sampling_params": sampling})
+            if status(r) != 200:
+                return [status(r)] * TURNS
+            sid, codes = r.json()["session_id"], []
+            for _ in range(TURNS):
+                codes.append(status(await post(http, f"{url}/v1/sessions/{sid}/generate", {"append_token_ids": ids})))
+            await post(http, f"{url}/v1/sessions/{sid}/close")
+            return codes
+
+        return [c for codes in await asyncio.gather(*[session() for _ in range(k)]) for c in codes]
+
+
+async def sessions_one(url: str, ids: list[int], k: int, sampling: dict) -> list[int]:
+    """The same turns as one request each: TURNS rollouts of K samples in a row, the prompt as long as a session's
+    at that turn (its earlier turns' tokens, as filler ids)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    codes = []
+    async with httpx.AsyncClient(limits=limits) as http:
+        for turn in range(TURNS):
+            prompt = ids + (ids[:1] * sampling["max_new_tokens"] + ids) * turn
+            body = {"prompts": [{"token_ids": prompt}], "n": k, "sampling_params": sampling}
+            codes.append(status(await post(http, f"{url}/v1/rollouts", body)))
+    return codes
 
 
 def main() -> None:
@@ -85,16 +169,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chat", action="store_true", help="also the OpenAI chat arms")
     ap.add_argument(
-        "--http-proxy",
+        "--sessions",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also the session arms: K sessions of 5 turns of TOKENS tokens each vs a K-sample rollout per turn",
+    )
+    ap.add_argument(
+        "--fronts",
         nargs="+",
         default=["serve", "haproxy"],
-        choices=["serve", "haproxy"],
-        help="FARM_HTTP_PROXY of the service, one pass each (the service is started again for each)",
+        type=front_settings_checked,
+        help="the front designs, one pass each (the service is started again for each): FARM_HTTP_PROXY "
+        "(serve or haproxy), then '+fused' for FARM_FRONT=fused and/or '+coalesceMS' for FARM_COALESCE_MS=MS, "
+        "e.g. haproxy+fused or serve+coalesce2",
     )
     ap.add_argument(
         "--max-foreign", type=float, default=0.25, help="redo a round in which other processes used more of the cores"
     )
     ap.add_argument("--quick", action="store_true", help="a smoke: no in-process engine arm, a short warm-up")
+    ap.add_argument(
+        "--out", default="concurrency", help="docs/data/OUT.json (front_designs: the comparison of the fronts)"
+    )
     args = ap.parse_args()
 
     from rollout_farm.services.engine.torch import TorchEngine
@@ -122,32 +218,38 @@ def main() -> None:
                 asyncio.run(calls())
             seconds = time.perf_counter() - t
             return k / seconds, [200] * (1 if arm == "one" else k), (engine.stats.busy_seconds - busy0) / seconds, {}
-        if kind == "rollouts":
-            sampling = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True}
-            body, route = {"prompts": [{"token_ids": ids}], "sampling_params": sampling}, "/v1/rollouts"
+        sampling = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True}
+        if kind == "sessions":
+            requests = TURNS * (1 if arm == "one" else k)
+            work = sessions_one(url, ids, k, sampling) if arm == "one" else sessions_many(url, ids, k, sampling)
         else:
-            body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 1.0}
-            route = "/v1/chat/completions"
-        bodies = [{**body, "n": k}] if arm == "one" else [{**body, "n": 1}] * k
+            if kind == "rollouts":
+                body, route = {"prompts": [{"token_ids": ids}], "sampling_params": sampling}, "/v1/rollouts"
+            else:
+                body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 1.0}
+                route = "/v1/chat/completions"
+            bodies = [{**body, "n": k}] if arm == "one" else [{**body, "n": 1}] * k
+            requests, work = len(bodies), post_all(url, route, bodies)
+        samples = k * (TURNS if kind == "sessions" else 1)
         busy0 = readyz(http, url)["busy_seconds"]
         idle0 = front_cpu(procs)  # what the front uses with no request (health checks, metrics): taken off below
         time.sleep(IDLE_S)
         cpu0, t = front_cpu(procs), time.perf_counter()
         idle = {role: (cpu0[role] - idle0[role]) / IDLE_S for role in FRONT}  # CPU s per s
-        codes = asyncio.run(post_all(url, route, bodies))
+        codes = asyncio.run(work)
         seconds, cpu1 = time.perf_counter() - t, front_cpu(procs)
         busy = (readyz(http, url)["busy_seconds"] - busy0) / seconds
         per_request = {
-            role: 1000 * max(0.0, cpu1[role] - cpu0[role] - idle[role] * seconds) / len(bodies) for role in FRONT
+            role: 1000 * max(0.0, cpu1[role] - cpu0[role] - idle[role] * seconds) / requests for role in FRONT
         }
-        return k * codes.count(200) / len(codes) / seconds, codes, busy, per_request
+        return samples * codes.count(200) / len(codes) / seconds, codes, busy, per_request
 
     def measure(cases: list[tuple], keys: dict[tuple, tuple]) -> dict:
         """The rounds of one pass, into results[keys[case]]; the replica's state after them."""
         with httpx.Client() as http:
             log("warm-up")
             procs.clear()
-            procs.update(processes())
+            procs.update(service_processes())
             for kind in {case[0] for case in cases}:
                 for arm in ("one", "many"):
                     run(kind, min(args.max_new_tokens), min(args.ks) if args.quick else max(args.ks), arm, http)
@@ -190,14 +292,15 @@ def main() -> None:
     served = ["rollouts"] + (["chat"] if args.chat else [])
     results: dict[tuple, list[dict]] = {}
     replica: dict[str, dict] = {}
-    for i, proxy in enumerate(args.http_proxy):
+    for i, proxy in enumerate(args.fronts):
         kinds = served + (["engine"] if i == 0 and not args.quick else [])  # in process once: no proxy in its way
         cases = [(kind, tokens, k) for kind in kinds for tokens in args.max_new_tokens for k in args.ks]
+        cases += [("sessions", args.sessions, k) for k in args.ks] if args.sessions else []
         keys = {case: (case[0] if case[0] == "engine" else f"{proxy}:{case[0]}", *case[1:]) for case in cases}
         results |= {keys[case]: [] for case in cases}
-        log(f"pass {i + 1}/{len(args.http_proxy)}: FARM_HTTP_PROXY={proxy}")
+        log(f"pass {i + 1}/{len(args.fronts)}: {proxy} ({front_settings(proxy)})")
         url = start_service(
-            model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1, http_proxy=proxy
+            model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1, **front_settings(proxy)
         )
         try:
             replica[proxy] = measure(cases, keys)
@@ -224,6 +327,15 @@ def main() -> None:
                 for arm in ("many", "one")
                 for role in FRONT
             }
+            # every process's CPU per one-sample request beyond the K-sample request's per sample: what sending the
+            # samples one per request costs, wherever it is spent (a fused front spends it in the engine's process)
+            s["median_extra_cpu_ms_per_request"] = round(
+                statistics.median(
+                    sum(r[f"{ro}_cpu_ms_per_request_many"] - r[f"{ro}_cpu_ms_per_request_one"] / k for ro in FRONT)
+                    for r in rs
+                ),
+                2,
+            )
         cpu = s.get("median_cpu_ms_per_request")
         rows.append(
             [
@@ -236,15 +348,15 @@ def main() -> None:
                 f"{min(ratios):.3f}-{max(ratios):.3f}",
                 s["many_429_total"] if kind != "engine" else "-",
                 f"{s['median_busy_share_one']:.2f}/{s['median_busy_share_many']:.2f}",
-                f"{cpu['proxy_many']:.1f}/{cpu['ingress_many']:.1f}" if cpu else "-",
-                f"{cpu['proxy_one']:.1f}/{cpu['ingress_one']:.1f}" if cpu else "-",
+                "/".join(f"{cpu[f'{role}_many']:.1f}" for role in FRONT) if cpu else "-",
+                f"{s['median_extra_cpu_ms_per_request']:.1f}" if cpu else "-",
             ]
         )
     met = {
         f"{proxy} {tokens}tok": all(
             summary[f"{proxy}:rollouts_{tokens}tok_k{k}"]["median_ratio"] >= 0.8 for k in args.ks
         )
-        for proxy in args.http_proxy
+        for proxy in args.fronts
         for tokens in args.max_new_tokens
     }
     most = {proxy: r["batch_calls"]["max"] for proxy, r in replica.items()}
@@ -253,14 +365,14 @@ def main() -> None:
         f"most calls in one decode step on the replica: {most}"
     )
     headers = ["arm", "tokens", "K", "one req samples/s", "K reqs samples/s", "ratio", "range", "429s", "busy one/many"]
-    headers += ["CPU ms/req proxy/ingress, n=1 reqs", "same, the n=K req"]
+    headers += ["CPU ms/req proxy/haproxy/ingress/engine, n=1 reqs", "extra CPU ms per n=1 req, all"]
     print(table(headers, rows))
     print("goal >= 0.8 at every K (rollouts): " + ", ".join(f"{t} {'met' if v else 'NOT met'}" for t, v in met.items()))
     if args.quick:
-        log("--quick: docs/data/concurrency.json left as it was")
+        log(f"--quick: docs/data/{args.out}.json left as it was")
         return
     write_json(
-        "concurrency",
+        args.out,
         {
             "args": vars(args),
             "model_path": str(path),

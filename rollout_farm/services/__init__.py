@@ -30,6 +30,7 @@ The layers and who imports whom: docs/architecture.md. Each sub-package's `__ini
 | `weights/` | weight pushes, from the trainer's state dict to every replica, atomically |
 | `adapters/` | LoRA adapters as policies: peft format, digests, immutable versions and resident windows, pushes |
 | `tenants/` | tenants: hashed tokens, and who may use and change what (`Principal`) |
+| `front/` | the fused HTTP front (`FARM_FRONT=fused`): engine replicas that are their own ingress |
 | `replica/` | the ingress's handle on the engine replicas, and what each replica does with a call |
 | `engine/` | the engine contract and registry; the torch (`engine/torch/`), SGLang and bench engines |
 | `compat/` | the OpenAI-compatible and SGLang-native HTTP surfaces, on the same domain objects |

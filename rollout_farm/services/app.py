@@ -17,6 +17,7 @@ from ray.serve.config import DeploymentActorConfig
 
 from rollout_farm.services.api import create_api
 from rollout_farm.services.engine import ENGINES, Engine
+from rollout_farm.services.front.fused import DEPLOYMENT, FusedReplica
 from rollout_farm.services.ingress import Ingress
 from rollout_farm.services.plugins import load_plugins
 from rollout_farm.services.replica.engine_server import EngineServer, request_slots, routing_queue
@@ -66,6 +67,16 @@ def build_app(settings: ServiceSettings):
         init_args=(settings.redis_url, prefix(settings.app_name), settings.uploads_dir),
         actor_options={"num_cpus": 0, **pinned},
     )
+    if settings.front == "fused":  # the engine replicas serve HTTP themselves (rollout_farm/services/front/fused.py)
+        fused = serve.deployment(
+            serve.ingress(create_api())(FusedReplica),
+            name=DEPLOYMENT,
+            **engine_scaling(settings),
+            max_ongoing_requests=request_slots(settings) + settings.ingress_max_ongoing_requests,
+            ray_actor_options={"num_cpus": settings.engine_num_cpus, "num_gpus": settings.gpus_per_engine},
+            deployment_actors=[store],
+        )
+        return fused.bind(settings)
     engine = serve.deployment(
         EngineServer,
         name="engine",

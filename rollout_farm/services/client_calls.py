@@ -13,7 +13,9 @@ import httpx
 
 from rollout_farm.services import protocol as P
 
-RETRY_STATUS = {429, 502, 503, 504}
+# 500 too: the service never answers it (a route's failure is a 4xx or a 503), so it comes from the front: Serve's
+# proxy when the replica holding the request died, HAProxy normalising its own 502-504. A replay by request_id is safe.
+RETRY_STATUS = {429, 500, 502, 503, 504}
 # weights go up in slices this big: httpcore copies one big bytes body, slices it sends as they are
 CHUNK_BYTES = 8 << 20
 

@@ -40,6 +40,7 @@ from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
 from rollout_farm.services.plugins import load_plugins
 from rollout_farm.services.queue.trajectory_queue import TrajectoryQueue
+from rollout_farm.services.replica.coalesce import Coalescing
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.rollout.fanout import Fanout
 from rollout_farm.services.rollout.jobs import RolloutJobs
@@ -57,13 +58,21 @@ FOLLOW_S = 0.5  # how often a replica reads the committed version and the policy
 
 
 class Ingress:
-    async def __init__(self, engine: DeploymentHandle, settings: ServiceSettings):
+    async def __init__(
+        self, engine: DeploymentHandle | Replicas, settings: ServiceSettings, deployment: str = "ingress"
+    ):
         load_plugins(settings)
         metrics.init_registered(SAMPLERS.names(), TOOL_FORMATS.names())
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
-        self.replicas = Replicas(engine)
+        if isinstance(engine, Replicas):  # built by a fused replica (rollout_farm/services/front/fused.py)
+            self.replicas = engine
+        elif settings.coalesce_ms:
+            self.replicas = Coalescing(engine, settings.coalesce_ms / 1000)
+        else:
+            self.replicas = Replicas(engine)
+        self.deployment = deployment  # the Serve deployment whose replicas serve HTTP (ingress_metrics' peers)
         self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
         busy = settings.fair_share_samples or settings.replicas * settings.engine_max_batch_size
         self.tenants = Tenants(self.redis, prefix, busy)
@@ -95,6 +104,14 @@ class Ingress:
         await self.follow_once()
         self.tasks = [asyncio.create_task(t) for t in (self.follow(), self.queue.supervise(), self.jobs.heartbeat())]
 
+    @classmethod
+    async def build(cls, engine: Replicas, settings: ServiceSettings, deployment: str) -> Ingress:
+        """An Ingress built inside another deployment's replica (Serve awaits the async __init__ of the ingress it
+        builds itself; this does the same for rollout_farm/services/front/fused.py)."""
+        front = cls.__new__(cls)
+        await front.__init__(engine, settings, deployment)
+        return front
+
     def local_metrics(self) -> tuple[str, str]:
         """(this replica's id, its Prometheus text)."""
         return serve.get_replica_context().replica_id.unique_id, metrics.local()
@@ -104,7 +121,7 @@ class Ingress:
         others do not answer in time). This replica's state gauges are read from Redis just now."""
         await self.follow_once()
         me, text = self.local_metrics()
-        peers = serve.get_deployment_handle("ingress", self.settings.app_name)
+        peers = serve.get_deployment_handle(self.deployment, self.settings.app_name)
         try:
             answers = await peers.broadcast("local_metrics").results_async(timeout_s=5, return_exceptions=True)
         except Exception as e:

@@ -39,6 +39,13 @@ class ServiceSettings(BaseSettings):
         "about a third of the CPU per request at the front, but while no ingress replica is up it "
         "answers 500, not 503, and requests in flight to a replica that dies are cut). Read when Ray starts.",
     )
+    front: Literal["split", "fused"] = Field(
+        "split",
+        description="Where HTTP requests end: 'split' (an ingress deployment that calls the engine replicas over Ray) "
+        "or 'fused' (each engine replica is its own HTTP ingress: a request of one replica's worth runs on the "
+        "engine of the replica that took it, with no Ray call; requests for several replicas, sessions and control "
+        "go to the replicas over Ray as before).",
+    )
     app_name: str = Field(
         "farm",
         description="The Ray Serve application's name, and the prefix of its Redis keys (`farm:<name>:`): services "
@@ -107,6 +114,14 @@ class ServiceSettings(BaseSettings):
         ge=1,
         description="Sessions an engine replica is the sticky home of at most (Serve's multiplexing, least recently "
         "used first out); a session routed elsewhere re-prefills once.",
+    )
+    coalesce_ms: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="FARM_FRONT=split: one-replica rollouts (no session) that reach an ingress replica within this "
+        "many milliseconds go to one engine replica as one Ray call (rollout_farm/services/replica/coalesce.py); "
+        "0: off, a Ray call per rollout.",
     )
     ingress_max_ongoing_requests: int = Field(
         256, ge=1, description="Requests each ingress replica has in flight at once; Serve's proxy holds the rest."

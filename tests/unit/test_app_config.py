@@ -67,6 +67,21 @@ def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
         build_app(ServiceSettings(api_token=TOKEN))
 
 
+def test_the_fused_front_is_one_deployment_of_engine_replicas_that_serve_http():
+    """FARM_FRONT=fused: no ingress deployment; the engine deployment is the app's ingress (it holds the routes),
+    scaled and resourced as the engine replicas are, with room for its HTTP requests beyond the engine's slots."""
+    from rollout_farm.services.replica.engine_server import request_slots
+    from rollout_farm.services.settings import ServiceSettings
+
+    fused = _deployments(front="fused", replicas=3, ingress_replicas=2)
+    assert set(fused) == {"engine"}
+    engine = fused["engine"]
+    assert engine["num_replicas"] == 3
+    settings = ServiceSettings(api_token=TOKEN, replicas=3)
+    assert engine["max_ongoing_requests"] == request_slots(settings) + settings.ingress_max_ongoing_requests
+    assert set(_deployments(replicas=3)) == {"ingress", "engine"}  # the split front, the default
+
+
 @pytest.mark.parametrize(
     "settings, gpus",
     [

@@ -116,6 +116,7 @@ async def test_a_4xx_raises_farm_error_at_once(face):
 
 FAILURES = {
     "read-timeout": lambda: httpx.ReadTimeout("read timed out"),
+    "500": lambda: answer(500),  # the front's, when the replica holding the request died
     "502": lambda: answer(502),
     "503": lambda: answer(503, "1"),
 }
@@ -136,11 +137,11 @@ async def test_a_call_that_must_not_run_twice_is_retried_when_it_cannot_have_run
 
 
 async def test_a_rollout_is_retried_under_one_request_id(face):
-    c = make(face, httpx.ReadTimeout("lost"), answer(502), answer(200, json={"groups": [GROUP]}))
+    c = make(face, httpx.ReadTimeout("lost"), answer(502), answer(500), answer(200, json={"groups": [GROUP]}))
     req = P.RolloutRequest(prompts=[P.Prompt(text="hi")])
     assert len((await call(c, "rollouts", req)).groups) == 1
     ids = {json.loads(r.content)["request_id"] for r in c.script.requests}
-    assert len(c.script.requests) == 3 and len(ids) == 1
+    assert len(c.script.requests) == 4 and len(ids) == 1
 
 
 async def test_an_upload_is_sent_whole_on_every_attempt(face, monkeypatch):

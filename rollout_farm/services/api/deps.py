@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 
 
 async def ingress() -> Ingress:
-    """The Ingress instance of this replica (the object Serve built from rollout_farm/services/ingress.py)."""
-    return serve.get_replica_context().servable_object
+    """The Ingress instance of this replica: the object Serve built from rollout_farm/services/ingress.py, or, when
+    FARM_FRONT=fused, the one an engine replica holds as its `front` (rollout_farm/services/front/fused.py)."""
+    served = serve.get_replica_context().servable_object
+    return getattr(served, "front", served)
 
 
 async def require_token(request: Request, farm: Ingress = Depends(ingress)) -> None:

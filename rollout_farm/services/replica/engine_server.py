@@ -93,7 +93,8 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         self.weights_lost: str | None = None  # the WeightStore's reason, while the committed version cannot be loaded
         self.waiting_room = waiting_room(settings)
         self.pending_version = 0  # a commit in progress on this replica
-        self.session_route = session_routes(self.engine, settings.sessions_per_replica)
+        self.homes: set[str] = set()  # the sessions this replica is the home of (session_routes.py)
+        self.session_route = session_routes(self.engine, settings.sessions_per_replica, self.homes)
         self.cuts = Cuts()  # the running rollouts by request_id, for cut_rollout (cuts.py)
         self.pauses = PauseBound(settings.pause_wait_s, lambda: self.engine.busy, replica_id())
         self.adapter_lock = asyncio.Lock()  # one adapter load from Redis at a time (adapter_verbs.py)
@@ -144,6 +145,11 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
             return await self._rollout(
                 prompts, n, params, reward, min_version, meta, sampler, routing_key, cut, adapter
             )
+
+    async def rollout_many(self, calls: list[tuple]) -> list:
+        """Several rollouts' answers, each as `rollout` gives it (run at once, each admitted on its own); an error
+        one of them raised is its answer. The ingress's coalescing sends them (replica/coalesce.py)."""
+        return await asyncio.gather(*(self.rollout(*args) for args in calls), return_exceptions=True)
 
     async def _rollout(
         self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None, adapter=None

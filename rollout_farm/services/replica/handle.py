@@ -86,12 +86,17 @@ class ReplicaCall:
             if not replica_gone(e):
                 raise
             raise ReplicaLost(f"the engine replica died during {self.method}: retry", [field_of(e)]) from None
-        if isinstance(result, overload.Full):
-            overload.rejected("replica_full", self.method)
-            raise ReplicaFull()
-        if isinstance(result, ServiceError):  # an expected refusal the replica answered with (e.g. a version not there)
-            raise result
-        return result
+        return answered(result, self.method)
+
+
+def answered(result, method: str):
+    """A replica's answer to one call: its result, or the expected refusal it answered with, raised."""
+    if isinstance(result, overload.Full):
+        overload.rejected("replica_full", method)
+        raise ReplicaFull()
+    if isinstance(result, BaseException):  # an expected refusal (e.g. a version not there), or a coalesced call's error
+        raise result
+    return result
 
 
 def field_of(e: BaseException) -> dict:
@@ -116,9 +121,11 @@ class Replicas:
         self.handle = handle
         overload.quiet_serve_backpressure()  # this runs in the ingress replica
 
-    def call(self, method: str, *args, key: str | None = None) -> ReplicaCall:
+    def call(self, method: str, *args, key: str | None = None, local: bool = True) -> ReplicaCall:
         """One replica's `method` (Serve picks the replica); with `key` (a session's id), the key's home replica
-        while it is healthy (rollout_farm/services/replica/session_routes.py)."""
+        while it is healthy (rollout_farm/services/replica/session_routes.py). `local`: the call may run on the
+        caller's own engine where it has one (FARM_FRONT=fused, rollout_farm/services/front/fused.py); the split
+        front's ingress has none."""
         handle = self.handle.options(multiplexed_model_id=key) if key else self.handle
         return ReplicaCall(getattr(handle, method).remote(*args), method)
 

@@ -17,17 +17,20 @@ from ray import serve
 class SessionRoute:
     """A session this replica is the home of (Serve's multiplexed "model"); evicted, it drops the session's cache."""
 
-    def __init__(self, key: str, engine):
-        self.key, self.engine = key, engine
+    def __init__(self, key: str, engine, homes: set[str]):
+        self.key, self.engine, self.homes = key, engine, homes
+        homes.add(key)
 
     def __del__(self):
+        self.homes.discard(self.key)
         self.engine.forget_session(self.key)
 
 
-def session_routes(engine, per_replica: int):
-    """The replica's `session_route(key)`: makes the replica the key's home (Serve then routes the key here)."""
+def session_routes(engine, per_replica: int, homes: set[str]):
+    """The replica's `session_route(key)`: makes the replica the key's home (Serve then routes the key here).
+    `homes` holds the keys it is the home of now (a fused front runs their turns in process: front/fused.py)."""
 
     async def session_route(key: str) -> SessionRoute:
-        return SessionRoute(key, engine)
+        return SessionRoute(key, engine, homes)
 
     return serve.multiplexed(max_num_models_per_replica=per_replica)(session_route)

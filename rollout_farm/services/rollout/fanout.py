@@ -76,6 +76,7 @@ class Fanout:
             req.request_id,  # what cut_rollout cuts (/abort_request, DELETE ?partial=true)
             req._resolved_adapter,
             key=req.routing_key,
+            local=chunk == 0,  # a fused front runs the first chunk on its own engine, the rest on the others
         )
 
     async def produce(self, job: Job, req: P.RolloutRequest, delivered: bool = True) -> P.RolloutResponse:

@@ -1,0 +1,149 @@
+"""FARM_FRONT=fused (rollout_farm/services/front/fused.py): each engine replica is its own HTTP ingress, on an app
+of its own under /fused (two replicas of the tiny model, small limits so that 429 is reachable) in the session's Serve
+instance. What it must keep of the split front, each read from the service, never from timings:
+  - the same samples for the same seed and weights (a rollout, chat, a session's turns);
+  - a rollout over both replicas, a weight push committed on both, the version floor;
+  - a session's turns on its home replica, whose KV cache saves their prefill;
+  - a flood answered 200 or the service's 429 with Retry-After;
+  - the replica that holds a request killed under it: the client's retries by request_id complete it, once.
+"""
+
+import asyncio
+import threading
+from collections import Counter
+
+import httpx
+import pytest
+import ray
+
+from rollout_farm.services import protocol as P
+from rollout_farm.services.client import FarmClient
+from rollout_farm.services.errors import QUEUES_FULL
+from tests.conftest import TOKEN
+from tests.metrics_text import by_label, scrape
+from tests.service.helpers import AUTH, any_busy, greedy, push, second_app, tokens, wait_until
+
+SEEDED = {"temperature": 1.0, "max_new_tokens": 10, "seed": 7, "ignore_eos": True}
+FLOOD = 160
+
+
+@pytest.fixture(scope="module")
+def fused(service, tiny_model, tmp_path_factory):
+    with second_app(
+        service,
+        "fused",
+        model=str(tiny_model),
+        replicas=2,
+        front="fused",
+        engine_max_ongoing_requests=2,
+        engine_max_queued_requests=2,
+        state_dir=str(tmp_path_factory.mktemp("fused-state")),
+    ) as url:
+        wait_until(lambda: len(ready(url)) == 2, "both fused replicas ready")
+        yield url
+
+
+def ready(url: str) -> list[dict]:
+    r = httpx.get(f"{url}/readyz", timeout=60)
+    return r.json()["replicas"] if r.status_code == 200 else []
+
+
+def prefilled(url: str) -> dict[str, float]:
+    """replica id -> prompt tokens its engine has prefilled (its own counter)."""
+    return by_label(scrape(url), "farm_replica_prefill_tokens", "replica")
+
+
+def engine_actors(app: str) -> list[dict]:
+    return [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+    ]
+
+
+def test_the_fused_front_answers_as_the_split_one_for_the_same_seed_and_weights(service, fused, tiny_model):
+    weights = (tiny_model / "model.safetensors").read_bytes()
+    for url in (service, fused):  # both serve the model folder's weights, as one new version each
+        version = httpx.get(f"{url}/v1/weights/version").json()["version"] + 1
+        assert push(url, weights, version).status_code == 200
+    body = {"prompts": [{"token_ids": [40, 41, 42]}], "n": 1, "sampling_params": SEEDED}
+    split, own = (httpx.post(f"{url}/v1/rollouts", json=body, timeout=120) for url in (service, fused))
+    assert tokens(split) == tokens(own)
+    a, b = (r.json()["groups"][0]["samples"][0]["logprobs"] for r in (split, own))
+    assert a == pytest.approx(b, abs=1e-5)
+    chat = {"messages": [{"role": "user", "content": "Q: 1+2"}], "max_tokens": 8, "seed": 3}
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120) for url in (service, fused)]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    assert len({r.json()["choices"][0]["message"]["content"] for r in answers}) == 1
+
+
+def test_a_rollout_over_both_replicas_and_a_push_committed_on_both(fused, tiny_model):
+    with FarmClient(fused, TOKEN, retries=0) as client:
+        version = client.weights_version().version + 1
+        client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
+        assert set(client.weights_version().replicas.values()) == {version}
+    body = {**greedy([[40 + i, 41, 42] for i in range(4)], max_new_tokens=4, n=2), "min_weight_version": version}
+    r = httpx.post(f"{fused}/v1/rollouts", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    groups = r.json()["groups"]
+    assert [g["prompt_token_ids"] for g in groups] == [[40 + i, 41, 42] for i in range(4)]
+    assert {s["weight_version"] for g in groups for s in g["samples"]} == {version}
+    before = prefilled(fused)
+    httpx.post(f"{fused}/v1/rollouts", json=greedy([[50 + i, 41] for i in range(8)], 2), timeout=120)
+    assert all(v > before.get(r, 0) for r, v in prefilled(fused).items())  # its chunks ran on both replicas
+
+
+def test_a_session_stays_on_its_home_replica_and_reuses_its_cache(fused):
+    sid = httpx.post(f"{fused}/v1/sessions", json={"sampling_params": SEEDED}, timeout=30).json()["session_id"]
+    homes = set()
+    for k, ids in enumerate([[40, 41, 42, 43, 44], [50, 51], [60, 61, 62]]):
+        before = prefilled(fused)
+        r = httpx.post(f"{fused}/v1/sessions/{sid}/generate", json={"append_token_ids": ids}, timeout=120)
+        assert r.status_code == 200, r.text
+        moved = {rep: v - before.get(rep, 0) for rep, v in prefilled(fused).items() if v != before.get(rep, 0)}
+        (home,) = moved
+        homes.add(home)
+        if k:
+            assert moved[home] == len(ids) + 1  # the new ids and the last sampled token: the rest was cached
+    assert len(homes) == 1, homes
+
+
+async def test_a_flood_through_the_fused_front_is_answered_200_or_our_429(fused):
+    body = greedy([[40, 41, 42]], max_new_tokens=2)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        answers = await asyncio.gather(*[http.post(f"{fused}/v1/rollouts", json=body) for _ in range(FLOOD)])
+    codes = Counter(r.status_code for r in answers)
+    assert set(codes) <= {200, 429} and codes[200] and codes[429], codes
+    for r in (r for r in answers if r.status_code == 429):
+        assert r.headers["retry-after"] == "1" and r.json() == {"error": QUEUES_FULL, "detail": []}, r.text
+    wait_until(lambda: not any_busy(fused), "the fused replicas idle after the flood")
+
+
+def test_killing_the_replica_that_holds_a_request_the_retry_by_request_id_completes_it_once(fused):
+    """The client sends a long rollout with a request_id; the replica that took it (its prefill counter moved) is
+    killed. The client's retries (a 5xx, or the connection cut) reach the other replica, whose answer is the one
+    rollout of that id: its groups whole, and a replay of the id after it gives the same samples."""
+    body = greedy([[70, 71, 72]], max_new_tokens=400, n=2, ignore_eos=True)
+    before = prefilled(fused)
+    result: dict = {}
+
+    def send():
+        with FarmClient(fused, TOKEN, retries=8) as client:
+            result["answer"] = client.rollouts(P.RolloutRequest(**body, request_id="fused-kill-1"))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    taker = wait_until(
+        lambda: [r for r, v in prefilled(fused).items() if v > before.get(r, 0)], "a replica takes the rollout"
+    )[0]
+    (victim,) = [a for a in engine_actors("fused") if a["name"].endswith(f"#{taker}")]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    sender.join(timeout=300)
+    assert not sender.is_alive() and "answer" in result
+    groups = result["answer"].groups
+    assert len(groups) == 1 and len(groups[0].samples) == 2
+    assert all(len(s.token_ids) == 400 for s in groups[0].samples)
+    again = httpx.post(
+        f"{fused}/v1/rollouts", json={**body, "request_id": "fused-kill-1"}, headers=AUTH, timeout=120
+    ).json()
+    assert [s["token_ids"] for s in again["groups"][0]["samples"]] == [s.token_ids for s in groups[0].samples]
+    wait_until(lambda: len(ready(fused)) == 2, "a replacement fused replica", 180)
