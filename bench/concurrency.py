@@ -13,14 +13,18 @@ work. The figure is, per case, the median over --rounds rounds of many / one (sa
           per-request cost (HTTP, Serve's proxy, the ingress, two Ray calls).
   chat    (--chat) K concurrent POST /v1/chat/completions vs one with n=K; OpenAI's API has no ignore_eos, so
           samples end at EOS and the lengths, and the figure, vary more.
-Each of --fronts (serve and haproxy by default: FARM_HTTP_PROXY; '+fused' adds FARM_FRONT=fused, '+coalesce2'
-FARM_COALESCE_MS=2) is a pass of its own: the service started with those settings, all its rounds, stopped (the
-engine arm runs in the first pass only). The replica's busy share during each arm
-(farm_replica_busy_seconds: time with at least one sample generating) and the most calls that shared one decode
-step are reported too, and the CPU each request costs at Serve's HTTP proxy and at the ingress replica (user + system
-CPU time of their processes, psutil, over the arm, divided by its requests): in the many arm that is the cost of one
-one-sample request, in the one arm that of one request of K samples. What the two use with no request in flight
-(health checks, metrics, Serve's polls), measured for IDLE_S before each arm, is taken off pro rata.
+Each of --fronts (serve and haproxy by default: FARM_HTTP_PROXY; '+fused' adds FARM_FRONT=fused) is a pass of its
+own: the service started with those settings, all its rounds, stopped (the engine arm runs in the first pass only).
+The replica's busy share during each arm (farm_replica_busy_seconds: time with at least one sample generating) and
+the most calls that shared one decode step are reported too, and the CPU each request costs at each process of the
+service: Serve's HTTP proxy, HAProxy, the ingress replica and the engine replica (user + system CPU time, psutil,
+over the arm, divided by its requests): in the many arm that is the cost of one one-sample request, in the one arm
+that of one request of K samples. What they use with no request in flight (health checks, metrics, Serve's polls),
+measured for IDLE_S before each arm, is taken off pro rata. "extra CPU" adds, over every process, a one-sample
+request's CPU less the K-sample request's per sample: what sending samples one per request costs, wherever it is
+spent (a fused front spends it in the engine replica's process).
+  sessions (--sessions TOKENS) K sessions at once, each 5 turns of TOKENS tokens (token ids in), vs one K-sample
+          rollout per turn with a prompt as long as a session's at that turn.
 
     .venv/bin/python bench/concurrency.py                            # about 15 min on 2 cores (more when busy)
     .venv/bin/python bench/concurrency.py --ks 16 64 --max-new-tokens 64 256 --rounds 7 --chat
@@ -51,12 +55,9 @@ def front_settings(front: str) -> dict:
     proxy, *options = front.split("+")
     settings: dict = {"http_proxy": proxy}
     for option in options:
-        if option == "fused":
-            settings["front"] = "fused"
-        elif option.startswith("coalesce"):
-            settings["coalesce_ms"] = float(option.removeprefix("coalesce"))
-        else:
-            raise ValueError(f"unknown front option {option!r}: fused or coalesceMS")
+        if option != "fused":  # FARM_COALESCE_MS ('+coalesceMS') was measured at 2e25d28 and removed
+            raise ValueError(f"unknown front option {option!r}: fused")
+        settings["front"] = "fused"
     return settings
 
 
@@ -181,8 +182,7 @@ def main() -> None:
         default=["serve", "haproxy"],
         type=front_settings_checked,
         help="the front designs, one pass each (the service is started again for each): FARM_HTTP_PROXY "
-        "(serve or haproxy), then '+fused' for FARM_FRONT=fused and/or '+coalesceMS' for FARM_COALESCE_MS=MS, "
-        "e.g. haproxy+fused or serve+coalesce2",
+        "(serve or haproxy), then '+fused' for FARM_FRONT=fused, e.g. haproxy+fused",
     )
     ap.add_argument(
         "--max-foreign", type=float, default=0.25, help="redo a round in which other processes used more of the cores"

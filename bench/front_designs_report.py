@@ -4,6 +4,8 @@
         --fronts serve haproxy serve+coalesce2 haproxy+coalesce2 serve+fused haproxy+fused --out front_designs
     .venv/bin/python bench/front_designs_report.py
 
+(the '+coalesce2' fronts, FARM_COALESCE_MS, ran at commit 2e25d28, which has them; they were removed after.)
+
 It starts no service: it replaces what lies between the `<!-- front_designs:begin -->` and
 `<!-- front_designs:end -->` lines of bench/README.md. Per design and case: the median over rounds of K concurrent
 one-sample requests' samples/s over one K-sample request's (bench/concurrency.py), and the CPU every process of the

@@ -40,7 +40,6 @@ from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
 from rollout_farm.services.plugins import load_plugins
 from rollout_farm.services.queue.trajectory_queue import TrajectoryQueue
-from rollout_farm.services.replica.coalesce import Coalescing
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.rollout.fanout import Fanout
 from rollout_farm.services.rollout.jobs import RolloutJobs
@@ -66,12 +65,8 @@ class Ingress:
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
-        if isinstance(engine, Replicas):  # built by a fused replica (rollout_farm/services/front/fused.py)
-            self.replicas = engine
-        elif settings.coalesce_ms:
-            self.replicas = Coalescing(engine, settings.coalesce_ms / 1000)
-        else:
-            self.replicas = Replicas(engine)
+        # a fused replica builds its Ingress on its own Replicas (rollout_farm/services/front/fused.py)
+        self.replicas = engine if isinstance(engine, Replicas) else Replicas(engine)
         self.deployment = deployment  # the Serve deployment whose replicas serve HTTP (ingress_metrics' peers)
         self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
         busy = settings.fair_share_samples or settings.replicas * settings.engine_max_batch_size

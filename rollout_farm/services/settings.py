@@ -115,14 +115,6 @@ class ServiceSettings(BaseSettings):
         description="Sessions an engine replica is the sticky home of at most (Serve's multiplexing, least recently "
         "used first out); a session routed elsewhere re-prefills once.",
     )
-    coalesce_ms: float = Field(
-        0.0,
-        ge=0,
-        le=100,
-        description="FARM_FRONT=split: one-replica rollouts (no session) that reach an ingress replica within this "
-        "many milliseconds go to one engine replica as one Ray call (rollout_farm/services/replica/coalesce.py); "
-        "0: off, a Ray call per rollout.",
-    )
     ingress_max_ongoing_requests: int = Field(
         256, ge=1, description="Requests each ingress replica has in flight at once; Serve's proxy holds the rest."
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from redis.asyncio import Redis
 from redis.exceptions import LockError
@@ -41,7 +41,10 @@ class Session:
         return self.segments[-1]
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "segments": [s.to_json() for s in self.segments]}, separators=(",", ":"))
+        """The session as JSON, each segment as its own JSON text (its fields are plain values: no deep copy of the
+        segments, which asdict would make only for them to be replaced: it was half a turn's bookkeeping)."""
+        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "segments"}
+        return json.dumps({**plain, "segments": [s.to_json() for s in self.segments]}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Session:

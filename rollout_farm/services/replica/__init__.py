@@ -9,7 +9,6 @@ tokenizer a replica hands it once (`EngineServer.chat_tokenizer`).
 | module | owns |
 | --- | --- |
 | `handle.py` | `Replicas`, in the ingress: one replica or all through Serve's handle; full is a 429, dead a 503 |
-| `coalesce.py` | `Coalescing`, in the ingress (FARM_COALESCE_MS): rollouts arriving together sent as one Ray call |
 | `seeds.py` | the seed of each chunk (ingress) and each sampler round (replica) |
 | `engine_server.py` | `EngineServer`, one per replica: rollout slots and the waiting room, scoring, control, health |
 | `weight_verbs.py` | its weight verbs: catch-up to the committed version, the two push phases, the NCCL transport |

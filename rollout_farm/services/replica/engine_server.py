@@ -146,11 +146,6 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
                 prompts, n, params, reward, min_version, meta, sampler, routing_key, cut, adapter
             )
 
-    async def rollout_many(self, calls: list[tuple]) -> list:
-        """Several rollouts' answers, each as `rollout` gives it (run at once, each admitted on its own); an error
-        one of them raised is its answer. The ingress's coalescing sends them (replica/coalesce.py)."""
-        return await asyncio.gather(*(self.rollout(*args) for args in calls), return_exceptions=True)
-
     async def _rollout(
         self, prompts, n, params, reward, min_version, meta, sampler, routing_key, cut: Cut | None, adapter=None
     ):

@@ -94,7 +94,7 @@ def answered(result, method: str):
     if isinstance(result, overload.Full):
         overload.rejected("replica_full", method)
         raise ReplicaFull()
-    if isinstance(result, BaseException):  # an expected refusal (e.g. a version not there), or a coalesced call's error
+    if isinstance(result, ServiceError):  # an expected refusal the replica answered with (e.g. a version not there)
         raise result
     return result
 
