@@ -257,6 +257,15 @@ class ServiceSettings(BaseSettings):
     )
 
     @model_validator(mode="after")
+    def _fused_front_has_no_ingress(self) -> ServiceSettings:
+        if self.front == "fused" and self.ingress_replicas != 1:
+            raise ValueError(
+                f"FARM_INGRESS_REPLICAS={self.ingress_replicas} with FARM_FRONT=fused: there is no ingress deployment "
+                "(each engine replica is an ingress; FARM_REPLICAS counts them): leave it unset"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _gpu_share_fits_sglang(self) -> ServiceSettings:
         if self.engine != "sglang":
             return self

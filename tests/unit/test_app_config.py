@@ -73,13 +73,15 @@ def test_the_fused_front_is_one_deployment_of_engine_replicas_that_serve_http():
     from rollout_farm.services.replica.engine_server import request_slots
     from rollout_farm.services.settings import ServiceSettings
 
-    fused = _deployments(front="fused", replicas=3, ingress_replicas=2)
+    fused = _deployments(front="fused", replicas=3)
     assert set(fused) == {"engine"}
     engine = fused["engine"]
     assert engine["num_replicas"] == 3
     settings = ServiceSettings(api_token=TOKEN, replicas=3)
     assert engine["max_ongoing_requests"] == request_slots(settings) + settings.ingress_max_ongoing_requests
     assert set(_deployments(replicas=3)) == {"ingress", "engine"}  # the split front, the default
+    with pytest.raises(ValueError, match="FARM_INGRESS_REPLICAS=2 with FARM_FRONT=fused"):  # no setting ignored
+        ServiceSettings(api_token=TOKEN, front="fused", ingress_replicas=2)
 
 
 @pytest.mark.parametrize(
