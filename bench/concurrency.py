@@ -178,6 +178,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--fronts",
+        "--http-proxy",  # its name before the fused front: earlier figures' commands use it
         nargs="+",
         default=["serve", "haproxy"],
         type=front_settings_checked,
