@@ -87,7 +87,7 @@ def variant(made: list[tuple[str, dict]], ti: int, version: int, pushes: int, ba
 
     from rollout_farm.services.adapters.digest import adapter_digest, tensor_checksums
     from rollout_farm.services.adapters.peft_format import read_config
-    from rollout_farm.services.peft_files import CONFIG_META
+    from rollout_farm.services.client.peft_files import CONFIG_META
 
     config, tensors = made[(version + 2 * ti) % BASES]
     tensors = dict(tensors)

@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 
 from rollout_farm.services.engine.bench_engine import BenchEngine
-from rollout_farm.services.rewards import REWARDS
+from rollout_farm.services.extensions.rewards import REWARDS
 
 LATENCY_FILE = "bench_latency_s"  # in the service's FARM_STATE_DIR
 

@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from rollout_farm.services import server
+    from rollout_farm.services.serving import server
 
     model = resolve(args.model)
     url = start_service(

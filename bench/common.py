@@ -125,8 +125,8 @@ def smollm2() -> Path:
 
 def start_service(**settings):
     """Start the real service in this process (Ray Serve, 127.0.0.1, a free port); returns its base URL."""
-    from rollout_farm.services import server
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving import server
 
     settings.setdefault("state_dir", tempfile.mkdtemp(prefix="farm-bench-state-"))  # each run from version 0
     s = ServiceSettings(api_token=TOKEN, port=settings.pop("port", None) or free_port(), **settings)
@@ -137,7 +137,7 @@ def start_service(**settings):
 
 
 def stop_service() -> None:
-    from rollout_farm.services import server
+    from rollout_farm.services.serving import server
 
     server.stop()
 

@@ -36,8 +36,8 @@ def main() -> None:
     import torch
 
     from rollout_farm.services.engine.torch import TorchEngine
+    from rollout_farm.services.extensions.tasks import TASKS
     from rollout_farm.services.protocol import SamplingParams
-    from rollout_farm.services.tasks import TASKS
     from rollout_farm.trainer.sync.rollouts import render_prompt
 
     class KeepFinishedRows(TorchEngine):

@@ -1,5 +1,5 @@
 """GRPO over calculator episodes against single-turn GRPO on the same budget (issue 26), on products the tiny
-model cannot work out in its head: `Q: 347*2918\\nA:` (rollout_farm/services/tasks.py `products`).
+model cannot work out in its head: `Q: 347*2918\\nA:` (rollout_farm/services/extensions/tasks.py `products`).
 
 The model, `arith-tool`, is the embedded default's recipe (a 1.1M-parameter byte-level Llama) pretrained on a corpus
 that is half the arithmetic task and half products. TOOL_SHARE of the products are written as a calculator episode
@@ -50,9 +50,9 @@ from rollout_farm.services.chat.delta import opening, turn_context  # noqa: E402
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall  # noqa: E402
 from rollout_farm.services.client import FarmClient  # noqa: E402
 from rollout_farm.services.episodes.calculator import CALCULATOR_TOOL, Calculator  # noqa: E402
+from rollout_farm.services.extensions.tasks import ArithTask, ProductsTask  # noqa: E402
 from rollout_farm.services.models import CACHE, EOS, Piece, byte_tokenizer, default_corpus, pretrain  # noqa: E402
 from rollout_farm.services.protocol import episodes as E  # noqa: E402
-from rollout_farm.services.tasks import ArithTask, ProductsTask  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "episodes"
 RESULTS = ROOT / "docs" / "results.md"

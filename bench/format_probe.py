@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import log, write_json  # noqa: E402
+from rollout_farm.services.extensions.rewards import last_number  # noqa: E402
+from rollout_farm.services.extensions.tasks import ArithTask  # noqa: E402
 from rollout_farm.services.models import resolve_model  # noqa: E402
-from rollout_farm.services.rewards import last_number  # noqa: E402
-from rollout_farm.services.tasks import ArithTask  # noqa: E402
 
 PREFIXES = {"none": "", "####": " ####", "The answer is": " The answer is"}
 

@@ -51,9 +51,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from rollout_farm.services.engine.torch import TorchEngine
+    from rollout_farm.services.extensions.tasks import TASKS
     from rollout_farm.services.models import tiny_llama
     from rollout_farm.services.protocol import SamplingParams
-    from rollout_farm.services.tasks import TASKS
     from rollout_farm.trainer.sync.rollouts import render_prompt
 
     def engines(path: Path) -> dict[bool, TorchEngine]:

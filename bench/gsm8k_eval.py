@@ -33,7 +33,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rollout_farm.services.client import FarmClient
-    from rollout_farm.services.tasks import TASKS
+    from rollout_farm.services.extensions.tasks import TASKS
     from rollout_farm.trainer.evaluate import Accuracy, score
     from rollout_farm.trainer.sync.rollouts import render_prompt
 

@@ -1,10 +1,11 @@
 """A real pretrained model learning a skill through the farm: SmolLM2-135M-Instruct, GRPO on two-digit addition.
 
-The task (rollout_farm/services/tasks.py `addition`) asks `What is 47 + 38?` through the model's chat template; the
-reward and the held-out grade are both the last number of the answer (`last_number`), so a format earns nothing: a gain
-is in the sums. Each seed trains plain GRPO through the real service (one torch replica, float32) and scores the same
-held-out problems greedily before, every --test-freq steps, and after. Seeds pair before with after on the same
-problems: per seed an exact McNemar test, across seeds a paired t-test of the gains (bench/claims_stats.py's rule).
+The task (rollout_farm/services/extensions/tasks.py `addition`) asks `What is 47 + 38?` through the model's chat
+template; the reward and the held-out grade are both the last number of the answer (`last_number`), so a format earns
+nothing: a gain is in the sums. Each seed trains plain GRPO through the real service (one torch replica, float32) and
+scores the same held-out problems greedily before, every --test-freq steps, and after. Seeds pair before with after on
+the same problems: per seed an exact McNemar test, across seeds a paired t-test of the gains (bench/claims_stats.py's
+rule).
 
 Each arm (a learning rate) has its folder, docs/data/real_model/lr<lr>/, and each seed its file there, seed<k>.json
 (its overrides, commit, machine, wall time, per-step figures and the per-problem grades before and after); a finished

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, log, provenance, smollm2  # noqa: E402
-from rollout_farm.services.rewards import integers, last_number  # noqa: E402
-from rollout_farm.services.tasks import AdditionTask  # noqa: E402
+from rollout_farm.services.extensions.rewards import integers, last_number  # noqa: E402
+from rollout_farm.services.extensions.tasks import AdditionTask  # noqa: E402
 from rollout_farm.trainer.sync.rollouts import render_prompt  # noqa: E402
 
 OUT = ROOT / "docs" / "data" / "real_model" / "probe.json"

@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import TOKEN, log, start_service, stop_service, table, write_json  # noqa: E402
-from rollout_farm.services.tasks import TASKS  # noqa: E402
+from rollout_farm.services.extensions.tasks import TASKS  # noqa: E402
 
 PATTERN = r" ?#### -?[0-9]+"  # the answer line the reward wants, and nothing else (arith's answers need no chain)
 CONFIGS = {  # name -> (sampler spec, prompts sent per group kept)

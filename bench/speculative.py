@@ -42,8 +42,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from rollout_farm.services.engine.torch import TorchEngine
+    from rollout_farm.services.extensions.tasks import TASKS
     from rollout_farm.services.protocol import SamplingParams
-    from rollout_farm.services.tasks import TASKS
     from rollout_farm.trainer.sync.rollouts import render_prompt
 
     path = str(resolve(args.model))

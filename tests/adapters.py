@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rollout_farm.services.peft_files import upload_body
+from rollout_farm.services.client.peft_files import upload_body
 from tests.conftest import TOKEN
 
 

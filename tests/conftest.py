@@ -47,8 +47,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def service_settings(tiny_model, tmp_path_factory):
     """The session service's settings: two engine replicas and two ingress replicas sharing the state in a real
     redis-server (embedded, its append-only file in a temporary folder)."""
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.net import free_port
-    from rollout_farm.services.settings import ServiceSettings
 
     return ServiceSettings(
         model=str(tiny_model),
@@ -71,7 +71,7 @@ def service_settings(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def service(service_settings):
     """The real service on 127.0.0.1; yields its base URL."""
-    from rollout_farm.services import server
+    from rollout_farm.services.serving import server
 
     server.start(service_settings)
     yield f"http://127.0.0.1:{service_settings.port}"
@@ -83,8 +83,8 @@ def bench_service(service, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
     (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; two ingress
     replicas."""
-    from rollout_farm.services import server
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving import server
 
     port = int(service.rsplit(":", 1)[1])
     settings = ServiceSettings(

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, Hermes
 from rollout_farm.services.engine.bench_engine import BenchEngine
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, Environment, Step
-from rollout_farm.services.rewards import REWARDS
-from rollout_farm.services.samplers import Sampler
+from rollout_farm.services.extensions.rewards import REWARDS
+from rollout_farm.services.extensions.samplers import Sampler
 
 
 class LongestOfTwo(Sampler):

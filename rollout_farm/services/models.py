@@ -123,7 +123,7 @@ def default_corpus(rng: random.Random, task) -> list[Piece]:
 
 def build_default(out: Path, steps: int = PRETRAIN_STEPS, batch: int = 128, seed: int = 0) -> Path:
     """Pretrain the embedded default model on the arithmetic corpus and save it atomically to `out`."""
-    from rollout_farm.services.tasks import ArithTask
+    from rollout_farm.services.extensions.tasks import ArithTask
 
     task = ArithTask()
     return pretrain(out, lambda rng: default_corpus(rng, task), steps, batch, seed, "the default model")

@@ -9,10 +9,10 @@ import sys
 
 
 def _setup_logging() -> None:
-    """One JSON object per log line on stdout (rollout_farm/services/logs.py), or the extra to install where the default
-    install (the client alone) lacks the logging package of the service and trainer."""
+    """One JSON object per log line on stdout (rollout_farm/services/observability/logs.py), or the extra to install
+    where the default install (the client alone) lacks the logging package of the service and trainer."""
     try:
-        from rollout_farm.services import logs
+        from rollout_farm.services.observability import logs
     except ModuleNotFoundError as e:
         sys.exit(f"farm needs the service and trainer ({e.name} is missing): pip install 'rollout-farm[trainer]'")
     logs.setup()
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "serve":
         from pydantic import ValidationError
 
-        from rollout_farm.services.server import run_forever
-        from rollout_farm.services.settings import ServiceSettings, SettingsError, explain
+        from rollout_farm.services.config.settings import ServiceSettings, SettingsError, explain
+        from rollout_farm.services.serving.server import run_forever
 
         given = {"model": args.model, "port": args.port, "replicas": args.replicas}
         overrides = {k: v for k, v in given.items() if v is not None}

@@ -8,8 +8,8 @@ from typing import Callable, Iterator
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
-from rollout_farm.services.rewards import last_number
-from rollout_farm.services.tasks import Problem, Task
+from rollout_farm.services.extensions.rewards import last_number
+from rollout_farm.services.extensions.tasks import Problem, Task
 
 Z95 = 1.959964
 

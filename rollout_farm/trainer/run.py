@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from verl.trainer.ppo import core_algos
 
 from rollout_farm.services.client import FarmClient
+from rollout_farm.services.extensions.tasks import TASKS
 from rollout_farm.services.models import resolve_model
-from rollout_farm.services.tasks import TASKS
 from rollout_farm.services.weights.pusher import WeightPusher
 from rollout_farm.trainer import distributed, lora
 from rollout_farm.trainer.config import Config, Optim

@@ -206,16 +206,20 @@ def sample_types(text: str) -> dict[str, str]:
 
 @functools.cache
 def farm_metric_types() -> dict[str, str]:
-    """The farm's sample names and types, from the code: the service's registry (rollout_farm/services/metrics.py, the
-    queue's gauges) and the per-scrape families of its exposition(), and the trainer's (step gauges, guard actions)."""
+    """The farm's sample names and types, from the code: the service's registry
+    (rollout_farm/services/observability/metrics.py, the queue's gauges) and the per-scrape families of its
+    exposition(), and the trainer's (step gauges, guard actions)."""
     from prometheus_client import REGISTRY, generate_latest
 
-    import rollout_farm.services.metrics
+    import rollout_farm.services.observability.metrics
     import rollout_farm.services.queue.gauges  # noqa: F401  (registers the queue's collector)
     import rollout_farm.trainer.guards.checks  # noqa: F401
     import rollout_farm.trainer.outputs.step_metrics  # noqa: F401
 
-    text = generate_latest(REGISTRY).decode() + rollout_farm.services.metrics.exposition([], {}, "scrape").decode()
+    text = (
+        generate_latest(REGISTRY).decode()
+        + rollout_farm.services.observability.metrics.exposition([], {}, "scrape").decode()
+    )
     return {n: t for n, t in sample_types(text).items() if n.startswith(FARM_PREFIX)}
 
 

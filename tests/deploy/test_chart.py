@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.config.settings import ServiceSettings
 from tests.deploy.chart_render import (
     BASE,
     CHART,
@@ -170,7 +170,7 @@ def test_default_layout():
     app = serve_app(rs)
     assert (app["name"], app["import_path"], app["route_prefix"]) == (
         "farm",
-        "rollout_farm.services.serve_entry:app",
+        "rollout_farm.services.serving.serve_entry:app",
         "/",
     )
     assert serve_config(rs)["http_options"]["port"] == 8000

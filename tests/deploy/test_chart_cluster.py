@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from rollout_farm.services.app import engine_scaling
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.config.settings import ServiceSettings
+from rollout_farm.services.serving.app import engine_scaling
 from tests.deploy.chart_render import (
     BASE,
     FULLNAME,
@@ -234,8 +234,8 @@ def test_worker_defaults_follow_the_gpus():
 
 def test_ingress_is_pinned_to_the_head():
     """Old: ingress replicas (and the weight store) asked for 0 CPUs and nothing else, so Serve could place them on
-    GPU workers. rollout_farm/services/app.py turns FARM_CONTROL_RESOURCE into their ray_actor_options (tests/unit/
-    test_app_config.py)."""
+    GPU workers. rollout_farm/services/serving/app.py turns FARM_CONTROL_RESOURCE into their ray_actor_options
+    (tests/unit/test_app_config.py)."""
     rs = rayservice(GPU)
     start = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert json.loads(start["resources"].strip("'")) == {"farm_head": 100}
@@ -278,8 +278,8 @@ def test_settings_live_in_serve_config_not_in_pod_env():
     ],
 )
 def test_deployments_agree_with_what_build_app_sets(override, monkeypatch):
-    """serveConfigV2's deployments: give Serve the replica counts rollout_farm/services/app.py derives from the same
-    settings (an override must not disagree with the code). Old: there was no deployments: list, and so no in-place
+    """serveConfigV2's deployments: give Serve the replica counts rollout_farm/services/serving/app.py derives from the
+    same settings (an override must not disagree with the code). Old: there was no deployments: list, and so no in-place
     scaling."""
     rs = rayservice(override)
     for name, value in serve_env(rs).items():

@@ -91,8 +91,8 @@ def test_stop_strings_and_tokens_cut_where_one_token_at_a_time_would(plain, draf
 def test_each_sample_carries_its_drafts_and_the_scrape_has_them_per_sampler(drafting):
     """EngineOutput's draft counts (the replica sums them per sampler: EngineServer._count_drafts) and the
     farm_sampler_draft_tokens series the scrape makes of them."""
-    from rollout_farm.services import metrics
     from rollout_farm.services import protocol as P
+    from rollout_farm.services.observability import metrics
     from rollout_farm.services.replica.engine_server import EngineServer
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)

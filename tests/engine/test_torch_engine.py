@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from rollout_farm.services.engine import EngineOutput, WeightsRejected
 from rollout_farm.services.engine.torch import TorchEngine
+from rollout_farm.services.extensions.samplers import NoParams, Plain
 from rollout_farm.services.protocol import Group, Prompt, Sample, SampledWith, SamplingParams
 from rollout_farm.services.replica.group_sampling import sample_groups, to_sample
-from rollout_farm.services.samplers import NoParams, Plain
 from rollout_farm.services.weights.state_dict import canonical_state_dict
 from rollout_farm.trainer.algorithms.forward import response_logprobs
 from rollout_farm.trainer.batch import make_batch

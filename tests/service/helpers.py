@@ -48,8 +48,8 @@ def second_app(service: str, name: str, **settings):
     no Ray CPU per engine replica, WARNING logs, unless `settings` say otherwise); yields its URL, then deletes it."""
     from ray import serve
 
-    from rollout_farm.services import server
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving import server
 
     settings = {"engine_threads": 1, "engine_num_cpus": 0, "log_level": "WARNING", **settings}
     port = int(service.rsplit(":", 1)[1])

@@ -212,7 +212,7 @@ def test_a_probe_proves_the_engine_and_a_wrong_one_refuses_the_push_everywhere(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rollout_farm.services import server
+    from rollout_farm.services.serving import server
     from rollout_farm.services.state.redis_client import prefix
     from rollout_farm.services.weights.pusher import compute_probe as compute
 

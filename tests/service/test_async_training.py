@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
-from rollout_farm.services.tasks import TASKS
+from rollout_farm.services.extensions.tasks import TASKS
 from rollout_farm.services.weights.pusher import WeightPusher
 from rollout_farm.trainer.batch import make_batch
 from rollout_farm.trainer.config import load

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from rollout_farm.services import client_calls as farm_client  # CHUNK_BYTES, the upload slices
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
+from rollout_farm.services.client import calls as farm_client  # CHUNK_BYTES, the upload slices
 from rollout_farm.trainer import cli
 from tests.conftest import TOKEN
 from tests.service.helpers import replicas, wait_until

@@ -1,6 +1,6 @@
-"""FARM_FRONT=fused (rollout_farm/services/front/fused.py): each engine replica is its own HTTP ingress, on an app
-of its own under /fused (two replicas of the tiny model, small limits so that 429 is reachable) in the session's Serve
-instance. What it must keep of the split front, each read from the service, never from timings:
+"""FARM_FRONT=fused (rollout_farm/services/serving/fused_front.py): each engine replica is its own HTTP ingress, on an
+app of its own under /fused (two replicas of the tiny model, small limits so that 429 is reachable) in the session's
+Serve instance. What it must keep of the split front, each read from the service, never from timings:
   - the same samples for the same seed and weights (a rollout, chat, a session's turns);
   - a rollout over both replicas, a weight push committed on both, the version floor;
   - a session's turns on its home replica, whose KV cache saves their prefill;

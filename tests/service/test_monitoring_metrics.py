@@ -11,7 +11,7 @@ import yaml
 
 import tests.farm_plugins  # noqa: F401  (the service's FARM_PLUGINS: its samplers and tool formats registered here too)
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
-from rollout_farm.services.samplers import SAMPLERS
+from rollout_farm.services.extensions.samplers import SAMPLERS
 from tests.deploy.monitoring import ALERTS, exported, missing, queried
 from tests.metrics_text import by_label
 from tests.service.helpers import AUTH, request, rollout

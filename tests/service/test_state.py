@@ -9,7 +9,7 @@ import httpx
 import pytest
 import ray
 
-from rollout_farm.services import server
+from rollout_farm.services.serving import server
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 from tests.service.helpers import AUTH, any_busy, in_thread, replica_metric, wait_until
 

@@ -14,7 +14,7 @@ import tinker
 import torch
 from tinker import types
 
-from rollout_farm.services.peft_files import upload_body
+from rollout_farm.services.client.peft_files import upload_body
 from tests.adapters import peft_adapter
 from tests.conftest import TOKEN
 

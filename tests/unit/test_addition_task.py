@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from rollout_farm.services.rewards import REWARDS, integers
-from rollout_farm.services.tasks import TASKS, AdditionTask
+from rollout_farm.services.extensions.rewards import REWARDS, integers
+from rollout_farm.services.extensions.tasks import TASKS, AdditionTask
 
 LAST_NUMBER = [
     ("The answer is 27 + 82 = 109.", "109", 1.0),  # a sentence of its own: the last number counts

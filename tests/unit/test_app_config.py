@@ -9,9 +9,9 @@ from tests.conftest import TOKEN
 
 
 def test_engines_are_registered_and_unknown_ones_are_refused_at_start_up(tiny_model):
-    from rollout_farm.services.app import engine_class
+    from rollout_farm.services.config.settings import ServiceSettings, SettingsError
     from rollout_farm.services.engine import ENGINES
-    from rollout_farm.services.settings import ServiceSettings, SettingsError
+    from rollout_farm.services.serving.app import engine_class
 
     assert {"torch", "sglang", "bench"} <= set(ENGINES.names())
     with pytest.raises(SettingsError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
@@ -32,8 +32,8 @@ def _deployments(**settings) -> dict[str, dict]:
     from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.deployment import deployment_to_schema
 
-    from rollout_farm.services.app import build_app
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving.app import build_app
 
     settings.setdefault("redis_url", "redis://127.0.0.1:1/0")  # only named here: building connects to nothing
     built = serve_build(build_app(ServiceSettings(api_token=TOKEN, **settings)), name="farm")
@@ -59,8 +59,8 @@ def test_without_headroom_the_replica_count_is_fixed(max_replicas):
 
 
 def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
-    from rollout_farm.services.app import build_app
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving.app import build_app
 
     assert _deployments(ingress_replicas=3)["ingress"]["num_replicas"] == 3
     with pytest.raises(ValueError, match="FARM_REDIS_URL"):  # serve run / KubeRay: no embedded Redis there
@@ -70,8 +70,8 @@ def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
 def test_the_fused_front_is_one_deployment_of_engine_replicas_that_serve_http():
     """FARM_FRONT=fused: no ingress deployment; the engine deployment is the app's ingress (it holds the routes),
     scaled and resourced as the engine replicas are, with room for its HTTP requests beyond the engine's slots."""
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.replica.engine_server import request_slots
-    from rollout_farm.services.settings import ServiceSettings
 
     fused = _deployments(front="fused", replicas=3)
     assert set(fused) == {"engine"}
@@ -103,8 +103,8 @@ def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
 
 
 def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
-    from rollout_farm.services.server import http_proxy_env
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
+    from rollout_farm.services.serving.server import http_proxy_env
 
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -128,8 +128,8 @@ def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
 def test_sglang_memory_and_tensor_parallelism_follow_the_gpu_share(gpus, fraction, tp):
     """Two engines on a GPU each take under half of it (SGLang's default, about 0.9 of the free memory, left the
     second engine none); an engine with 2 GPUs shards over both (tp 1 left the second idle)."""
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.engine.sglang_engine import SGLangEngine
-    from rollout_farm.services.settings import ServiceSettings
 
     settings = ServiceSettings(api_token=TOKEN, engine="sglang", device="cuda", engine_num_gpus=gpus)
     assert settings.sglang_parallelism == (fraction, tp)
@@ -159,7 +159,7 @@ def test_sglang_memory_and_tensor_parallelism_follow_the_gpu_share(gpus, fractio
 def test_a_gpu_share_sglang_cannot_use_is_refused_at_start(settings, message):
     from pydantic import ValidationError
 
-    from rollout_farm.services.settings import ServiceSettings, explain
+    from rollout_farm.services.config.settings import ServiceSettings, explain
 
     with pytest.raises(ValidationError) as e:
         ServiceSettings(api_token=TOKEN, engine="sglang", **settings)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.samplers import Sampler
+from rollout_farm.services.extensions.samplers import Sampler
 from rollout_farm.trainer.algorithms.stale_samples import refuse_truncated
 from rollout_farm.trainer.config import load
 from tests.unit.enumeration import drifted_versions, estimator_moments, exact_gradient, sequences, spanning_q

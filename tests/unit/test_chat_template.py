@@ -2,8 +2,8 @@
 message must come out as exactly the prompt the model was pretrained on (with role labels, arith-tiny saw prompts it
 never learned, and the demo scored 0.000 before and after RL)."""
 
+from rollout_farm.services.extensions.tasks import ArithTask
 from rollout_farm.services.models import byte_tokenizer
-from rollout_farm.services.tasks import ArithTask
 from rollout_farm.trainer.sync.rollouts import render_prompt
 
 

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from rollout_farm.services import client_calls as farm_client  # CHUNK_BYTES, the upload slices
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import AsyncFarmClient, FarmClient, FarmError
+from rollout_farm.services.client import calls as farm_client  # CHUNK_BYTES, the upload slices
 
 VERSION = {"version": 3, "replicas": {"r0": 3}}
 

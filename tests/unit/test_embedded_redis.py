@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollout_farm.services.settings import SettingsError
+from rollout_farm.services.config.settings import SettingsError
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 
 # A process that serves the folder, as `farm serve` does: it starts (or reuses) the server and prints its URL; on

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rollout_farm.services.api import create_api, deps
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.config.settings import ServiceSettings
 from tests.conftest import TOKEN
 
 GENERATING = [  # an empty body: a request past the token check is a 422

@@ -19,33 +19,36 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("services", "trainer", "integrations")
 BUILDS_AT_IMPORT = {
-    "rollout_farm.services.serve_entry"
+    "rollout_farm.services.serving.serve_entry"
 }  # `serve run`'s entry: importing it builds the app from FARM_* settings
 # What rollout_farm/trainer/ and rollout_farm/integrations/ may import of rollout_farm/services/ (docs/architecture.md,
-# the layers): the base modules, every module of protocol/ and the package itself (a docstring). rewards.py is one
-# (rollout_farm/trainer/evaluate.py grades the last number with it). samplers.py is one: the sampler plug-in API,
+# the layers): the base modules, every module of protocol/ and the packages themselves (docstrings). rewards.py is
+# one (rollout_farm/trainer/evaluate.py grades the last number with it). samplers.py is one: the sampler plug-in API,
 # which imports only protocol/ and registry.py; rollout_farm/trainer/algorithms/stale_samples.py asks the configured
 # sampler (a plug-in too) for its effective params at config load, before any service is up.
 SERVICE_BASE = {
     "rollout_farm.services",
-    "rollout_farm.services.client",
-    "rollout_farm.services.client_calls",  # the client's calls on the wire (FarmError)
+    "rollout_farm.services.client",  # its public names (FarmClient, AsyncFarmClient, FarmError)
+    "rollout_farm.services.client.farm_client",
+    "rollout_farm.services.client.calls",  # the client's calls on the wire (FarmError)
     "rollout_farm.services.protocol",
     "rollout_farm.services.models",
-    "rollout_farm.services.tasks",
-    "rollout_farm.services.registry",
-    "rollout_farm.services.rewards",
-    "rollout_farm.services.samplers",
-    "rollout_farm.services.logs",
+    "rollout_farm.services.extensions",
+    "rollout_farm.services.extensions.tasks",
+    "rollout_farm.services.extensions.registry",
+    "rollout_farm.services.extensions.rewards",
+    "rollout_farm.services.extensions.samplers",
+    "rollout_farm.services.observability",
+    "rollout_farm.services.observability.logs",
     "rollout_farm.services.net",
     "rollout_farm.services.weights.pusher",
     "rollout_farm.services.weights.state_dict",
-    "rollout_farm.services.peft_files",  # a peft folder's files (stdlib only)
+    "rollout_farm.services.client.peft_files",  # a peft folder's files (stdlib only)
     "rollout_farm.services.adapters.digest",  # the policy digest a trainer checks its samples against
     "rollout_farm.services.adapters.peft_format",  # peft's adapter config, read as the farm reads it
 }
 CLI = "rollout_farm.trainer.cli"
-CLI_ALSO = {"rollout_farm.services.server", "rollout_farm.services.settings"}  # `farm serve`
+CLI_ALSO = {"rollout_farm.services.serving.server", "rollout_farm.services.config.settings"}  # `farm serve`
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -184,12 +187,12 @@ def test_the_trainer_rule_reports_a_forbidden_import(tmp_path):
         "from rollout_farm.services.protocol.episode_groups import as_group\n"
         "from rollout_farm.services.weights.pusher import WeightPusher\n"
         "def f():\n    from rollout_farm.services.episodes.episodes import Episodes\n"
-        "    from rollout_farm.services.server import run_forever\n"
+        "    from rollout_farm.services.serving.server import run_forever\n"
     )
     known = set(modules("services"))
     assert forbidden({"rollout_farm.trainer.x": src}, known) == [
         "rollout_farm.trainer.x -> rollout_farm.services.episodes.episodes",
-        "rollout_farm.trainer.x -> rollout_farm.services.server",
+        "rollout_farm.trainer.x -> rollout_farm.services.serving.server",
     ]
     assert forbidden({CLI: src}, known) == [f"{CLI} -> rollout_farm.services.episodes.episodes"]
 

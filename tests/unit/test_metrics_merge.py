@@ -3,7 +3,7 @@ answering replica (whose state gauges were read from Redis just then)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rollout_farm.services.metrics import merged
+from rollout_farm.services.observability.metrics import merged
 
 
 def replica_text(requests: int, version: int, seconds: list[float]) -> str:

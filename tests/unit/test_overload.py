@@ -190,7 +190,7 @@ class Response:
 
 
 def counted(kind: str) -> float:
-    from rollout_farm.services import metrics
+    from rollout_farm.services.observability import metrics
 
     return metrics.OVERLOAD.labels(kind)._value.get()
 

@@ -3,7 +3,7 @@ products."""
 
 import random
 
-from rollout_farm.services.tasks import TASKS, ProductsTask
+from rollout_farm.services.extensions.tasks import TASKS, ProductsTask
 
 
 def test_training_never_draws_a_held_out_problem_and_the_held_out_set_is_fixed():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rollout_farm.services.registry import Registry
-from rollout_farm.services.rewards import REWARDS, extract_answer, gsm8k_reward
+from rollout_farm.services.extensions.registry import Registry
+from rollout_farm.services.extensions.rewards import REWARDS, extract_answer, gsm8k_reward
 
 CASES = [
     ("no answer here", "42", None, 0.0),

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.samplers import (
+from rollout_farm.services.extensions.samplers import (
     ImportanceParams,
     ImportanceResampling,
     KLAdaptiveParams,

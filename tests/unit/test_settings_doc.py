@@ -1,4 +1,4 @@
-"""docs/settings.md is what rollout_farm/services/settings_doc.py writes from the settings model, and names every
+"""docs/settings.md is what rollout_farm/services/config/settings_doc.py writes from the settings model, and names every
 FARM_* variable the code reads."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from rollout_farm.services.settings import ServiceSettings
-from rollout_farm.services.settings_doc import COMMAND, READ_ELSEWHERE, main, render
+from rollout_farm.services.config.settings import ServiceSettings
+from rollout_farm.services.config.settings_doc import COMMAND, READ_ELSEWHERE, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "settings.md"
@@ -63,6 +63,6 @@ def test_every_farm_variable_the_code_reads_is_in_the_doc():
     unknown = farm_vars_unknown(code)
     assert not unknown, (
         f"{sorted(unknown)}: add each to ServiceSettings or to READ_ELSEWHERE in "
-        f"rollout_farm/services/settings_doc.py, then run `{COMMAND}`"
+        f"rollout_farm/services/config/settings_doc.py, then run `{COMMAND}`"
     )
     assert farm_vars_unknown('os.environ.get("FARM_NEW_THING")') == {"FARM_NEW_THING"}  # the check sees a new one

@@ -361,7 +361,7 @@ def test_a_launch_sglang_would_refuse_is_refused_at_start(launch, words):
 def test_the_lora_settings_reach_the_engine():
     """from_settings reads the LoRA settings with getattr: a settings object without them starts SGLang without LoRA
     (and passes no LoRA keyword); with them, they reach the engine; ServiceSettings's own reach it as they are."""
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
     from tests.conftest import TOKEN
 
     built = {}

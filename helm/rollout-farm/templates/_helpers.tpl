@@ -208,7 +208,7 @@ tp size, or nothing. */}}
 
 {{/*
 The service's settings (FARM_*, not the secret ones) as a JSON map: the Serve application's runtime_env env_vars in
-serveConfigV2, so KubeRay applies a change in place. rollout_farm/services/serve_entry.py reads them in the app-build task,
+serveConfigV2, so KubeRay applies a change in place. rollout_farm/services/serving/serve_entry.py reads them in the app-build task,
 which runs in that runtime_env, and the replicas inherit it.
 */}}
 {{- define "rollout-farm.serveEnv" -}}

@@ -18,7 +18,7 @@ import math
 import pathlib
 from dataclasses import dataclass
 
-from rollout_farm.services.peft_files import (  # the folder's files; re-exported for the engines
+from rollout_farm.services.client.peft_files import (  # the folder's files; re-exported for the engines
     CONFIG_FILE,
     CONFIG_META,
     TENSORS_FILE,

@@ -34,9 +34,9 @@ from redis.asyncio import Redis
 from rollout_farm.services import protocol as P
 from rollout_farm.services.adapters.peft_format import AdapterInvalid, module_pairs, read_config
 from rollout_farm.services.adapters.registry import AdapterRegistry, not_found, version_record
+from rollout_farm.services.client.peft_files import CONFIG_META, PROBE_META, folder_files
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.errors import Conflict, Forbidden, Invalid, ReplicasFailed, ServiceError, TooLarge
-from rollout_farm.services.peft_files import CONFIG_META, PROBE_META, folder_files
-from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.tenants.registry import Principal
 from rollout_farm.services.weights import probe as probes
 from rollout_farm.services.weights.checks import WeightsError, parse_header
@@ -90,7 +90,8 @@ class AdapterPush:
                     {
                         "field": "adapter_config",
                         "message": f"missing: put adapter_config.json in the safetensors __metadata__ under "
-                        f"{CONFIG_META!r} (rollout_farm.services.peft_files.upload_body does), or push by path",
+                        f"{CONFIG_META!r} (rollout_farm.services.client.peft_files.upload_body does), "
+                        "or push by path",
                     }
                 ]
             )

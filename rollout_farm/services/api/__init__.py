@@ -1,5 +1,5 @@
 """The HTTP surface: one router per API area, thin routes over the ingress's domain objects
-(rollout_farm/services/ingress.py).
+(rollout_farm/services/api/ingress.py).
 
 Each area module has `router` (open to all) and, where it has mutating endpoints, `admin`, included here behind
 the bearer token. The routers that generate (GENERATION) need the token too where FARM_REQUIRE_TOKEN_FOR_GENERATION
@@ -7,6 +7,7 @@ is on. Errors map to statuses in errors.py.
 
 | module | owns |
 | --- | --- |
+| `ingress.py` | the ingress deployment: builds the domain objects, follows the committed version, merges metrics |
 | `deps.py` | what routes depend on: the ingress replica's domain objects, and `require_token` |
 | `errors.py` | the error body and the exception handlers (the status: rollout_farm/services/errors.py) |
 | `middleware.py` | the JSON body limit, and request counts and latency for Prometheus (plain ASGI) |

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api.deps import ingress
 from rollout_farm.services.errors import STATE_ERRORS
+from rollout_farm.services.observability import metrics
 
 SCRAPE_TIMEOUT_S = 10  # within Prometheus' default scrape timeout
 router = APIRouter(tags=["control"])

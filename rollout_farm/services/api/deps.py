@@ -16,12 +16,12 @@ from rollout_farm.services.errors import Unauthorized
 from rollout_farm.services.tenants.registry import Principal
 
 if TYPE_CHECKING:
-    from rollout_farm.services.ingress import Ingress
+    from rollout_farm.services.api.ingress import Ingress
 
 
 async def ingress() -> Ingress:
-    """The Ingress instance of this replica: the object Serve built from rollout_farm/services/ingress.py, or, when
-    FARM_FRONT=fused, the one an engine replica holds as its `front` (rollout_farm/services/front/fused.py)."""
+    """The Ingress instance of this replica: the object Serve built from rollout_farm/services/api/ingress.py, or, when
+    FARM_FRONT=fused, the one an engine replica holds as its `front` (rollout_farm/services/serving/fused_front.py)."""
     served = serve.get_replica_context().servable_object
     return getattr(served, "front", served)
 

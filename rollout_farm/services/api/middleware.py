@@ -9,9 +9,9 @@ from ray.serve.exceptions import RayServeException
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
-from rollout_farm.services import metrics
 from rollout_farm.services.api.errors import response
 from rollout_farm.services.errors import TooLarge
+from rollout_farm.services.observability import metrics
 
 MAX_REQUEST_BYTES = 32 << 20  # JSON bodies; weight pushes and prompt uploads have their own FARM_ limits
 OWN_LIMITS = ("/v1/weights",)  # and /v1/queue/sources/{name}/prompts: streamed, counted against a FARM_ limit

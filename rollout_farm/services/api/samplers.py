@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services import samplers
 from rollout_farm.services.api.deps import ingress
+from rollout_farm.services.extensions import samplers
 
 router = APIRouter(tags=["samplers"])
 admin = APIRouter(tags=["samplers"])  # needs the token

@@ -4,7 +4,7 @@ Everything that turns chat messages into tokens, or sampled tokens back into cha
 asks (the OpenAI routes, sessions, episodes). The functions take a tokenizer; in the ingress it is the engine
 replicas' own, fetched once (`renderer.py`), so nothing here runs on a replica or calls one. A replica uses
 `template.prompt_ids` and `pieces.py` itself, for rollouts and scoring. The package imports only base modules
-(`protocol/`, `registry.py`): `replica/`, `compat/` and `episodes/` import it.
+(`protocol/`, `extensions/registry.py`): `replica/`, `compat/` and `episodes/` import it.
 
 | module | owns |
 | --- | --- |

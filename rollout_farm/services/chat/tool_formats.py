@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from rollout_farm.services.chat.tool_schemas import NAME
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 
 @dataclass(frozen=True)

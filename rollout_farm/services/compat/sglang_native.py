@@ -30,9 +30,9 @@ from rollout_farm.services.tenants.registry import ANYONE, Principal
 
 if TYPE_CHECKING:
     from rollout_farm.services.compat.openai_api import OpenAICompat
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.replica.handle import Replicas
     from rollout_farm.services.rollout.rollouts import Rollouts
-    from rollout_farm.services.settings import ServiceSettings
     from rollout_farm.services.weights.push import WeightPush
 
 log = logging.getLogger("farm.service")

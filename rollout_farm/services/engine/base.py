@@ -51,12 +51,12 @@ import torch
 
 from rollout_farm.services.engine.stats import EngineStats
 from rollout_farm.services.errors import EngineVerbMissing
+from rollout_farm.services.extensions.registry import Registry
 from rollout_farm.services.protocol import FinishReason, InFlightPolicy, SamplingParams
-from rollout_farm.services.registry import Registry
 from rollout_farm.services.weights.checks import WeightsRejected
 
 if TYPE_CHECKING:
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
 
 
 class AdapterNotResident(KeyError):

@@ -81,7 +81,7 @@ from rollout_farm.services.engine.sglang_weights import SGLangWeights
 from rollout_farm.services.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
 # SGLang's errors for a request naming an adapter it does not hold (tokenizer_manager.py, lora/lora_registry.py)

@@ -1,5 +1,5 @@
-"""What an engine reports about its batches, for the scrape (rollout_farm/services/metrics.py reads it through
-P.ReplicaState):
+"""What an engine reports about its batches, for the scrape (rollout_farm/services/observability/metrics.py reads it
+through P.ReplicaState):
 
 busy seconds   time with at least one sample generating, since the engine started (1 - its rate: the idle ratio)
 batch sizes    per decode step, the rows (samples) in the batch and the generate calls they belong to

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import ToolCall
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
-from rollout_farm.services.rewards import REWARDS
+from rollout_farm.services.extensions.rewards import REWARDS
 
 CALCULATOR_TOOL = {
     "type": "function",

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import ToolCall
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 
 class NoParams(BaseModel):

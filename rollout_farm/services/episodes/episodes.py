@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import tenacity
 from pydantic import ValidationError
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall
 from rollout_farm.services.episodes import calculator, openenv_remote  # noqa: F401  (register the built-in environments)
@@ -30,6 +29,7 @@ from rollout_farm.services.episodes.chat_turns import ContextFull
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
 from rollout_farm.services.episodes.sessions import Sessions
 from rollout_farm.services.errors import Invalid, Overloaded, as_service_error
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol import sessions as S
 from rollout_farm.services.protocol.episode_groups import as_group

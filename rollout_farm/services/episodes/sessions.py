@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.delta import NotAppendOnly
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ParsedTurn
@@ -27,6 +26,7 @@ from rollout_farm.services.episodes.chat_turns import invalid
 from rollout_farm.services.episodes.segments import Segment, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
 from rollout_farm.services.errors import Conflict, Invalid, NotFound
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.protocol import sessions as S
 from rollout_farm.services.tenants.registry import ADMIN, ANYONE, Principal
 

@@ -14,12 +14,12 @@ import logging
 
 from redis.exceptions import WatchError
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import FarmPaused, Overloaded, described
+from rollout_farm.services.extensions.tasks import TASKS
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.queue.store import GROUP, Keys, dataset_prompts, prompt_entries
-from rollout_farm.services.tasks import TASKS
 from rollout_farm.services.tenants.registry import Principal
 
 log = logging.getLogger("farm.queue")

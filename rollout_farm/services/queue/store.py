@@ -25,7 +25,7 @@ import json
 import random
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.tasks import TASKS
+from rollout_farm.services.extensions.tasks import TASKS
 
 GROUP = "trainers"  # the consumer group of every source's stream
 

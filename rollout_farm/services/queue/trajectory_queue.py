@@ -31,9 +31,9 @@ from typing import NamedTuple
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import Conflict, NotFound
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.queue.gauges import GAUGES
 from rollout_farm.services.queue.generation import QueueGeneration
 from rollout_farm.services.queue.store import ACK, ADD, DROP, GROUP, Keys, prompt_entries

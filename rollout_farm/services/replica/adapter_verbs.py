@@ -29,8 +29,8 @@ from rollout_farm.services.weights.checks import WeightsError
 from rollout_farm.services.weights.manifest import default_hash, digest, tensor_bytes
 
 if TYPE_CHECKING:
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.engine import Engine
-    from rollout_farm.services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
 

@@ -21,10 +21,10 @@ import os
 import threading
 from contextlib import nullcontext
 
-from rollout_farm.services import logs
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.pieces import alternative, token_pieces
 from rollout_farm.services.chat.template import prompt_ids
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
 from rollout_farm.services.engine.base import AdapterNotResident, cancellable
 from rollout_farm.services.errors import (
@@ -38,7 +38,9 @@ from rollout_farm.services.errors import (
     VersionNotReached,
     described,
 )
-from rollout_farm.services.plugins import load_plugins
+from rollout_farm.services.extensions.plugins import load_plugins
+from rollout_farm.services.extensions.samplers import make_sampler
+from rollout_farm.services.observability import logs
 from rollout_farm.services.replica.adapter_verbs import ReplicaAdapters, adapter_gone, adapter_store
 from rollout_farm.services.replica.cuts import Cut, Cuts
 from rollout_farm.services.replica.group_sampling import sample_groups
@@ -46,8 +48,6 @@ from rollout_farm.services.replica.overload import Full
 from rollout_farm.services.replica.pause_bound import PauseBound, Progress
 from rollout_farm.services.replica.session_routes import session_routes
 from rollout_farm.services.replica.weight_verbs import ReplicaWeights, replica_id
-from rollout_farm.services.samplers import make_sampler
-from rollout_farm.services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
 

@@ -10,12 +10,12 @@ import statistics
 from collections.abc import Awaitable, Callable
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services import rewards
 from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.engine import EngineOutput
 from rollout_farm.services.errors import described
+from rollout_farm.services.extensions import rewards
+from rollout_farm.services.extensions.samplers import Sampler
 from rollout_farm.services.replica.seeds import round_params
-from rollout_farm.services.samplers import Sampler
 
 log = logging.getLogger("farm.service")
 

@@ -124,7 +124,7 @@ class Replicas:
     def call(self, method: str, *args, key: str | None = None, local: bool = True) -> ReplicaCall:
         """One replica's `method` (Serve picks the replica); with `key` (a session's id), the key's home replica
         while it is healthy (rollout_farm/services/replica/session_routes.py). `local`: the call may run on the
-        caller's own engine where it has one (FARM_FRONT=fused, rollout_farm/services/front/fused.py); the split
+        caller's own engine where it has one (FARM_FRONT=fused, rollout_farm/services/serving/fused_front.py); the split
         front's ingress has none."""
         handle = self.handle.options(multiplexed_model_id=key) if key else self.handle
         return ReplicaCall(getattr(handle, method).remote(*args), method)

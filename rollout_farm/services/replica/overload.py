@@ -11,7 +11,7 @@ import logging
 import time
 from typing import NamedTuple
 
-from rollout_farm.services import metrics
+from rollout_farm.services.observability import metrics
 
 log = logging.getLogger("farm.service")
 

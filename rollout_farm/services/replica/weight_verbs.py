@@ -33,8 +33,8 @@ from rollout_farm.services.errors import (
 from rollout_farm.services.weights import probe as probes
 
 if TYPE_CHECKING:
+    from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.engine import Engine
-    from rollout_farm.services.settings import ServiceSettings
     from rollout_farm.services.weights.manifest import Manifest
     from rollout_farm.services.weights.stage import Staging
 

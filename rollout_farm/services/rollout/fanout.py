@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.adapters.registry import AdapterRegistry
+from rollout_farm.services.config.settings import ServiceSettings
+from rollout_farm.services.extensions.samplers import make_sampler
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.replica.seeds import chunk_params
 from rollout_farm.services.rollout import group_filter
 from rollout_farm.services.rollout.jobs import Job
 from rollout_farm.services.rollout.policy_check import check_policy
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
-from rollout_farm.services.samplers import make_sampler
-from rollout_farm.services.settings import ServiceSettings
 
 
 def split(items: list, k: int) -> list[list]:

@@ -10,14 +10,14 @@ import logging
 from collections import Counter, deque
 from typing import Protocol
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.errors import Overloaded
+from rollout_farm.services.extensions.samplers import DynamicGroupFilter, make_sampler
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.rollout.jobs import Job
 from rollout_farm.services.rollout.policy_check import check_policy
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
-from rollout_farm.services.samplers import DynamicGroupFilter, make_sampler
-from rollout_farm.services.settings import ServiceSettings
 
 log = logging.getLogger("farm.service")
 MAX_PUSHBACKS = 100  # calls sent back by full queues before the filter gives up waiting

@@ -31,10 +31,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.errors import Conflict, RolloutCancelled, ServiceError, as_service_error, described
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.state.redis_client import Owner
 
 log = logging.getLogger("farm.service")

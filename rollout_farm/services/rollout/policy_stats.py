@@ -1,6 +1,6 @@
 """What the trainer last reported about its policy (POST /v1/policy_stats), and the sampling plans samplers make
 from it. The report is kept in Redis (farm:<app>:policy, one JSON value per field), so every ingress replica plans
-from the same stats; each replica reads it back at least every FOLLOW_S (rollout_farm/services/ingress.py)."""
+from the same stats; each replica reads it back at least every FOLLOW_S (rollout_farm/services/api/ingress.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import logging
 
 from redis.asyncio import Redis
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
 from rollout_farm.services.errors import STATE_ERRORS
-from rollout_farm.services.samplers import Sampler, SamplerState
+from rollout_farm.services.extensions.samplers import Sampler, SamplerState
+from rollout_farm.services.observability import metrics
 
 log = logging.getLogger("farm.service")
 

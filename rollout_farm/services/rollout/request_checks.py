@@ -8,11 +8,11 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services import rewards
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.errors import Invalid, pydantic_fields
+from rollout_farm.services.extensions import rewards
+from rollout_farm.services.extensions.samplers import make_sampler
 from rollout_farm.services.replica.handle import Replicas
-from rollout_farm.services.samplers import make_sampler
-from rollout_farm.services.settings import ServiceSettings
 
 
 class RequestChecks:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import redis
 
+from rollout_farm.services.config.settings import SettingsError
 from rollout_farm.services.net import free_port
-from rollout_farm.services.settings import SettingsError
 
 log = logging.getLogger("farm.service")
 LOCK_WAIT_S = 60.0  # how long a second process waits for the one stopping the folder's server

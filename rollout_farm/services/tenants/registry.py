@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from rollout_farm.services import metrics
 from rollout_farm.services.errors import STATE_ERRORS, NotFound, Overloaded
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.tenants.admission import ANONYMOUS, Admission
 
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

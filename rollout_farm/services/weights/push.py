@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import LockError
 
-from rollout_farm.services import metrics
 from rollout_farm.services import protocol as P
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.errors import Conflict, Invalid, NotSupported, ReplicasFailed, TooLarge, replica_gone
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.observability import metrics
 from rollout_farm.services.weights import probe as probes
 from rollout_farm.services.weights.checks import DTYPE_BYTES, WeightsError, check_state_dict, read_header_file
 from rollout_farm.services.weights.early import EarlyStage

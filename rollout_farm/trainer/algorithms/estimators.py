@@ -33,7 +33,7 @@ import torch
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 LAMBDA_MIN, LAMBDA_MAX = 0.90, 0.98
 GROUP_BASELINES = {"grpo", "rloo", "reinforce_plus_plus_baseline"}  # advantages relative to the group's rewards

@@ -9,12 +9,12 @@ of 1.0 a version there, where a cap of 2.0 biases the update by 0.3.
 
 Under top-p, top-k or a regex constraint the sequence's ratio also carries each token's kept mass (prod Z_t <= 1, the
 exact pi_T / q; 3e-5 to 2e-3 over 100 tokens at top_p 0.9), which shrinks long responses' weights toward 0: there
-the config must choose. The truncation is the sampler's effective one, not only the config's top_p: the sampler is
-built from its registry (rollout_farm/services/samplers.py; a plug-in by its dotted path) and asked for the params it
-draws with (`Sampler.effective`), so kl_adaptive_temperature's own top_p 0.9 and pattern_conditional's constrained
+the config must choose. The truncation is the sampler's effective one, not only the config's top_p: the sampler is built
+from its registry (rollout_farm/services/extensions/samplers.py; a plug-in by its dotted path) and asked for the params
+it draws with (`Sampler.effective`), so kl_adaptive_temperature's own top_p 0.9 and pattern_conditional's constrained
 regex count. Asked in-process, not over GET /v1/samplers: the config is checked when it loads, before any service is
-reached, and the endpoint lists descriptions, not params. A sampler the trainer cannot build (its plug-in module is
-not importable here) is not judged at load; `refuse_truncated` is the backstop when its samples arrive.
+reached, and the endpoint lists descriptions, not params. A sampler the trainer cannot build (its plug-in module is not
+importable here) is not judged at load; `refuse_truncated` is the backstop when its samples arrive.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.samplers import make_sampler
+from rollout_farm.services.extensions.samplers import make_sampler
 
 STALE_SEQUENCE_CAP = 5.0
 

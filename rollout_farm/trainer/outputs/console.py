@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rollout_farm.services import logs
+from rollout_farm.services.observability import logs
 
 log = logging.getLogger("farm.trainer")
 

@@ -1,4 +1,4 @@
-"""The trainer's side of the service, over HTTP (rollout_farm/services/client.py): rollouts in, weights out.
+"""The trainer's side of the service, over HTTP (rollout_farm/services/client/farm_client.py): rollouts in, weights out.
 
 | module | owns |
 | --- | --- |

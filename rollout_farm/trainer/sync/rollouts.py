@@ -28,9 +28,9 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from rollout_farm.services import protocol as P
+from rollout_farm.services.extensions.tasks import Problem
 from rollout_farm.services.protocol import episodes as E
 from rollout_farm.services.protocol.episode_groups import as_group
-from rollout_farm.services.tasks import Problem
 from rollout_farm.trainer.algorithms import stale_samples
 from rollout_farm.trainer.batch import Batch, make_batch
 from rollout_farm.trainer.sync import staleness_bound

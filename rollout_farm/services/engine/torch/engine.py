@@ -48,7 +48,7 @@ from rollout_farm.services.weights.checks import WeightsRejected, check_state_di
 from rollout_farm.services.weights.state_dict import spec_of
 
 if TYPE_CHECKING:
-    from rollout_farm.services.settings import ServiceSettings
+    from rollout_farm.services.config.settings import ServiceSettings
 
 MAX_BATCH_SIZE = 256  # rows decoded at once (FARM_ENGINE_MAX_BATCH_SIZE)
 BATCH_WINDOW_S = 0.005  # how long an idle engine waits for more calls after one arrives (FARM_ENGINE_BATCH_WINDOW_S)

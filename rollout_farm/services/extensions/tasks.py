@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,7 +1,7 @@
 """A peft adapter folder as files: which two files it holds, and the body of an adapter upload made from them.
 
-Stdlib only, so that the client (rollout_farm/services/client.py) pushes a folder without the service's packages; the
-checks of what the files say are rollout_farm/services/adapters/peft_format.py's.
+Stdlib only, so that the client (rollout_farm/services/client/farm_client.py) pushes a folder without the service's
+packages; the checks of what the files say are rollout_farm/services/adapters/peft_format.py's.
 """
 
 from __future__ import annotations

@@ -28,17 +28,20 @@ import logging
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rollout_farm.services import errors, logs, metrics
+from rollout_farm.services import errors
 from rollout_farm.services.adapters.push import AdapterPush
 from rollout_farm.services.adapters.registry import AdapterRegistry
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
 from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
 from rollout_farm.services.compat.tinker import TinkerCompat
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.episodes.episodes import Episodes
 from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
-from rollout_farm.services.plugins import load_plugins
+from rollout_farm.services.extensions.plugins import load_plugins
+from rollout_farm.services.extensions.samplers import SAMPLERS
+from rollout_farm.services.observability import logs, metrics
 from rollout_farm.services.queue.trajectory_queue import TrajectoryQueue
 from rollout_farm.services.replica.handle import Replicas
 from rollout_farm.services.rollout.fanout import Fanout
@@ -46,8 +49,6 @@ from rollout_farm.services.rollout.jobs import RolloutJobs
 from rollout_farm.services.rollout.policy_stats import PolicyStatsBoard
 from rollout_farm.services.rollout.request_checks import RequestChecks
 from rollout_farm.services.rollout.rollouts import Rollouts
-from rollout_farm.services.samplers import SAMPLERS
-from rollout_farm.services.settings import ServiceSettings
 from rollout_farm.services.state import redis_client as state
 from rollout_farm.services.tenants.registry import Tenants
 from rollout_farm.services.weights.push import WeightPush
@@ -65,7 +66,7 @@ class Ingress:
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
         self.redis, prefix = state.connect(settings.redis_url), state.prefix(settings.app_name)
-        # a fused replica builds its Ingress on its own Replicas (rollout_farm/services/front/fused.py)
+        # a fused replica builds its Ingress on its own Replicas (rollout_farm/services/serving/fused_front.py)
         self.replicas = engine if isinstance(engine, Replicas) else Replicas(engine)
         self.deployment = deployment  # the Serve deployment whose replicas serve HTTP (ingress_metrics' peers)
         self.weights = WeightPush(self.replicas, settings, self.redis, prefix)
@@ -102,7 +103,7 @@ class Ingress:
     @classmethod
     async def build(cls, engine: Replicas, settings: ServiceSettings, deployment: str) -> Ingress:
         """An Ingress built inside another deployment's replica (Serve awaits the async __init__ of the ingress it
-        builds itself; this does the same for rollout_farm/services/front/fused.py)."""
+        builds itself; this does the same for rollout_farm/services/serving/fused_front.py)."""
         front = cls.__new__(cls)
         await front.__init__(engine, settings, deployment)
         return front

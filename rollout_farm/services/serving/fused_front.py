@@ -4,7 +4,7 @@ The split front sends each request across two Ray hops (Serve's proxy -> the ing
 replica), and each hop costs CPU on the cores the engine computes on. Fused, the engine deployment is the Serve
 application's ingress: Serve's proxy (or, with FARM_HTTP_PROXY=haproxy, HAProxy straight from the socket) hands the
 request to an engine replica, whose routes are the same (rollout_farm/services/api/) on the same domain objects
-(rollout_farm/services/ingress.py's Ingress, built in the replica as its `front`). What changes is Replicas.call:
+(rollout_farm/services/api/ingress.py's Ingress, built in the replica as its `front`). What changes is Replicas.call:
 a call of one replica's worth runs on this replica's own engine, in process (LocalFirst). A session's turn runs here
 when this replica is the session's home, else over Ray to its home (sticky, Serve's multiplexing, as the split front
 does). Calls every replica must answer (pushes, control, health) go over Ray, to this deployment's own handle; a
@@ -19,10 +19,10 @@ import inspect
 
 from ray import serve
 
-from rollout_farm.services.ingress import Ingress
+from rollout_farm.services.api.ingress import Ingress
+from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.replica.engine_server import EngineServer
 from rollout_farm.services.replica.handle import ReplicaCall, Replicas
-from rollout_farm.services.settings import ServiceSettings
 
 DEPLOYMENT = "engine"
 COPIED = {"chat_tokenizer"}  # answers that are the engine's own objects, which the caller gets a copy of

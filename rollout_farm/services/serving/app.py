@@ -1,13 +1,13 @@
 """The rollout service as a Ray Serve application: a FastAPI ingress in front of engine replicas.
 
-HTTP ─► Ingress (rollout_farm/services/ingress.py; routes in rollout_farm/services/api/) ─► EngineServer × replicas
+HTTP ─► Ingress (rollout_farm/services/api/ingress.py; routes in rollout_farm/services/api/) ─► EngineServer × replicas
 (rollout_farm/services/replica/)
               └─ weight push: header check, then stage and commit on every replica ─┘
                                                  WeightStore (deployment actor): the committed version,
                                                  loaded by a replica before it serves
 Shared control-plane state (queue, request_id records, committed version, policy stats): Redis at FARM_REDIS_URL
 (rollout_farm/services/state/redis_client.py; `farm serve` starts an embedded one when it is unset,
-rollout_farm/services/server.py).
+rollout_farm/services/serving/server.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
 from rollout_farm.services.api import create_api
+from rollout_farm.services.api.ingress import Ingress
+from rollout_farm.services.config.settings import ServiceSettings, SettingsError
 from rollout_farm.services.engine import ENGINES, Engine
-from rollout_farm.services.front.fused import DEPLOYMENT, FusedReplica
-from rollout_farm.services.ingress import Ingress
-from rollout_farm.services.plugins import load_plugins
+from rollout_farm.services.extensions.plugins import load_plugins
 from rollout_farm.services.replica.engine_server import EngineServer, request_slots, routing_queue
-from rollout_farm.services.settings import ServiceSettings, SettingsError
+from rollout_farm.services.serving.fused_front import DEPLOYMENT, FusedReplica
 from rollout_farm.services.state.redis_client import prefix
 from rollout_farm.services.weights.store import WeightStore
 
@@ -52,8 +52,8 @@ def engine_scaling(settings: ServiceSettings) -> dict:
 
 
 def build_app(settings: ServiceSettings):
-    """The Serve application for these settings (FARM_REDIS_URL set: rollout_farm.services.server.start sets it to the
-    embedded Redis)."""
+    """The Serve application for these settings (FARM_REDIS_URL set: rollout_farm.services.serving.server.start sets it
+    to the embedded Redis)."""
     if not settings.redis_url:
         raise SettingsError(
             "FARM_REDIS_URL is unset: point it at the Redis that holds the farm's state (redis://host:6379/0); "
@@ -67,7 +67,9 @@ def build_app(settings: ServiceSettings):
         init_args=(settings.redis_url, prefix(settings.app_name), settings.uploads_dir),
         actor_options={"num_cpus": 0, **pinned},
     )
-    if settings.front == "fused":  # the engine replicas serve HTTP themselves (rollout_farm/services/front/fused.py)
+    if (
+        settings.front == "fused"
+    ):  # the engine replicas serve HTTP themselves (rollout_farm/services/serving/fused_front.py)
         fused = serve.deployment(
             serve.ingress(create_api())(FusedReplica),
             name=DEPLOYMENT,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 RewardFn = Callable[[str, "str | None"], float]
 REWARDS: Registry[RewardFn] = Registry("reward")

@@ -1,10 +1,10 @@
 """docs/settings.md, generated from the service settings: one row per FARM_* variable of ServiceSettings (its type,
 default, allowed values and description), then the few FARM_* variables read outside it.
 
-    python -m rollout_farm.services.settings_doc > docs/settings.md
+    python -m rollout_farm.services.config.settings_doc > docs/settings.md
 
 tests/unit/test_settings_doc.py fails when docs/settings.md is not what this writes: edit the descriptions in
-rollout_farm/services/settings.py, then regenerate.
+rollout_farm/services/config/settings.py, then regenerate.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
 
-from rollout_farm.services.settings import SECRET_FIELDS, ServiceSettings
+from rollout_farm.services.config.settings import SECRET_FIELDS, ServiceSettings
 
 BOUNDS = {Ge: (">=", "ge"), Gt: (">", "gt"), Le: ("<=", "le"), Lt: ("<", "lt")}  # annotated_types -> (shown, attr)
-COMMAND = "python -m rollout_farm.services.settings_doc > docs/settings.md"
+COMMAND = "python -m rollout_farm.services.config.settings_doc > docs/settings.md"
 
 # FARM_* variables read outside ServiceSettings: variable -> (who reads it, default, what it is).
 READ_ELSEWHERE = {
@@ -47,8 +47,8 @@ READ_ELSEWHERE = {
 }
 
 INTRO = """\
-The service (`farm serve`, `serve run rollout_farm.services.serve_entry:app`, the compose stack and the Helm chart)
-reads these environment variables once, at start-up. A bad value stops it with one line per variable naming the
+The service (`farm serve`, `serve run rollout_farm.services.serving.serve_entry:app`, the compose stack and the Helm
+chart) reads these environment variables once, at start-up. A bad value stops it with one line per variable naming the
 value and the fix (a missing token: how to make one). A list is JSON (`FARM_PLUGINS='["my_pkg.rewards"]'`), a
 boolean `true` or `false`; a byte count is a plain integer."""
 
@@ -66,7 +66,8 @@ def render(settings: type[BaseSettings] = ServiceSettings) -> str:
     ]
     return "\n".join(
         [
-            f"_Generated from `rollout_farm/services/settings.py` by `rollout_farm/services/settings_doc.py`: "
+            "_Generated from `rollout_farm/services/config/settings.py` by "
+            f"`rollout_farm/services/config/settings_doc.py`: "
             f"edit the descriptions there, then run `{COMMAND}`._",
             "",
             "# Service settings (`FARM_*`)",

@@ -1,6 +1,6 @@
-"""One call of the farm's API on the wire, for rollout_farm/services/client.py: what it sends, how its answer is read
-(an error answer is a FarmError with the service's detail and its Retry-After), whether a failed attempt may be sent
-again, and the lines of a streamed rollout."""
+"""One call of the farm's API on the wire, for rollout_farm/services/client/farm_client.py: what it sends, how its
+answer is read (an error answer is a FarmError with the service's detail and its Retry-After), whether a failed attempt
+may be sent again, and the lines of a streamed rollout."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import httpx
 import tenacity
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.client_calls import FarmError, _aslices, _Call, _rollout_body, _slices, _Stream
+from rollout_farm.services.client.calls import FarmError, _aslices, _Call, _rollout_body, _slices, _Stream
 from rollout_farm.services.protocol import episodes as E
 
 __all__ = ["AsyncFarmClient", "FarmClient", "FarmError"]
@@ -123,7 +123,7 @@ class _Api:
         answer's digest is the one every sample from it carries. `probe`: sequences and the logprobs the pusher
         computed with this adapter (rollout_farm/services/weights/pusher.py's compute_probe), checked on every
         replica."""
-        from rollout_farm.services.peft_files import upload_body
+        from rollout_farm.services.client.peft_files import upload_body
 
         data = upload_body(folder, probe)
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}

@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.registry import Registry
+from rollout_farm.services.extensions.registry import Registry
 
 
 class NoParams(P.RequestModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from rollout_farm.services.settings import ServiceSettings
+from rollout_farm.services.config.settings import ServiceSettings
 
 
 def load_plugins(settings: ServiceSettings) -> None:

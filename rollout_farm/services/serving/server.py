@@ -12,10 +12,10 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from rollout_farm.services.app import build_app, engine_class
+from rollout_farm.services.config.settings import ServiceSettings, SettingsError
 from rollout_farm.services.models import CACHE, resolve_model
 from rollout_farm.services.net import free_port
-from rollout_farm.services.settings import ServiceSettings, SettingsError
+from rollout_farm.services.serving.app import build_app, engine_class
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("farm.service")
