@@ -213,7 +213,12 @@ def main() -> None:
 
     model = resolve(args.model)
     url = start_service(
-        model=str(model), replicas=REPLICAS, ingress_replicas=REPLICAS, engine_threads=1, log_level="WARNING"
+        model=str(model),
+        replicas=REPLICAS,
+        front="split",  # it kills ingress replicas, a deployment of their own only with the split front
+        ingress_replicas=REPLICAS,
+        engine_threads=1,
+        log_level="WARNING",
     )
     try:
         redis_url = server.EMBEDDED[-1].url

@@ -136,6 +136,12 @@ def start_service(**settings):
     return f"http://127.0.0.1:{s.port}"
 
 
+def data_name(name: str, front: str, http_proxy: str) -> str:
+    """A benchmark's data file for a front: `name` for the default one (split, Serve's proxy), else
+    `name-<front>-<proxy>`, so a run on another front keeps the default's figures."""
+    return name if (front, http_proxy) == ("split", "serve") else f"{name}-{front}-{http_proxy}"
+
+
 def stop_service() -> None:
     from rollout_farm.services.serving import server
 

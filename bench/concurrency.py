@@ -43,7 +43,7 @@ import time
 
 import httpx
 from common import CpuMeter, log, resolve, start_service, stop_service, table, wait_quiet, write_json
-from overload import processes
+from overload import processes, roles
 
 PROMPT = "Q: 12+30\nA:"
 PER_ROUND = ("ratio", "many_429", "other_processes_cpu_share")  # kept per round in the JSON
@@ -51,9 +51,10 @@ FRONT = ("proxy", "haproxy", "ingress", "engine")  # the processes whose CPU per
 
 
 def front_settings(front: str) -> dict:
-    """A --fronts name as the service's settings: 'haproxy+fused' -> http_proxy haproxy, front fused."""
+    """A --fronts name as the service's settings: 'haproxy+fused' -> http_proxy haproxy, front fused; 'serve' ->
+    http_proxy serve, front split (whatever the service's default)."""
     proxy, *options = front.split("+")
-    settings: dict = {"http_proxy": proxy}
+    settings: dict = {"http_proxy": proxy, "front": "split"}
     for option in options:
         if option != "fused":  # FARM_COALESCE_MS ('+coalesceMS') was measured at 2e25d28 and removed
             raise ValueError(f"unknown front option {option!r}: fused")
@@ -72,10 +73,11 @@ def front_settings_checked(front: str) -> str:
 
 
 def service_processes() -> dict[str, list]:
-    """overload.processes(), and HAProxy's (FARM_HTTP_PROXY=haproxy: a child of Serve's proxy actor)."""
+    """overload.processes() of every role a front may have (the split front's ingress, Serve's proxy actor), and
+    HAProxy's (FARM_HTTP_PROXY=haproxy: a child of its manager actor)."""
     import psutil
 
-    found = processes()
+    found = processes(roles("split", "serve"))
     found["haproxy"] = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("haproxy")]
     return found
 

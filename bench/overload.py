@@ -5,15 +5,18 @@ in the step), --replicas engine replicas, FARM_ENGINE_MAX_ONGOING_REQUESTS=--ong
 FARM_ENGINE_MAX_QUEUED_REQUESTS=--queued. What it admits at once (running or waiting, not answered 429):
   per replica   --ongoing rollouts running + its share of --queued waiting for a slot (more: the replica answers Full)
   the ingress   Serve's queue for the replicas, a backstop larger than what the replicas admit, and up to
-                FARM_INGRESS_MAX_ONGOING_REQUESTS requests in the ingress; past those the proxy holds them
+                FARM_INGRESS_MAX_ONGOING_REQUESTS requests in the ingress (each engine replica with --front
+                fused); past those the replica or Serve's proxy holds them
   capacity = replicas * ongoing + queued (each replica holds its share of the queue)
 For each multiple k of --levels, k * capacity concurrent clients post one-prompt rollouts in a closed loop for
 --duration-s (after --warmup-s); a client answered 429 comes back after 50 ms, not after Retry-After: harder than a
-well-behaved client. Meanwhile psutil samples the resident memory of the ingress replica, each engine replica and
-Serve's HTTP proxy every 0.25 s. Reported per level: the status mix (200 / 429 / anything else, which must be 0,
+well-behaved client. Meanwhile psutil samples the resident memory of each engine replica, the ingress replica (the
+split front) and the HTTP proxy (Serve's proxy actor, or HAProxy's manager actor and the haproxy process) every
+0.25 s. Reported per level: the status mix (200 / 429 / anything else, which must be 0,
 timeouts included), p50 and p99 latency of the 200s, 200s per second, the peak RSS of each process, the 429s the
 ingress counted (farm_overload_rejections_total), and the share of the cores other processes used meanwhile (on a
 shared machine they skew the latencies). The idle RSS before the first and after the last level shows what stays.
+--front and --http-proxy run the service on another HTTP front (docs/data/overload-<front>-<proxy>.json).
 """
 
 from __future__ import annotations
@@ -25,23 +28,34 @@ import threading
 import time
 from collections import Counter
 
-from common import CpuMeter, log, start_service, stop_service, table, write_json
-
-ROLES = {"ingress": "ServeReplica:farm:ingress", "engine": "ServeReplica:farm:engine", "proxy": "ProxyActor"}
+from common import CpuMeter, data_name, log, start_service, stop_service, table, write_json
 
 
-def processes() -> dict[str, list]:
+def roles(front: str, http_proxy: str) -> dict[str, str]:
+    """role -> what its processes' command lines hold: the engine replicas; the ingress replicas with the split front;
+    Serve's proxy actor, or with HAProxy its manager actor and the haproxy process itself."""
+    out = {"engine": "ServeReplica:farm:engine"}
+    if front == "split":
+        out["ingress"] = "ServeReplica:farm:ingress"
+    if http_proxy == "serve":
+        out["proxy"] = "ProxyActor"
+    else:
+        out |= {"proxy": "HAProxyManager", "haproxy": "bin/haproxy "}
+    return out
+
+
+def processes(roles: dict[str, str]) -> dict[str, list]:
     """role -> the psutil processes of this script's service: Ray names its workers by actor class in their command
     line, and this script's Ray cluster is its own descendants (other people's clusters on the machine are not)."""
     import psutil
 
-    found: dict[str, list] = {role: [] for role in ROLES}
+    found: dict[str, list] = {role: [] for role in roles}
     for p in psutil.Process().children(recursive=True):
         try:
             line = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        for role, tag in ROLES.items():
+        for role, tag in roles.items():
             if tag in line:
                 found[role].append(p)
     return found
@@ -135,6 +149,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per request (one prompt)")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=15.0)
+    ap.add_argument("--front", default="split", choices=["split", "fused"], help="FARM_FRONT (the service's default)")
+    ap.add_argument(
+        "--http-proxy", default="serve", choices=["serve", "haproxy"], help="FARM_HTTP_PROXY (the service's default)"
+    )
     args = ap.parse_args()
 
     capacity = args.replicas * args.ongoing + args.queued
@@ -150,14 +168,17 @@ def main() -> None:
         engine_max_ongoing_requests=args.ongoing,
         engine_max_queued_requests=args.queued,
         bench_token_latency_s=args.token_latency_s,
+        front=args.front,
+        http_proxy=args.http_proxy,
         log_level="WARNING",
     )
     rows, levels = [], []
     try:
-        procs = processes()
+        expected = roles(args.front, args.http_proxy)
+        procs = processes(expected)
         log("processes: " + ", ".join(f"{role} {len(ps)}" for role, ps in procs.items()))
         counts = {role: len(ps) for role, ps in procs.items()}
-        assert counts == {"ingress": 1, "engine": args.replicas, "proxy": 1}, counts
+        assert counts == {role: args.replicas if role == "engine" else 1 for role in expected}, counts
         asyncio.run(offer(url, 4, body, 0.0, 2.0))  # warm the routes and the replicas
         idle_before = rss_mib(procs)
         for k in [int(x) for x in args.levels.split(",")]:
@@ -188,7 +209,7 @@ def main() -> None:
             levels.append(level)
             rows.append(
                 [k, clients, st[200], st[429], other, level["ok_per_s"], p50, p99]
-                + [peak.peak[r] for r in ("ingress", "engine", "proxy")]
+                + [peak.peak[r] for r in expected]
                 + [cpu.foreign]
             )
             log(f"{k}x: 200={st[200]} 429={st[429]} other={other} p50={p50:.3f}s peak RSS {peak.peak}")
@@ -203,10 +224,10 @@ def main() -> None:
         f"{args.duration_s:g} s per level"
     )
     heads = ["x", "clients", "200", "429", "other", "200/s", "p50 s", "p99 s"]
-    print(table(heads + ["ingress MiB", "engine MiB", "proxy MiB", "other procs CPU"], rows))
+    print(table(heads + [f"{r} MiB" for r in expected] + ["other procs CPU"], rows))
     print(f"idle RSS MiB before: {idle_before}\nidle RSS MiB after:  {idle_after}")
     write_json(
-        "overload",
+        data_name("overload", args.front, args.http_proxy),
         {
             "args": vars(args),
             "capacity": capacity,

@@ -11,6 +11,7 @@ at the same time; the figure is the median over rounds of REST samples/s / in-pr
 Other jobs on a small machine skew both sides: each round first waits until other processes are idle,
 and a round in which they used more than --max-foreign of the cores is measured again.
 Goal: >= 0.99, judged on the geometric mean's 95% t interval over rounds (holds, fails or inconclusive).
+--front and --http-proxy run the service on another HTTP front (docs/data/service_overhead-<front>-<proxy>.json).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from common import (
     TOKEN,
     CpuMeter,
+    data_name,
     interval,
     log,
     quartiles,
@@ -49,6 +51,10 @@ def main() -> None:
     ap.add_argument(
         "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
     )
+    ap.add_argument("--front", default="split", choices=["split", "fused"], help="FARM_FRONT (the service's default)")
+    ap.add_argument(
+        "--http-proxy", default="serve", choices=["serve", "haproxy"], help="FARM_HTTP_PROXY (the service's default)"
+    )
     args = ap.parse_args()
 
     from rollout_farm.services.client import FarmClient
@@ -56,7 +62,14 @@ def main() -> None:
     from rollout_farm.services.protocol import Prompt, RolloutRequest, SamplingParams
 
     path = resolve(args.model)
-    url = start_service(model=str(path), replicas=1, engine_threads=args.threads, engine_num_cpus=1)
+    url = start_service(
+        model=str(path),
+        replicas=1,
+        engine_threads=args.threads,
+        engine_num_cpus=1,
+        front=args.front,
+        http_proxy=args.http_proxy,
+    )
     try:
         engine = TorchEngine(str(path), "cpu", "float32", args.threads)
         ids = [
@@ -120,7 +133,7 @@ def main() -> None:
     )
     keys = ["round", "rest_samples_s", "inprocess_samples_s", "ratio", "other_processes_cpu_share"]
     write_json(
-        "service_overhead",
+        data_name("service_overhead", args.front, args.http_proxy),
         {
             "args": vars(args),
             "model_path": str(path),

@@ -20,7 +20,8 @@ over raw's: the median ratio and range. Goal: full <= 1.5x raw for a model of >=
 demo's settings (rollout_farm/trainer/demo.py), and reads each step's time (metrics.jsonl, step_seconds: rollouts,
 training and the push) and each push's seconds and bytes (FARM_WEIGHT_SYNC_STATS): the sync's share of the step and the
 bytes sent per step at the demo's learning rate. --http-proxy haproxy runs all of it behind Ray Serve's HAProxy ingress
-(FARM_HTTP_PROXY). Results: docs/data/weight_sync.json, one entry per --model (and proxy).
+(FARM_HTTP_PROXY), --front fused with the engine replicas as their own ingress (FARM_FRONT). Results:
+docs/data/weight_sync.json, one entry per --model (and proxy, and front).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def main() -> None:
         choices=["serve", "haproxy"],
         help="the service's FARM_HTTP_PROXY; results under the model's name, with '@haproxy' for haproxy",
     )
+    ap.add_argument(
+        "--front",
+        default="split",
+        choices=["split", "fused"],
+        help="the service's FARM_FRONT; '@fused' joins the key for fused",
+    )
     args = ap.parse_args()
 
     import torch
@@ -81,7 +88,9 @@ def main() -> None:
     state, into = canonical_state_dict(model), canonical_state_dict(target)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     folders = tempfile.mkdtemp(prefix="weight-sync-")
-    url = start_service(model=str(path), replicas=args.replicas, engine_threads=threads, http_proxy=args.http_proxy)
+    url = start_service(
+        model=str(path), replicas=args.replicas, engine_threads=threads, http_proxy=args.http_proxy, front=args.front
+    )
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {a: [] for a in arms}
     sent: dict[str, list[int]] = {a: [] for a in arms}
@@ -163,7 +172,7 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
     mib = nbytes / 2**20
     print(
         f"weight sync: {args.model} ({n_tensors} tensors, {mib:.1f} MiB float32), {args.replicas} replicas, "
-        f"FARM_HTTP_PROXY={args.http_proxy}"
+        f"FARM_HTTP_PROXY={args.http_proxy} FARM_FRONT={args.front}"
     )
     print(table(["arm", "median s", "min s", "max s", "/raw median", "/raw min", "/raw max", "MiB sent"], rows))
     for mode, t in train.items():
@@ -185,7 +194,8 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
         "train": train,
     }
     merged = json.loads((DATA / "weight_sync.json").read_text()) if (DATA / "weight_sync.json").exists() else {}
-    key = args.model if args.http_proxy == "serve" else f"{args.model}@{args.http_proxy}"
+    key = args.model + ("" if args.http_proxy == "serve" else f"@{args.http_proxy}")
+    key += "" if args.front == "split" else f"@{args.front}"
     write_json("weight_sync", {"models": {**merged.get("models", {}), key: result}})
 
 

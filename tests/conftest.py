@@ -45,8 +45,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def service_settings(tiny_model, tmp_path_factory):
-    """The session service's settings: two engine replicas and two ingress replicas sharing the state in a real
-    redis-server (embedded, its append-only file in a temporary folder)."""
+    """The session service's settings: the default front (split, behind Serve's proxy), two engine replicas and two
+    ingress replicas sharing the state in a real redis-server (embedded, its append-only file in a temporary folder).
+    The fused front: tests/service/test_fused_front.py, and tests/e2e/test_farm_commands.py behind HAProxy."""
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.net import free_port
 
@@ -81,8 +82,8 @@ def service(service_settings):
 @pytest.fixture(scope="session")
 def bench_service(service, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
-    (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; two ingress
-    replicas."""
+    (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; the split front
+    with two ingress replicas."""
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.serving import server
 
@@ -93,6 +94,7 @@ def bench_service(service, tmp_path_factory):
         app_name="bench",
         engine="tests.farm_plugins:EchoEngine",
         bench_token_latency_s=0.001,
+        front="split",
         ingress_replicas=2,  # tests/service/test_state.py cancels through the replica not running the rollout
         engine_num_cpus=0,
         plugins=["tests.farm_plugins"],

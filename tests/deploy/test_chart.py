@@ -73,7 +73,7 @@ VALUE_SETS = {
     "trainer": {"trainer": {"enabled": True, "gpus": 1, "steps": 7, "overrides": {"actor_rollout_ref.rollout.n": 16}}},
     "monitoring": {"monitoring": MONITORING, "trainer": {"enabled": True}},
     "redis-gcs-ft": {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}},
-    "haproxy": {"serve": {"httpProxy": "haproxy"}},
+    "fused-haproxy": {"serve": {"front": "fused", "httpProxy": "haproxy"}},
     "docs-gpu-install": DOCS_GPU_INSTALL,
     "readme-gpu-install": README_GPU_INSTALL,
     # issue 27's modes together: one GPU node (ReadWriteOnce), SGLang sharing GPUs, the model downloaded, the trainer,
@@ -178,11 +178,23 @@ def test_default_layout():
     assert env(head) == env(worker), "head and workers get the same Pod env"
     settings = serve_env(rs)
     assert settings["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
-    # the HTTP front: Serve's proxy unless serve.httpProxy=haproxy, set on every Ray node (Serve reads it at start)
-    assert (settings["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == ("serve", "0")
-    assert serve_env(rayservice("haproxy"))["FARM_HTTP_PROXY"] == "haproxy"
-    for c in containers("haproxy").values():
+    # the HTTP front: the split one behind Serve's proxy unless serve.front and serve.httpProxy say otherwise; HAProxy
+    # is set on every Ray node (Serve reads it when Ray starts); the fused front is one deployment, the engine's
+    assert (settings["FARM_FRONT"], settings["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == (
+        "split",
+        "serve",
+        "0",
+    )
+    assert [(d["name"], d.get("num_replicas")) for d in serve_app(rs)["deployments"]] == [("ingress", 1), ("engine", 1)]
+    fused = rayservice("fused-haproxy")
+    assert (serve_env(fused)["FARM_FRONT"], serve_env(fused)["FARM_HTTP_PROXY"]) == ("fused", "haproxy")
+    assert [d["name"] for d in serve_app(fused)["deployments"]] == ["engine"]
+    for c in containers("fused-haproxy").values():
         assert env(c)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    # ingress replicas with the fused front would be a setting ignored: the render fails, naming both values
+    assert "ingressReplicas=2 with serve.front=fused" in render_error(
+        merged(BASE, {"ingressReplicas": 2, "serve": {"front": "fused"}})
+    )
     assert all({"name": "serve", "containerPort": 8000} in c["ports"] for c in (head, worker))
     # Probes: Ray's node health for liveness (and the head's readiness: KubeRay deploys Serve once the head is Ready);
     # the node's Serve proxy for a worker's readiness.
@@ -254,7 +266,7 @@ def test_every_farm_variable_is_a_setting():
     assert_known_farm_vars({var for name in VALUES for var in serve_env(rayservice(name))}, "serveConfigV2")
     settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
     own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
-    own_values |= {"require_token_for_generation", "dtype", "ingress_replicas", "log_level", "http_proxy"}
+    own_values |= {"require_token_for_generation", "dtype", "ingress_replicas", "log_level", "http_proxy", "front"}
     managed = {"redis_url", "weights_dir", "uploads_dir", "app_name", "sglang_tp_size"}
     assert set(settings_schema["properties"]) <= fields - own_values - managed
 

@@ -28,6 +28,7 @@ from tests.deploy.chart_render import (
 from tests.deploy.kuberay_validation import rayservice_error
 
 GPU = {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 1}, "dtype": "bfloat16"}
+FUSED = {"serve": {"front": "fused"}}  # no ingress deployment: the engine replicas are their own
 SGLANG = merged(GPU, {"engine": "sglang", "model": "/data/models/m"})
 IN_CHART_REDIS = {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}}
 # The GPU values that must add up: 2 worker Pods at most, 4 GPUs each, one GPU per SGLang engine: 8 engines at most.
@@ -235,7 +236,8 @@ def test_worker_defaults_follow_the_gpus():
 def test_ingress_is_pinned_to_the_head():
     """Old: ingress replicas (and the weight store) asked for 0 CPUs and nothing else, so Serve could place them on
     GPU workers. rollout_farm/services/serving/app.py turns FARM_CONTROL_RESOURCE into their ray_actor_options
-    (tests/unit/test_app_config.py)."""
+    (tests/unit/test_app_config.py). The split front's ingress; the fused front has none (the store is pinned)."""
+    assert set(serve_deployments(rayservice(merged(GPU, FUSED)))) == {"engine"}
     rs = rayservice(GPU)
     start = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert json.loads(start["resources"].strip("'")) == {"farm_head": 100}
@@ -274,6 +276,7 @@ def test_settings_live_in_serve_config_not_in_pod_env():
     [
         {},
         {"replicas": 3, "ingressReplicas": 2},
+        {"replicas": 3, **FUSED},
         {"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4, "targetOngoingRequests": 1.5}},
     ],
 )
@@ -288,7 +291,10 @@ def test_deployments_agree_with_what_build_app_sets(override, monkeypatch):
     settings = ServiceSettings()
     deployments = serve_deployments(rs)
     assert {k: v for k, v in deployments["engine"].items()} == engine_scaling(settings)
-    assert deployments["ingress"]["num_replicas"] == settings.ingress_replicas
+    if settings.front == "split":
+        assert deployments["ingress"]["num_replicas"] == settings.ingress_replicas
+    else:
+        assert set(deployments) == {"engine"}
 
 
 def cluster_hash_view(rayservice: dict) -> dict:
@@ -324,6 +330,7 @@ AUTOSCALING = {"autoscaling": {"enabled": True, "maxReplicas": 4}, "worker": {"m
 UPGRADES = {
     "replicas": ({}, {"replicas": 3}, "in place"),
     "ingressReplicas": ({}, {"ingressReplicas": 2}, "in place"),
+    "serve.front": ({}, {"serve": {"front": "fused"}}, "in place"),
     "logLevel": ({}, {"logLevel": "DEBUG"}, "in place"),
     "model": ({}, {"model": "/data/models/other"}, "in place"),
     "engine": ({}, {"engine": "bench"}, "in place"),

@@ -1,10 +1,14 @@
 """The `farm` entry points as real processes: `farm serve`, `farm train`, and the CLI against a service."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import psutil
 from transformers import AutoModelForCausalLM
 
@@ -70,17 +74,28 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
     assert "service_stopping" in out
 
 
-def test_farm_serve_behind_haproxy_serves_rollouts_and_uploads(tiny_model, tmp_path):
-    """FARM_HTTP_PROXY=haproxy: Ray Serve's HAProxy ingress answers on FARM_PORT (an haproxy process of this
-    service's, gone after it stops), rollouts and a streamed weight upload pass through it, and HAProxy's own stats
-    and metrics ports are free ones, so it starts beside another service's."""
-    env = serve_env(tiny_model, tmp_path, http_proxy="haproxy")
+LONG = P.RolloutRequest(
+    prompts=[P.Prompt(token_ids=[90, 91, 92])],
+    n=1,
+    sampling_params=P.SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True),
+)
+
+
+def test_the_fused_front_behind_haproxy_serves_and_outlives_its_haproxy_killed(tiny_model, tmp_path):
+    """FARM_FRONT=fused FARM_HTTP_PROXY=haproxy, the cheapest front (bench/README.md), as a process of its own:
+    HAProxy answers on FARM_PORT (an haproxy process of this service's, its stats and metrics ports free ones, so it
+    starts beside another service's, gone after the service stops); rollouts and a streamed weight upload pass through
+    it. Then the haproxy process is killed while three rollouts with request ids are in flight (Serve's proxy actor
+    health-checks it and starts another): each client's retries by request_id complete its rollout, once (a replay
+    of the id gives the same samples)."""
+    env = serve_env(tiny_model, tmp_path, replicas="2", front="fused", http_proxy="haproxy")
     port = env["FARM_PORT"]
+    url = f"http://127.0.0.1:{port}"
     proc = farm_serve(env)
     try:
-        with FarmClient(f"http://127.0.0.1:{port}", TOKEN) as c:
+        with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
-            haproxy = [p for p in psutil.Process(proc.pid).children(recursive=True) if "haproxy" in p.name()]
+            haproxy = haproxies(proc.pid)
             assert haproxy and f":{port}" in (haproxy[0].cwd() + open_config(haproxy[0]))
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1
             model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -89,10 +104,52 @@ def test_farm_serve_behind_haproxy_serves_rollouts_and_uploads(tiny_model, tmp_p
                 == 1
                 == c.rollouts(GREEDY).groups[0].samples[0].weight_version
             )
+        results: dict = {}
+
+        def send(k: int):
+            # Serve's controller notices the dead haproxy at its proxy health checks and starts another (tens of
+            # seconds): each retry waits up to 4 s, 150 of them about 5 minutes in all
+            with FarmClient(url, TOKEN, retries=150, max_backoff_s=4.0) as client:
+                results[k] = client.rollouts(LONG.model_copy(update={"request_id": f"haproxy-kill-{k}"}))
+
+        senders = [threading.Thread(target=send, args=(k,)) for k in range(3)]
+        for s in senders:
+            s.start()
+        deadline = time.monotonic() + 60  # the rollouts under way (1000 tokens each take seconds)
+        while not any(r["busy"] for r in httpx.get(f"{url}/readyz", timeout=30).json()["replicas"]):
+            assert time.monotonic() < deadline, "no replica took the rollouts"
+            time.sleep(0.05)
+        killed = haproxies(proc.pid)  # those running now (a reload of its config replaces the process)
+        assert killed
+        for p in killed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        for s in senders:
+            s.join(timeout=900)
+        assert not any(s.is_alive() for s in senders) and sorted(results) == [0, 1, 2], results
+        with FarmClient(url, TOKEN, retries=10) as c:
+            for k, answer in results.items():
+                (group,) = answer.groups
+                assert len(group.samples) == 1 and len(group.samples[0].token_ids) == 1000
+                again = c.rollouts(LONG.model_copy(update={"request_id": f"haproxy-kill-{k}"}))
+                assert again.groups[0].samples[0].token_ids == group.samples[0].token_ids  # the id's one result
+            haproxy = haproxies(proc.pid)  # the one Serve's proxy actor started after the kill
     finally:
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in haproxy)
+
+
+def haproxies(pid: int) -> list:
+    """The haproxy processes under `pid` (one that ends while they are listed is left out)."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.name() == "haproxy":
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def open_config(process) -> str:

@@ -33,6 +33,23 @@ def in_thread(fn):
     return t, out
 
 
+def resent(send, what: str, timeout_s: float = 120.0) -> httpx.Response:
+    """send() again, as the farm's client does, while the front cuts it: behind HAProxy (FARM_HTTP_PROXY=haproxy) a
+    request in flight to a replica that dies, or sent to it before HAProxy's health checks drop it, has its connection
+    cut or gets HAProxy's 500 (the service itself never answers 500). Any other answer is returned as it is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = send()
+            if r.status_code != 500:
+                return r
+            cut = r.text
+        except httpx.TransportError as e:
+            cut = repr(e)
+        assert time.monotonic() < deadline, f"{what}: cut until the deadline, last {cut}"
+        time.sleep(0.5)
+
+
 def wait_until(cond, what: str, timeout_s: float = 120.0):
     """Poll cond until it holds; fail naming `what` after a generous deadline (a hang, not a timing check)."""
     deadline = time.monotonic() + timeout_s
@@ -154,7 +171,7 @@ def replace_an_engine_replica(client, timeout_s: float = 180) -> dict:
     while True:
         try:
             now = client.weights_version().replicas
-        except FarmError:
+        except (FarmError, httpx.TransportError):  # a read HAProxy sent to the dead replica: cut, or its 500
             now = {}
         if len(now) == 2 and set(now) != set(old):
             return now

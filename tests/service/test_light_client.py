@@ -82,7 +82,6 @@ def test_the_client_alone_installs_light_and_runs_a_rollout(service, client, tmp
         "rollout_farm.protocol",
         "rollout_farm.services",
         "rollout_farm.services.client",
-        "rollout_farm.services.client.calls",
         "rollout_farm.services.protocol",
     }  # no rollout_farm.services.config.settings
     assert Path(got["client"]).resolve().is_relative_to((tmp_path / "venv").resolve())  # not the checkout's copy

@@ -1,13 +1,14 @@
 """Reads that do not fail while an engine replica dies: kill one replica's actor and read every GET endpoint while
 Serve replaces it. Each answers (200), marking the missing replica where it reports replicas; /readyz alone is an
-honest 503 naming it. At the end both replicas serve again, for the tests after this one."""
+honest 503 naming it. A read that HAProxy sent to the dying replica is cut, and sent again as the farm's client does
+(`resent`). At the end both replicas serve again, for the tests after this one."""
 
 import time
 
 import httpx
 import ray
 
-from tests.service.helpers import wait_until
+from tests.service.helpers import resent, wait_until
 
 READS = (
     "/v1/weights/version",
@@ -32,7 +33,7 @@ def engine_actors() -> list[dict]:
 
 
 def ready(service: str) -> dict | None:
-    r = httpx.get(f"{service}/readyz", timeout=60)
+    r = resent(lambda: httpx.get(f"{service}/readyz", timeout=60), "/readyz")
     return r.json() if r.status_code == 200 and len(r.json()["replicas"]) == 2 else None
 
 
@@ -46,7 +47,7 @@ def test_get_endpoints_answer_while_an_engine_replica_dies_and_restarts(service)
     with httpx.Client(base_url=service, timeout=60) as http:
         while True:
             for path in READS:
-                r = http.get(path)
+                r = resent(lambda: http.get(path), path)
                 seen.append((path, r.status_code))
                 assert r.status_code < 500 or (path == "/readyz" and r.status_code == 503), (path, r.text)
                 if path == "/v1/weights/version" and r.json()["unreachable"]:

@@ -9,14 +9,14 @@ import httpx
 import ray
 
 from tests.metrics_text import by_label
-from tests.service.helpers import wait_until
+from tests.service.helpers import resent, wait_until
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 def counters(service: str) -> dict[str, tuple[float, float]]:
     """replica id -> (prefill tokens, session cache tokens)."""
-    text = httpx.get(f"{service}/metrics", timeout=60).text
+    text = resent(lambda: httpx.get(f"{service}/metrics", timeout=60), "/metrics").text
     fed = by_label(text, "farm_replica_prefill_tokens", "replica")
     saved = by_label(text, "farm_replica_session_cache_tokens", "replica")
     return {r: (fed[r], saved.get(r, 0.0)) for r in fed}
@@ -61,7 +61,10 @@ def test_a_session_sticks_to_its_replica_and_survives_losing_it(service):
     deadline = time.monotonic() + 120
     while True:  # the turn after the loss: on the survivor, a whole prefill
         before = counters(service)
-        r = httpx.post(f"{service}/v1/sessions/{sid}/generate", json={"append_token_ids": new[3]}, timeout=120)
+        r = resent(
+            lambda: httpx.post(f"{service}/v1/sessions/{sid}/generate", json={"append_token_ids": new[3]}, timeout=120),
+            "the turn after the loss",
+        )
         if r.status_code == 200:
             break
         assert r.status_code == 503 and "Retry-After" in r.headers, r.text  # the dead replica's call: retry

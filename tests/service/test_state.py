@@ -1,5 +1,7 @@
-"""The control-plane state in a real redis-server (the session service's embedded one, two ingress replicas):
-replays through either ingress replica, a killed ingress losing nothing of the queue, and Redis going away."""
+"""The control-plane state in a real redis-server (the session service's embedded one; two replicas that own the HTTP
+front: the ingress replicas of the split front, the default, or a fused front's engine replicas): replays through
+either of them, every one of them killed losing nothing of the queue, and Redis going away; on the bench app's two
+ingress replicas, a DELETE through the other one."""
 
 import asyncio
 import time
@@ -20,17 +22,29 @@ def generated_tokens(service) -> float:
     return sum(replica_metric(service, "farm_replica_generated_tokens").values())
 
 
-def ingress_actors() -> list:
+def front_actors(front: str) -> list:
+    """The replicas that own the session app's HTTP front: the ingress deployment's with the split front, the engine
+    deployment's with the fused one."""
+    deployment = "ingress" if front == "split" else "engine"
     return [
         ray.get_actor(a["name"], namespace=a["namespace"])
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::farm#ingress")
+        if a["name"].startswith(f"SERVE_REPLICA::farm#{deployment}")
     ]
 
 
+def ready_replicas(service) -> list:
+    """The replicas /readyz reports ready; none while it is not ready or the front cuts the read."""
+    try:
+        r = httpx.get(f"{service}/readyz", timeout=30)
+    except httpx.TransportError:
+        return []
+    return r.json()["replicas"] if r.status_code == 200 else []
+
+
 def sources(service) -> dict:
-    """The queue's sources; none while no ingress answers (Serve's proxy holds a request until one is back, and
-    may give up first: a timeout here is a "not yet", for wait_until)."""
+    """The queue's sources; none while no front replica answers (Serve's proxy holds a request until one is back, and
+    may give up first; HAProxy answers 500 or cuts it: each is a "not yet", for wait_until)."""
     try:
         r = httpx.get(f"{service}/v1/queue/sources", timeout=30)
     except httpx.TransportError:
@@ -103,7 +117,7 @@ def test_a_replay_on_the_other_ingress_replica_while_the_first_runs_gets_its_res
     )
 
 
-def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_ack_or_session(service):
+def test_killing_every_front_replica_mid_run_loses_no_prompt_lease_ack_or_session(service, service_settings):
     prompts = [{"text": f"Q: {a}+{a + 1}\nA:", "ground_truth": str(2 * a + 1)} for a in range(12)]
     spec = {"name": "survivor", "prompts": prompts, "n": 2, "target_groups": 3, "sampling_params": SHORT}
     assert httpx.post(f"{service}/v1/queue/sources", json=spec, headers=AUTH, timeout=30).status_code == 200
@@ -121,15 +135,16 @@ def test_killing_every_ingress_replica_mid_run_loses_no_prompt_lease_ack_or_sess
     first = httpx.post(f"{service}/v1/sessions/{session}/generate", json={"append_token_ids": [40, 41]}, timeout=60)
     assert first.status_code == 200, first.text
 
-    killed = ingress_actors()
+    killed = front_actors(service_settings.front)
     assert len(killed) == 2
     for actor in killed:
         ray.kill(actor, no_restart=True)
     back = wait_until(lambda: sources(service).get("survivor"), "the restarted ingress serves the queue", 180)
+    wait_until(lambda: len(ready_replicas(service)) == service_settings.replicas, "every replica back", 180)
     assert back["acked"] == 1 and back["pending_prompts"] + back["ready"] + back["leased"] >= 1
     assert back["acked"] == before["acked"] and back["redelivered"] == before["redelivered"]
     r = httpx.post(f"{service}/v1/sessions/{session}/generate", json={"append_token_ids": [50]}, timeout=60)
-    assert r.status_code == 200 and r.json()["turn"] == 1, r.text  # the session outlived every ingress replica
+    assert r.status_code == 200 and r.json()["turn"] == 1, r.text  # the session outlived every front replica
     assert r.json()["prompt_tokens"] == 2 + len(first.json()["token_ids"]) + 1
 
     deliveries = {pulled[1]["item_id"]: 1}

@@ -62,7 +62,7 @@ def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.serving.app import build_app
 
-    assert _deployments(ingress_replicas=3)["ingress"]["num_replicas"] == 3
+    assert _deployments(front="split", ingress_replicas=3)["ingress"]["num_replicas"] == 3
     with pytest.raises(ValueError, match="FARM_REDIS_URL"):  # serve run / KubeRay: no embedded Redis there
         build_app(ServiceSettings(api_token=TOKEN))
 
@@ -96,10 +96,11 @@ def test_the_fused_front_is_one_deployment_of_engine_replicas_that_serve_http():
     ],
 )
 def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
-    deployments = _deployments(**settings)
-    assert deployments["engine"]["ray_actor_options"]["num_gpus"] == gpus
-    assert deployments["engine"]["ray_actor_options"]["num_cpus"] == 1.0
-    assert deployments["ingress"]["ray_actor_options"].get("num_gpus", 0) == 0  # the ingress never holds one
+    for front in ("fused", "split"):
+        deployments = _deployments(front=front, **settings)
+        assert deployments["engine"]["ray_actor_options"]["num_gpus"] == gpus
+        assert deployments["engine"]["ray_actor_options"]["num_cpus"] == 1.0
+    assert deployments["ingress"]["ray_actor_options"].get("num_gpus", 0) == 0  # the split ingress never holds one
 
 
 def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
@@ -169,11 +170,12 @@ def test_a_gpu_share_sglang_cannot_use_is_refused_at_start(settings, message):
 
 def test_the_control_resource_keeps_the_ingress_and_the_weight_store_where_it_is_offered():
     """Without it the ingress (0 CPUs) and the store could land on any node, a GPU worker included."""
-    pinned = _deployments(control_resource="farm_head")
+    pinned = _deployments(front="split", control_resource="farm_head")
     assert pinned["ingress"]["ray_actor_options"] == {"num_cpus": 0, "resources": {"farm_head": 1}}
-    (store,) = pinned["engine"]["deployment_actors"]
-    assert store["name"] == "weights" and store["actor_options"] == {"num_cpus": 0, "resources": {"farm_head": 1}}
-    free = _deployments()
+    for deployments in (pinned, _deployments(front="fused", control_resource="farm_head")):  # split, fused
+        (store,) = deployments["engine"]["deployment_actors"]
+        assert store["name"] == "weights" and store["actor_options"] == {"num_cpus": 0, "resources": {"farm_head": 1}}
+    free = _deployments(front="split")
     assert free["ingress"]["ray_actor_options"] == {"num_cpus": 0}
     assert free["engine"]["deployment_actors"][0]["actor_options"] == {"num_cpus": 0}
     assert "resources" not in free["engine"]["ray_actor_options"]  # engines go where their CPUs and GPUs are

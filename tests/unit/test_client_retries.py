@@ -130,6 +130,19 @@ async def test_a_call_that_must_not_run_twice_is_not_retried_once_it_may_have_ru
     assert len(c.script.requests) == 1 and c.waits == []
 
 
+async def test_the_fronts_404_before_it_has_routes_is_retried_and_the_services_404_is_not(face):
+    """A proxy or HAProxy that has just started answers its own plain-text 404 until Serve tells it the routes
+    (seen after HAProxy was killed and started again): the request never reached the service, so even a call that
+    must not run twice is sent again. The service's own 404 (JSON) is an answer."""
+    routeless = answer(404, content=b"Path '/v1/queue/pull' not found. Ping http://farm/-/routes for available routes.")
+    c = make(face, routeless, answer(200, json=PULLED))
+    assert (await call(c, "queue_pull", P.PullRequest(source="s"))).lease_id == "l" and len(c.script.requests) == 2
+    c = make(face, answer(404, json={"error": "unknown queue source", "detail": []}), answer(200, json=PULLED))
+    with pytest.raises(FarmError) as e:
+        await call(c, "queue_pull", P.PullRequest(source="s"))
+    assert e.value.status == 404 and len(c.script.requests) == 1
+
+
 async def test_a_call_that_must_not_run_twice_is_retried_when_it_cannot_have_run(face):
     c = make(face, httpx.ConnectError("refused"), answer(429, "1"), answer(200, json=PULLED))
     assert (await call(c, "queue_pull", P.PullRequest(source="s"))).lease_id == "l"

@@ -221,6 +221,7 @@ which runs in that runtime_env, and the replicas inherit it.
   "FARM_REPLICAS" (.Values.replicas | int | toString)
   "FARM_MAX_REPLICAS" (ternary (.Values.autoscaling.maxReplicas | int) 0 .Values.autoscaling.enabled | toString)
   "FARM_INGRESS_REPLICAS" (.Values.ingressReplicas | int | toString)
+  "FARM_FRONT" .Values.serve.front
   "FARM_HTTP_PROXY" .Values.serve.httpProxy
   "FARM_WEIGHTS_DIR" (include "rollout-farm.weightsDir" .)
   "FARM_UPLOADS_DIR" (include "rollout-farm.uploadsDir" .)

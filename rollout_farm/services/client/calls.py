@@ -43,10 +43,17 @@ def _checked(r: httpx.Response) -> httpx.Response:
     raise FarmError(r.status_code, body, after)
 
 
+def _front_without_routes(e: FarmError) -> bool:
+    """A 404 of Ray Serve's front itself, never the service's (whose errors are JSON): its proxy or HAProxy has just
+    started and has no route to the app yet ("Path '/v1/rollouts' not found. Ping http://.../-/routes ..."). The
+    request never reached the service."""
+    return e.status == 404 and isinstance(e.body, str) and "/-/routes" in e.body
+
+
 def _retryable(e: BaseException, replay: bool) -> bool:
     """Whether a failed attempt may be sent again; without replay, only when the service cannot have acted on it."""
     if isinstance(e, FarmError):
-        return e.status in (RETRY_STATUS if replay else {429})
+        return e.status in (RETRY_STATUS if replay else {429}) or _front_without_routes(e)
     return isinstance(e, httpx.ConnectError) or (replay and isinstance(e, httpx.TransportError))
 
 

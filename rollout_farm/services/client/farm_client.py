@@ -7,10 +7,11 @@ sends it with httpx.AsyncClient, so there the same method is awaited. Both run t
 of `_Api._policy` (tenacity); only the sleep differs. `rollouts_stream` alone has two bodies, a generator and an
 async generator, since Python has no generator that is both; what they do with each line lives once, in `_Stream`.
 
-Connection failures, 429 and 502-504 are retried with capped exponential backoff and full jitter, or after the
-answer's Retry-After (429 and 503, in seconds, at most max(max_backoff_s, 60)). A call that must not run twice
-(a queue pull, adding or removing a source, adding prompts) is retried only where the service cannot have acted
-on it: a 429, or a connection that was never made. A 4xx is raised at once as FarmError, carrying the service's
+Connection failures, 429 and 500-504 (a 500 is the front's, never the service's) are retried with capped exponential
+backoff and full jitter, or after the answer's Retry-After (429 and 503, in seconds, at most max(max_backoff_s, 60)).
+A call that must not run twice (a queue pull, adding or removing a source, adding prompts) is retried only where the
+service cannot have acted on it: a 429, a connection that was never made, or the plain-text 404 of a Serve front that
+has just started and has no routes yet. Any other 4xx is raised at once as FarmError, carrying the service's
 field-by-field detail.
 """
 

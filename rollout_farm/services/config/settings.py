@@ -34,17 +34,20 @@ class ServiceSettings(BaseSettings):
     http_proxy: Literal["serve", "haproxy"] = Field(
         "serve",
         description="What carries HTTP to the ingress replicas: 'serve' (Ray Serve's Python proxy actor, which passes "
-        "each request and its body to the ingress over Ray) or 'haproxy' (Ray Serve's HAProxy ingress: HAProxy on "
-        "FARM_PORT forwards each request to an ingress replica's own HTTP server, whose port binds every interface: "
-        "about a third of the CPU per request at the front, but while no ingress replica is up it "
-        "answers 500, not 503, and requests in flight to a replica that dies are cut). Read when Ray starts.",
+        "each request and its body to the ingress over Ray; it holds a request until a replica is back) or 'haproxy' "
+        "(Ray Serve's HAProxy ingress: HAProxy on FARM_PORT forwards each request to an ingress replica's own HTTP "
+        "server, whose port binds every interface: about a third of the CPU per request at the front, but while no "
+        "replica is up it answers 500, and a request in flight to a replica that dies is cut: the farm's client "
+        "replays both by request_id). Read when Ray starts.",
     )
     front: Literal["split", "fused"] = Field(
         "split",
-        description="Where HTTP requests end: 'split' (an ingress deployment that calls the engine replicas over Ray) "
-        "or 'fused' (each engine replica is its own HTTP ingress: a request of one replica's worth runs on the "
-        "engine of the replica that took it, with no Ray call; requests for several replicas, sessions and control "
-        "go to the replicas over Ray as before).",
+        description="Where HTTP requests end: 'split' (an ingress deployment, FARM_INGRESS_REPLICAS of it, that calls "
+        "the engine replicas over Ray: the ingress scales apart from the engines) or 'fused' (each engine replica is "
+        "its own HTTP ingress: a request of one replica's worth runs on the engine of the replica that took it, with "
+        "no Ray call; requests for several replicas, a session whose home is another replica and control go to the "
+        "replicas over Ray). Fused behind HAProxy costs the least CPU per request (bench/README.md, the front's "
+        'designs); it is not the default yet: docs/deploy.md, "The HTTP front", says why.',
     )
     app_name: str = Field(
         "farm",
@@ -244,7 +247,9 @@ class ServiceSettings(BaseSettings):
         description="Folder of the embedded Redis's append-only file; default: $FARM_CACHE/state/<app>-<model hash>. "
         "The state survives restarts of `farm serve` that use the same folder.",
     )
-    ingress_replicas: int = Field(1, ge=1, description="Ingress replicas; every one shares the state in Redis.")
+    ingress_replicas: int = Field(
+        1, ge=1, description="Ingress replicas with FARM_FRONT=split; every one shares the state in Redis."
+    )
     ray_metrics_port: int | None = Field(
         None,
         ge=1,
@@ -260,8 +265,9 @@ class ServiceSettings(BaseSettings):
     def _fused_front_has_no_ingress(self) -> ServiceSettings:
         if self.front == "fused" and self.ingress_replicas != 1:
             raise ValueError(
-                f"FARM_INGRESS_REPLICAS={self.ingress_replicas} with FARM_FRONT=fused: there is no ingress deployment "
-                "(each engine replica is an ingress; FARM_REPLICAS counts them): leave it unset"
+                f"FARM_INGRESS_REPLICAS={self.ingress_replicas} with FARM_FRONT=fused: there is no ingress "
+                "deployment (each engine replica is an ingress; FARM_REPLICAS counts them): leave it unset, or set "
+                "FARM_FRONT=split for an ingress deployment that scales apart from the engines"
             )
         return self
 
