@@ -2,7 +2,7 @@
 
 Each run is tests/service/test_fuzz.py's fuzz() (coverage, fuzzing and stateful phases from /openapi.json, valid but
 expensive values lowered, every pause undone at once) with its own seed. Against a service this script starts in
-process (the tests' settings: two engine and two ingress replicas, small queues, the tests' plug-ins; the model is
+process (the tests' settings: the default front, two engine replicas, small queues, the tests' plug-ins; the model is
 `--model`, by default the embedded arith-tiny that `farm serve` runs), or against one already running (`--url`, e.g.
 a `farm serve`, with `--token`). Per seed it reports what CI's test fails on:
   server errors        a 5xx (but the NCCL endpoints' documented 501 on the torch engine)
@@ -71,7 +71,6 @@ def start(model: str) -> tuple[str, str]:
     url = start_service(
         model=model_folder(model),
         replicas=2,
-        ingress_replicas=2,
         engine_threads=1,
         max_weights_bytes=MAX_WEIGHTS_BYTES,
         engine_max_ongoing_requests=2,

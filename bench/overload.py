@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 
-from common import CpuMeter, data_name, log, start_service, stop_service, table, write_json
+from common import CpuMeter, add_front_args, data_name, log, start_service, stop_service, table, write_json
 
 
 def roles(front: str, http_proxy: str) -> dict[str, str]:
@@ -149,10 +149,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per request (one prompt)")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=15.0)
-    ap.add_argument("--front", default="split", choices=["split", "fused"], help="FARM_FRONT (the service's default)")
-    ap.add_argument(
-        "--http-proxy", default="serve", choices=["serve", "haproxy"], help="FARM_HTTP_PROXY (the service's default)"
-    )
+    add_front_args(ap)
     args = ap.parse_args()
 
     capacity = args.replicas * args.ongoing + args.queued

@@ -23,6 +23,7 @@ import time
 from common import (
     TOKEN,
     CpuMeter,
+    add_front_args,
     data_name,
     interval,
     log,
@@ -51,10 +52,7 @@ def main() -> None:
     ap.add_argument(
         "--max-foreign", type=float, default=0.1, help="redo a round in which other processes used more of the cores"
     )
-    ap.add_argument("--front", default="split", choices=["split", "fused"], help="FARM_FRONT (the service's default)")
-    ap.add_argument(
-        "--http-proxy", default="serve", choices=["serve", "haproxy"], help="FARM_HTTP_PROXY (the service's default)"
-    )
+    add_front_args(ap)
     args = ap.parse_args()
 
     from rollout_farm.services.client import FarmClient

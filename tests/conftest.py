@@ -45,9 +45,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def service_settings(tiny_model, tmp_path_factory):
-    """The session service's settings: the default front (split, behind Serve's proxy), two engine replicas and two
-    ingress replicas sharing the state in a real redis-server (embedded, its append-only file in a temporary folder).
-    The fused front: tests/service/test_fused_front.py, and tests/e2e/test_farm_commands.py behind HAProxy."""
+    """The session service's settings: the default front (fused: each engine replica its own HTTP ingress, behind
+    HAProxy) and two engine replicas sharing the state in a real redis-server (embedded, its append-only file in a
+    temporary folder). The split front (an ingress deployment, behind Serve's proxy or HAProxy): bench_service below,
+    tests/service/test_fronts.py."""
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.net import free_port
 
@@ -56,7 +57,6 @@ def service_settings(tiny_model, tmp_path_factory):
         api_token=TOKEN,
         port=free_port(),
         replicas=2,
-        ingress_replicas=2,
         engine_threads=1,
         max_weights_bytes=MAX_WEIGHTS_BYTES,
         engine_max_ongoing_requests=2,

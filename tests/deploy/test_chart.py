@@ -73,7 +73,7 @@ VALUE_SETS = {
     "trainer": {"trainer": {"enabled": True, "gpus": 1, "steps": 7, "overrides": {"actor_rollout_ref.rollout.n": 16}}},
     "monitoring": {"monitoring": MONITORING, "trainer": {"enabled": True}},
     "redis-gcs-ft": {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}},
-    "fused-haproxy": {"serve": {"front": "fused", "httpProxy": "haproxy"}},
+    "split-serve": {"serve": {"front": "split", "httpProxy": "serve"}},
     "docs-gpu-install": DOCS_GPU_INSTALL,
     "readme-gpu-install": README_GPU_INSTALL,
     # issue 27's modes together: one GPU node (ReadWriteOnce), SGLang sharing GPUs, the model downloaded, the trainer,
@@ -178,23 +178,24 @@ def test_default_layout():
     assert env(head) == env(worker), "head and workers get the same Pod env"
     settings = serve_env(rs)
     assert settings["FARM_MAX_REPLICAS"] == "0" and env(head)["FARM_REDIS_URL"] == "redis://redis.db:6379/0"
-    # the HTTP front: the split one behind Serve's proxy unless serve.front and serve.httpProxy say otherwise; HAProxy
-    # is set on every Ray node (Serve reads it when Ray starts); the fused front is one deployment, the engine's
+    # the HTTP front: the fused one behind HAProxy unless serve.front and serve.httpProxy say otherwise; HAProxy is set
+    # on every Ray node (Serve reads it when Ray starts); the fused front is one deployment, the engine's
     assert (settings["FARM_FRONT"], settings["FARM_HTTP_PROXY"], env(head)["RAY_SERVE_ENABLE_HA_PROXY"]) == (
-        "split",
-        "serve",
-        "0",
+        "fused",
+        "haproxy",
+        "1",
     )
-    assert [(d["name"], d.get("num_replicas")) for d in serve_app(rs)["deployments"]] == [("ingress", 1), ("engine", 1)]
-    fused = rayservice("fused-haproxy")
-    assert (serve_env(fused)["FARM_FRONT"], serve_env(fused)["FARM_HTTP_PROXY"]) == ("fused", "haproxy")
-    assert [d["name"] for d in serve_app(fused)["deployments"]] == ["engine"]
-    for c in containers("fused-haproxy").values():
-        assert env(c)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert [(d["name"], d.get("num_replicas")) for d in serve_app(rs)["deployments"]] == [("engine", 1)]
+    split = rayservice("split-serve")
+    assert (serve_env(split)["FARM_FRONT"], serve_env(split)["FARM_HTTP_PROXY"]) == ("split", "serve")
+    assert [(d["name"], d.get("num_replicas")) for d in serve_app(split)["deployments"]] == [
+        ("ingress", 1),
+        ("engine", 1),
+    ]
+    for c in containers("split-serve").values():
+        assert env(c)["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     # ingress replicas with the fused front would be a setting ignored: the render fails, naming both values
-    assert "ingressReplicas=2 with serve.front=fused" in render_error(
-        merged(BASE, {"ingressReplicas": 2, "serve": {"front": "fused"}})
-    )
+    assert "ingressReplicas=2 with serve.front=fused" in render_error(merged(BASE, {"ingressReplicas": 2}))
     assert all({"name": "serve", "containerPort": 8000} in c["ports"] for c in (head, worker))
     # Probes: Ray's node health for liveness (and the head's readiness: KubeRay deploys Serve once the head is Ready);
     # the node's Serve proxy for a worker's readiness.

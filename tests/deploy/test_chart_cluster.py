@@ -28,7 +28,8 @@ from tests.deploy.chart_render import (
 from tests.deploy.kuberay_validation import rayservice_error
 
 GPU = {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 1}, "dtype": "bfloat16"}
-FUSED = {"serve": {"front": "fused"}}  # no ingress deployment: the engine replicas are their own
+FUSED = {"serve": {"front": "fused"}}  # no ingress deployment: the engine replicas are their own (the default)
+SPLIT = {"serve": {"front": "split"}}  # an ingress deployment of ingressReplicas
 SGLANG = merged(GPU, {"engine": "sglang", "model": "/data/models/m"})
 IN_CHART_REDIS = {"redis": {"url": "", "inChart": {"enabled": True}}, "gcsFaultTolerance": {"enabled": True}}
 # The GPU values that must add up: 2 worker Pods at most, 4 GPUs each, one GPU per SGLang engine: 8 engines at most.
@@ -238,7 +239,7 @@ def test_ingress_is_pinned_to_the_head():
     GPU workers. rollout_farm/services/serving/app.py turns FARM_CONTROL_RESOURCE into their ray_actor_options
     (tests/unit/test_app_config.py). The split front's ingress; the fused front has none (the store is pinned)."""
     assert set(serve_deployments(rayservice(merged(GPU, FUSED)))) == {"engine"}
-    rs = rayservice(GPU)
+    rs = rayservice(merged(GPU, SPLIT))
     start = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert json.loads(start["resources"].strip("'")) == {"farm_head": 100}
     assert start["num-cpus"] == "0"
@@ -275,7 +276,7 @@ def test_settings_live_in_serve_config_not_in_pod_env():
     "override",
     [
         {},
-        {"replicas": 3, "ingressReplicas": 2},
+        {"replicas": 3, "ingressReplicas": 2, "serve": {"front": "split"}},
         {"replicas": 3, **FUSED},
         {"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4, "targetOngoingRequests": 1.5}},
     ],
@@ -329,8 +330,8 @@ AUTOSCALING = {"autoscaling": {"enabled": True, "maxReplicas": 4}, "worker": {"m
 # (the values before, the change, what KubeRay does): the table of docs/deploy.md "Upgrades".
 UPGRADES = {
     "replicas": ({}, {"replicas": 3}, "in place"),
-    "ingressReplicas": ({}, {"ingressReplicas": 2}, "in place"),
-    "serve.front": ({}, {"serve": {"front": "fused"}}, "in place"),
+    "ingressReplicas": (SPLIT, {"ingressReplicas": 2}, "in place"),
+    "serve.front": ({}, SPLIT, "in place"),
     "logLevel": ({}, {"logLevel": "DEBUG"}, "in place"),
     "model": ({}, {"model": "/data/models/other"}, "in place"),
     "engine": ({}, {"engine": "bench"}, "in place"),
@@ -347,7 +348,7 @@ UPGRADES = {
     "worker.resources": ({}, {"worker": {"cpus": 8}}, "new cluster"),
     "gpu.perWorker": (GPU, {"gpu": {"perWorker": 4}}, "new cluster"),
     "extraEnv": ({}, {"extraEnv": [{"name": "X", "value": "1"}]}, "new cluster"),
-    "serve.httpProxy": ({}, {"serve": {"httpProxy": "haproxy"}}, "new cluster"),
+    "serve.httpProxy": ({}, {"serve": {"httpProxy": "serve"}}, "new cluster"),
     "storage.mountPath": ({}, {"storage": {"mountPath": "/shared"}}, "new cluster"),
     "autoscaling.enabled": ({}, {"autoscaling": {"enabled": True}}, "new cluster"),
     "token.existingSecret": ({}, {"token": {"value": "", "existingSecret": "other"}}, "new cluster"),

@@ -28,9 +28,9 @@ def farm_train(service: str, model, *args: str, launcher: tuple[str, ...] = (sys
 def serve_env(model, tmp_path, **farm) -> dict[str, str]:
     """The environment of a `farm serve` of its own: a free port, the token, the model, one torch thread, a state
     folder under tmp_path, no FARM_REDIS_URL (its own embedded Redis), then the FARM_ settings given (names without
-    the prefix, e.g. replicas="2"). Nothing of the session service's Ray: its RAY_SERVE_* variables (its HAProxy's
-    stats and metrics ports, which server.start sets in this process) would make the new service's HAProxy bind the
-    same ports and fail."""
+    the prefix, e.g. replicas="2"). Nothing of the session service's Ray: its RAY_SERVE_* variables (the ports of its
+    HAProxy's stats and metrics and of the proxy HAProxy falls back on, which server.start sets in this process)
+    would make the new service's HAProxy bind the same ports and fail, or fall back on the session service."""
     env = {k: v for k, v in os.environ.items() if k != "FARM_REDIS_URL" and not k.startswith("RAY_SERVE_")}
     env |= {"FARM_API_TOKEN": TOKEN, "FARM_PORT": str(free_port()), "FARM_MODEL": str(model)}
     env |= {"FARM_ENGINE_THREADS": "1", "FARM_STATE_DIR": str(tmp_path / "state")}

@@ -68,18 +68,19 @@ def test_ingress_replicas_is_a_setting_and_the_state_needs_a_redis():
 
 
 def test_the_fused_front_is_one_deployment_of_engine_replicas_that_serve_http():
-    """FARM_FRONT=fused: no ingress deployment; the engine deployment is the app's ingress (it holds the routes),
-    scaled and resourced as the engine replicas are, with room for its HTTP requests beyond the engine's slots."""
+    """FARM_FRONT=fused (the default): no ingress deployment; the engine deployment is the app's ingress (it holds
+    the routes), scaled and resourced as the engine replicas are, with room for its HTTP requests beyond the engine's
+    slots."""
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.replica.engine_server import request_slots
 
-    fused = _deployments(front="fused", replicas=3)
-    assert set(fused) == {"engine"}
+    fused = _deployments(replicas=3)
+    assert fused == _deployments(front="fused", replicas=3) and set(fused) == {"engine"}
     engine = fused["engine"]
     assert engine["num_replicas"] == 3
     settings = ServiceSettings(api_token=TOKEN, replicas=3)
     assert engine["max_ongoing_requests"] == request_slots(settings) + settings.ingress_max_ongoing_requests
-    assert set(_deployments(replicas=3)) == {"ingress", "engine"}  # the split front, the default
+    assert set(_deployments(front="split", replicas=3)) == {"ingress", "engine"}
     with pytest.raises(ValueError, match="FARM_INGRESS_REPLICAS=2 with FARM_FRONT=fused"):  # no setting ignored
         ServiceSettings(api_token=TOKEN, front="fused", ingress_replicas=2)
 
@@ -105,14 +106,18 @@ def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
 
 def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
     from rollout_farm.services.config.settings import ServiceSettings
-    from rollout_farm.services.serving.server import http_proxy_env
+    from rollout_farm.services.serving.server import HAPROXY_PORTS, http_proxy_env
 
-    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+    for name in HAPROXY_PORTS:
         monkeypatch.delenv(name, raising=False)
-    assert http_proxy_env(ServiceSettings(api_token=TOKEN)) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}  # the default
-    env = http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="haproxy"))
-    stats, metrics = int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
-    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and stats != metrics and {stats, metrics}.isdisjoint({8404, 9101})
+    assert http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="serve")) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    env = http_proxy_env(ServiceSettings(api_token=TOKEN))  # the default: haproxy
+    ports = [int(env[name]) for name in HAPROXY_PORTS]  # Serve's defaults: 8404, 9101, 8500, 9500
+    assert (
+        env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        and len(set(ports)) == 4
+        and set(ports).isdisjoint({8404, 9101, 8500, 9500})
+    )
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # set by the operator: kept
     assert (
         http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="haproxy"))["RAY_SERVE_HAPROXY_STATS_PORT"]

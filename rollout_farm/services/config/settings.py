@@ -32,22 +32,22 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy binds.")
     http_proxy: Literal["serve", "haproxy"] = Field(
-        "serve",
-        description="What carries HTTP to the ingress replicas: 'serve' (Ray Serve's Python proxy actor, which passes "
-        "each request and its body to the ingress over Ray; it holds a request until a replica is back) or 'haproxy' "
-        "(Ray Serve's HAProxy ingress: HAProxy on FARM_PORT forwards each request to an ingress replica's own HTTP "
-        "server, whose port binds every interface: about a third of the CPU per request at the front, but while no "
-        "replica is up it answers 500, and a request in flight to a replica that dies is cut: the farm's client "
-        "replays both by request_id). Read when Ray starts.",
+        "haproxy",
+        description="What carries HTTP to the replicas that serve it: 'haproxy' (Ray Serve's HAProxy ingress: HAProxy "
+        "on FARM_PORT forwards each request to a replica's own HTTP server, whose port binds every interface; about a "
+        "third of the CPU per request of Serve's proxy, but while no replica is up it answers 500, and a request in "
+        "flight to a replica that dies is cut: the farm's client replays both by request_id) or 'serve' (Ray Serve's "
+        "Python proxy actor, which passes each request and its body to a replica over Ray and holds a request until "
+        "a replica is back). Read when Ray starts.",
     )
     front: Literal["split", "fused"] = Field(
-        "split",
-        description="Where HTTP requests end: 'split' (an ingress deployment, FARM_INGRESS_REPLICAS of it, that calls "
-        "the engine replicas over Ray: the ingress scales apart from the engines) or 'fused' (each engine replica is "
-        "its own HTTP ingress: a request of one replica's worth runs on the engine of the replica that took it, with "
-        "no Ray call; requests for several replicas, a session whose home is another replica and control go to the "
-        "replicas over Ray). Fused behind HAProxy costs the least CPU per request (bench/README.md, the front's "
-        'designs); it is not the default yet: docs/deploy.md, "The HTTP front", says why.',
+        "fused",
+        description="Where HTTP requests end: 'fused' (each engine replica is its own HTTP ingress: a request of one "
+        "replica's worth runs on the engine of the replica that took it, with no Ray call; requests for several "
+        "replicas, a session whose home is another replica and control go to the other replicas over Serve's gRPC "
+        "transport) or 'split' (an ingress deployment, FARM_INGRESS_REPLICAS of it, that calls the engine replicas "
+        "over Ray: two Ray hops per request, but the ingress scales apart from the engines). Fused behind HAProxy "
+        "costs the least CPU per request (bench/README.md, the front's designs).",
     )
     app_name: str = Field(
         "farm",

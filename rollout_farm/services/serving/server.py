@@ -45,15 +45,25 @@ def with_state(settings: ServiceSettings) -> ServiceSettings:
     return settings.model_copy(update={"redis_url": url, "state_dir": str(folder)})
 
 
+HAPROXY_PORTS = (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
+
+
 def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
     """Serve's environment for FARM_HTTP_PROXY, read by its controller, proxies and replicas when they start (they
     inherit this process's environment). HAProxy's own stats page and metrics frontend would take ports 8404 and
-    9101 on every interface: free ports instead, unless set, so that two services (or a trainer's metrics) share a
-    machine."""
+    9101 on every interface, and the proxy actor that HAProxy falls back on while no replica is up 8500 and 9500:
+    free ports instead, unless set, so that two services (or a trainer's metrics) share a machine. (With the
+    fallback's fixed port, a second service's HAProxy sent requests to the first service's proxy actor while its own
+    replicas started: the first service answered them.)"""
     if settings.http_proxy != "haproxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
-    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+    for name in HAPROXY_PORTS:
         env[name] = os.environ.get(name) or str(free_port("0.0.0.0"))
     return env
 

@@ -1,11 +1,14 @@
-"""FARM_FRONT=fused (rollout_farm/services/serving/fused_front.py): each engine replica is its own HTTP ingress, on an
-app of its own under /fused (two replicas of the tiny model, small limits so that 429 is reachable) in the session's
-Serve instance. What it must keep of the split front, each read from the service, never from timings:
+"""The two fronts. The session service runs the default, FARM_FRONT=fused behind HAProxy
+(rollout_farm/services/serving/fused_front.py): each engine replica is its own HTTP ingress. The split front (an
+ingress deployment calling the engine replicas over Ray, the default before issue 38) stays selectable and runs here
+as an app of its own under /split (two engine and two ingress replicas, the same small limits) in the session's Serve
+instance. What the fused front must keep of the split one, each read from the service, never from timings:
   - the same samples for the same seed and weights (a rollout, chat);
   - a rollout over both replicas, a weight push committed on both, the version floor;
   - a session's turns on its home replica, whose KV cache saves their prefill;
   - a flood of twenty times its capacity on every route family that generates, answered 200 or the service's 429
-    with Retry-After;
+    with Retry-After (a rollout of two prompts and a new session's turns call the other replica over Serve's gRPC
+    transport: over Ray actor calls, one of them under such a flood was accepted by its target and never answered);
   - the replica that holds a request killed under it: the client's retries by request_id complete it, once.
 Behind HAProxy, as a process of its own, with its haproxy killed: tests/e2e/test_farm_commands.py.
 """
@@ -31,18 +34,27 @@ FLOOD = 160
 
 
 @pytest.fixture(scope="module")
-def fused(service, tiny_model, tmp_path_factory):
+def fused(service, service_settings):
+    """The session service: the default front, fused (two engine replicas, 2 running + 2 queued each)."""
+    assert service_settings.front == "fused"
+    wait_until(lambda: len(ready(service)) == 2, "both fused replicas ready")
+    return service
+
+
+@pytest.fixture(scope="module")
+def split(service, tiny_model, tmp_path_factory):
     with second_app(
         service,
-        "fused",
+        "split",
         model=str(tiny_model),
         replicas=2,
-        front="fused",
+        front="split",
+        ingress_replicas=2,
         engine_max_ongoing_requests=2,
         engine_max_queued_requests=2,
-        state_dir=str(tmp_path_factory.mktemp("fused-state")),
+        state_dir=str(tmp_path_factory.mktemp("split-state")),
     ) as url:
-        wait_until(lambda: len(ready(url)) == 2, "both fused replicas ready")
+        wait_until(lambda: len(ready(url)) == 2, "both engine replicas of the split front ready")
         yield url
 
 
@@ -62,23 +74,25 @@ def engine_actors(app: str) -> list[dict]:
     ]
 
 
-def test_the_fused_front_answers_as_the_split_one_for_the_same_seed_and_weights(service, fused, tiny_model):
+def test_the_fused_front_answers_as_the_split_one_for_the_same_seed_and_weights(split, fused, tiny_model):
     weights = (tiny_model / "model.safetensors").read_bytes()
-    for url in (service, fused):  # both serve the model folder's weights, as one new version each
+    for url in (split, fused):  # both serve the model folder's weights, as one new version each
         version = httpx.get(f"{url}/v1/weights/version").json()["version"] + 1
         assert push(url, weights, version).status_code == 200
     body = {"prompts": [{"token_ids": [40, 41, 42]}], "n": 1, "sampling_params": SEEDED}
-    split, own = (httpx.post(f"{url}/v1/rollouts", json=body, timeout=120) for url in (service, fused))
-    assert tokens(split) == tokens(own)
-    a, b = (r.json()["groups"][0]["samples"][0]["logprobs"] for r in (split, own))
+    theirs, own = (httpx.post(f"{url}/v1/rollouts", json=body, timeout=120) for url in (split, fused))
+    assert tokens(theirs) == tokens(own)
+    a, b = (r.json()["groups"][0]["samples"][0]["logprobs"] for r in (theirs, own))
     assert a == pytest.approx(b, abs=1e-5)
     chat = {"messages": [{"role": "user", "content": "Q: 1+2"}], "max_tokens": 8, "seed": 3}
-    answers = [httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120) for url in (service, fused)]
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120) for url in (split, fused)]
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert len({r.json()["choices"][0]["message"]["content"] for r in answers}) == 1
 
 
-def test_a_rollout_over_both_replicas_and_a_push_committed_on_both(fused, tiny_model):
+@pytest.mark.parametrize("front", ["fused", "split"])
+def test_a_rollout_over_both_replicas_and_a_push_committed_on_both(front, request, tiny_model):
+    fused = request.getfixturevalue(front)  # either front's URL
     with FarmClient(fused, TOKEN, retries=0) as client:
         version = client.weights_version().version + 1
         client.push_weights((tiny_model / "model.safetensors").read_bytes(), version)
@@ -102,7 +116,9 @@ def test_a_rollout_over_both_replicas_and_a_push_committed_on_both(fused, tiny_m
         raise AssertionError("30 rollouts of 8 prompts, each run on one replica only")
 
 
-def test_a_session_stays_on_its_home_replica_and_reuses_its_cache(fused):
+@pytest.mark.parametrize("front", ["fused", "split"])
+def test_a_session_stays_on_its_home_replica_and_reuses_its_cache(front, request):
+    fused = request.getfixturevalue(front)  # either front's URL
     sid = httpx.post(f"{fused}/v1/sessions", json={"sampling_params": SEEDED}, timeout=30).json()["session_id"]
     homes = set()
     for k, ids in enumerate([[40, 41, 42, 43, 44], [50, 51], [60, 61, 62]]):
@@ -120,10 +136,13 @@ def test_a_session_stays_on_its_home_replica_and_reuses_its_cache(fused):
 # Each route family that generates, as (path, body). {sid} is one of FLOOD sessions opened before the flood.
 FAMILIES = {
     "rollouts": ("/v1/rollouts", greedy([[40, 41, 42]], max_new_tokens=2)),
+    "rollouts over both replicas": ("/v1/rollouts", greedy([[40, 41, 42], [43, 44]], max_new_tokens=2)),
+    "session turns": (
+        "/v1/sessions/{sid}/generate",
+        {"append_token_ids": [40, 41], "sampling_params": {"max_new_tokens": 2}},
+    ),
     "openai chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Q: 1+2"}], "max_tokens": 2}),
     "openai completions": ("/v1/completions", {"prompt": "Q: 1+2", "max_tokens": 2}),
-    # Not session turns: a flood of first turns of new sessions left one unanswered once in a run of the whole suite
-    # on the fused front behind HAProxy (docs/deploy.md, "The HTTP front": why fused is not the default yet).
     "sglang generate": ("/generate", {"input_ids": [40, 41], "sampling_params": {"max_new_tokens": 2}}),
     "episodes": (
         "/v1/episodes",
@@ -137,11 +156,19 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-async def test_a_flood_of_ten_times_capacity_is_answered_200_or_our_429_on_every_route_family(fused, family):
+FLOODED = [("fused", family) for family in FAMILIES] + [
+    ("split", "rollouts over both replicas"),
+    ("split", "session turns"),
+]
+
+
+@pytest.mark.parametrize(("front", "family"), FLOODED)
+async def test_a_flood_of_ten_times_capacity_is_answered_200_or_our_429_on_every_route_family(front, family, request):
     """Capacity: 2 replicas x (2 running + 2 queued) = 8 requests; FLOOD is 20 times it. An episode waits out the
     engines' 429s for up to OVERLOAD_PATIENCE_S (its group's episodes run at once), so a flood of episodes, ten times
-    the capacity, is answered 200 later, not refused: only 200 and 429 still."""
+    the capacity, is answered 200 later, not refused: only 200 and 429 still. The split front: the families that call
+    an engine replica from another process (every family does there); tests/service/test_overload.py floods more."""
+    fused = request.getfixturevalue(front)  # either front's URL
     path, body = FAMILIES[family]
     waits = family == "episodes"
     count = FLOOD // 2 if waits else FLOOD
@@ -156,7 +183,7 @@ async def test_a_flood_of_ten_times_capacity_is_answered_200_or_our_429_on_every
     assert set(codes) <= {200, 429} and codes[200] and (codes[429] or waits), (family, codes, answers[-1].text[:300])
     for r in (r for r in answers if r.status_code == 429):
         assert r.headers["retry-after"] == "1" and QUEUES_FULL in r.text, r.text
-    wait_until(lambda: not any_busy(fused), "the fused replicas idle after the flood")
+    wait_until(lambda: not any_busy(fused), "the replicas idle after the flood")
 
 
 def test_killing_the_replica_that_holds_a_request_the_retry_by_request_id_completes_it_once(fused):
@@ -176,7 +203,7 @@ def test_killing_the_replica_that_holds_a_request_the_retry_by_request_id_comple
     taker = wait_until(
         lambda: [r for r, v in prefilled(fused).items() if v > before.get(r, 0)], "a replica takes the rollout"
     )[0]
-    (victim,) = [a for a in engine_actors("fused") if a["name"].endswith(f"#{taker}")]
+    (victim,) = [a for a in engine_actors("farm") if a["name"].endswith(f"#{taker}")]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     sender.join(timeout=300)
     assert not sender.is_alive() and "answer" in result
