@@ -36,6 +36,7 @@ from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
 from rollout_farm.services.compat.tinker import TinkerCompat
 from rollout_farm.services.config.settings import ServiceSettings
+from rollout_farm.services.episodes.allowed_hosts import AllowedHosts
 from rollout_farm.services.episodes.episodes import Episodes
 from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
@@ -84,7 +85,8 @@ class Ingress:
         store = SessionStore(self.redis, prefix)
         # a session's chat turns are rendered here, with the replicas' tokenizer (chat/renderer.py)
         self.sessions = Sessions(self.rollouts.answer, self.openai.renderer, store, self.openai.model_name)
-        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
+        allowed = AllowedHosts(settings.env_allowed_hosts)
+        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins, allowed)
         self.queue = TrajectoryQueue(
             self.redis,
             prefix,
