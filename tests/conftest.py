@@ -80,7 +80,16 @@ def service(service_settings):
 
 
 @pytest.fixture(scope="session")
-def bench_service(service, tmp_path_factory):
+def env_ports() -> dict[str, int]:
+    """The ports the bench app lets remote environments reach (FARM_ENV_ALLOWED_HOSTS on 127.0.0.1): `openenv`, where
+    tests/service/test_openenv_env.py starts its server, and `down`, where nothing listens."""
+    from rollout_farm.services.net import free_port
+
+    return {"openenv": free_port(), "down": free_port()}
+
+
+@pytest.fixture(scope="session")
+def bench_service(service, env_ports, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
     (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; the split front
     with two ingress replicas."""
@@ -98,6 +107,7 @@ def bench_service(service, tmp_path_factory):
         ingress_replicas=2,  # tests/service/test_state.py cancels through the replica not running the rollout
         engine_num_cpus=0,
         plugins=["tests.farm_plugins"],
+        env_allowed_hosts=[f"127.0.0.1:{port}" for port in env_ports.values()],
         log_level="WARNING",
         state_dir=str(tmp_path_factory.mktemp("bench-state")),
     )

@@ -258,6 +258,13 @@ def test_autoscaling():
     # numbers stay integers (helm reads values as floats: no 1.7179869184e+10), lists are JSON
     assert farm["FARM_MAX_WEIGHTS_BYTES"] == "17179869184" and farm["FARM_ENGINE_NUM_CPUS"] == "2"
     assert json.loads(farm["FARM_PLUGINS"]) == ["my_pkg.rewards"]
+    # remote environments: none unless listed (FARM_ENV_ALLOWED_HOSTS), a list as JSON
+    assert json.loads(serve_env(rayservice("default"))["FARM_ENV_ALLOWED_HOSTS"]) == []
+    listed = serve_env(
+        one(render(merged(BASE, {"environments": {"allowedHosts": ["envs.ns.svc:8000"]}})), "RayService")
+    )
+    assert json.loads(listed["FARM_ENV_ALLOWED_HOSTS"]) == ["envs.ns.svc:8000"]
+    assert "allowedHosts" in render_error(merged(BASE, {"environments": {"allowedHosts": ["no-port"]}}))
 
 
 def test_every_farm_variable_is_a_setting():
@@ -268,6 +275,7 @@ def test_every_farm_variable_is_a_setting():
     settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
     own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
     own_values |= {"require_token_for_generation", "dtype", "ingress_replicas", "log_level", "http_proxy", "front"}
+    own_values |= {"env_allowed_hosts"}
     managed = {"redis_url", "weights_dir", "uploads_dir", "app_name", "sglang_tp_size"}
     assert set(settings_schema["properties"]) <= fields - own_values - managed
 

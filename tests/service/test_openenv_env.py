@@ -63,9 +63,9 @@ class CountEnv(Environment):
 
 
 @pytest.fixture(scope="module")
-def openenv_url():
-    """A real openenv-core server in a thread; its base URL."""
-    port = free_port()
+def openenv_url(env_ports):
+    """A real openenv-core server in a thread, on the port the bench app's FARM_ENV_ALLOWED_HOSTS lists; its URL."""
+    port = env_ports["openenv"]
     app = create_app(CountEnv, CountAction, CountObservation, max_concurrent_envs=16)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -153,8 +153,8 @@ def test_a_remote_failure_ends_the_episode_with_env_error(bench_service, openenv
         assert ep["stop_reason"] == "env_error" and ep["error"].startswith(error.format(url=openenv_url)), ep["error"]
 
 
-def test_a_server_that_is_down_ends_the_episodes_with_env_error_naming_it(bench_service):
-    url = f"http://127.0.0.1:{free_port()}"
+def test_a_server_that_is_down_ends_the_episodes_with_env_error_naming_it(bench_service, env_ports):
+    url = f"http://127.0.0.1:{env_ports['down']}"
     for ep in episodes(bench_service, {"url": url}, n=2):
         assert ep["stop_reason"] == "env_error" and ep["turns"] == 0
         assert ep["error"].startswith(f"reset: Unreachable: openenv server {url}: GET /schema: ConnectError")
@@ -181,3 +181,19 @@ def test_the_environment_list_shows_openenv_and_its_params(bench_service):
     schema = listed["params"]["openenv"]
     assert schema["required"] == ["url"] and {"action", "message_field", "reset"} <= set(schema["properties"])
     assert "reward" in listed["params"]["calculator"]["properties"]
+
+
+def test_a_server_the_allowed_hosts_do_not_list_is_a_422_naming_the_setting(bench_service, env_ports):
+    """FARM_ENV_ALLOWED_HOSTS lists two ports on 127.0.0.1: another port, the same port on 127.0.0.2 and the Ray
+    dashboard's on localhost are refused before any episode starts (tests/unit/test_allowed_hosts.py: never
+    connected to, redirects included)."""
+    for url in (
+        f"http://127.0.0.1:{free_port()}",
+        f"http://127.0.0.2:{env_ports['openenv']}",
+        "http://localhost:8265",
+    ):
+        body = {"env": {"name": "openenv", "params": {"url": url}}, "prompts": [{"text": "x"}]}
+        r = httpx.post(f"{bench_service}/v1/episodes", json=body, timeout=30)
+        assert r.status_code == 422, r.text
+        (problem,) = r.json()["detail"]
+        assert problem["field"] == "env.params.url" and "is not in FARM_ENV_ALLOWED_HOSTS" in problem["message"]

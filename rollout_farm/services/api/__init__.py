@@ -23,6 +23,7 @@ is on. Errors map to statuses in errors.py.
 | `control.py` | pause, resume, abort; `/healthz`, `/readyz`, `/metrics` |
 | `openai.py` | `/v1/models`, `/v1/completions`, `/v1/chat/completions` |
 | `sglang_native.py` | SGLang's native routes: `/generate`, model and server reads, health, weight and control routes |
+| `vllm_tokens.py` | vLLM's token route, `POST /inference/v1/generate` (token ids in, ids and logprobs out) |
 | `tinker.py` | Tinker's sampling API under `/api/v1` for the `tinker` SDK (X-API-Key); training calls a 404 saying so |
 """
 
@@ -48,6 +49,7 @@ from rollout_farm.services.api import (
     sglang_native,
     tenants,
     tinker,
+    vllm_tokens,
     weights,
 )
 from rollout_farm.services.api.deps import require_token, require_token_for_generation
@@ -77,7 +79,14 @@ OPEN = (
     tenants.router,
     tinker.router,
 )
-GENERATION = (rollouts.router, openai.router, sglang_native.generation, sessions.router, episodes.router)
+GENERATION = (
+    rollouts.router,
+    openai.router,
+    sglang_native.generation,
+    vllm_tokens.router,
+    sessions.router,
+    episodes.router,
+)
 NEED_TOKEN = (
     rollouts.admin,
     samplers.admin,

@@ -11,6 +11,7 @@ Rollouts          the request_id table, streaming, cancellation
 TrajectoryQueue   the pull-mode queue
 OpenAICompat      the OpenAI-shaped endpoints
 SGLangNative      SGLang's native endpoints, translated onto the objects above
+VLLMTokens        vLLM's token route (/inference/v1/generate) onto the OpenAI-shaped objects' rollouts
 TinkerCompat      Tinker's sampling API (the tinker SDK): sessions, samples as rollouts, futures in Redis
 Sessions          multi-turn sessions: token level, and OpenAI chat with tools (rollout_farm/services/episodes/)
 Episodes          multi-turn episodes run in the farm against environment plug-ins (rollout_farm/services/episodes/)
@@ -35,7 +36,9 @@ from rollout_farm.services.chat.tool_formats import TOOL_FORMATS
 from rollout_farm.services.compat.openai_api import OpenAICompat
 from rollout_farm.services.compat.sglang_native import SGLangNative
 from rollout_farm.services.compat.tinker import TinkerCompat
+from rollout_farm.services.compat.vllm_tokens import VLLMTokens
 from rollout_farm.services.config.settings import ServiceSettings
+from rollout_farm.services.episodes.allowed_hosts import AllowedHosts
 from rollout_farm.services.episodes.episodes import Episodes
 from rollout_farm.services.episodes.session_store import SessionStore
 from rollout_farm.services.episodes.sessions import Sessions
@@ -84,7 +87,8 @@ class Ingress:
         store = SessionStore(self.redis, prefix)
         # a session's chat turns are rendered here, with the replicas' tokenizer (chat/renderer.py)
         self.sessions = Sessions(self.rollouts.answer, self.openai.renderer, store, self.openai.model_name)
-        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins)
+        allowed = AllowedHosts(settings.env_allowed_hosts)
+        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins, allowed)
         self.queue = TrajectoryQueue(
             self.redis,
             prefix,
@@ -95,6 +99,7 @@ class Ingress:
             admitted=self.tenants.admitted,
         )
         self.sglang_native = SGLangNative(self.rollouts, self.weights, self.replicas, self.openai, settings)
+        self.vllm_tokens = VLLMTokens(self.openai)
         parts = (self.rollouts, self.fanout, self.checks, self.replicas, self.adapters, self.redis, prefix)
         self.tinker = TinkerCompat(*parts, settings.model)
         await self.follow_once()

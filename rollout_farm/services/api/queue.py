@@ -49,7 +49,7 @@ async def queue_add_source(spec: P.QueueSource, who: Principal = TOKEN, farm=Dep
     if spec.adapter is not None:
         await farm.adapters.resolve(spec.adapter)  # an unknown adapter is a 404 now, not a failing source later
     if spec.episodes is not None:
-        farm.episodes.environment(spec.episodes.env, "episodes.env")
+        await farm.episodes.environment(spec.episodes.env, "episodes.env")
     return await farm.queue.add_source(spec, who)
 
 

@@ -10,6 +10,12 @@ Three pieces, each appended as context (loss mask 0) by rollout_farm/services/ep
             (Qwen's "\\n" after <|im_end|>; the whole `<|im_end|>\\n` when max_tokens cut the turn)
   messages  the new messages (tool results, a user's reply), with `tools` rendered as the template does
   prompt    the generation prompt that opens the assistant's turn (`<|im_start|>assistant\\n`)
+Reasoning templates (Qwen3's, for one) render a finished assistant turn without its reasoning block once a message
+follows it: the stand-in then renders one way alone and another before the new messages. `delta` accepts exactly that
+difference, a span dropped from the stand-in's assistant turn before its content (`in_history`), and takes the new
+messages' tokens after the stand-in as it renders in the history. The session's own tokens keep what the model
+sampled, reasoning included: the trajectory is what the model saw and wrote, where the template would have dropped
+the reasoning of earlier turns (docs/episodes.md, "Model families").
 The first turn of a session renders its messages whole (`opening`). `turn` is what a session's chat turn asks for
 (rollout_farm/services/episodes/sessions.py, through rollout_farm/services/chat/renderer.py): the three pieces, then
 the opening of a call that tool_choice forces.
@@ -59,7 +65,32 @@ def delta(tokenizer, new: list[dict], tools: list[dict] | None) -> Delta:
     base = render_ids(tokenizer, STAND_IN, tools, False)
     body = render_ids(tokenizer, STAND_IN + new, tools, False)
     prompt = after(body, render_ids(tokenizer, STAND_IN + new, tools, True), "the generation prompt")
+    if body[: len(base)] != base:
+        base = in_history(tokenizer, base, body, tools)
     return Delta(after(base, body, "these messages"), prompt)
+
+
+def in_history(tokenizer, alone: list[int], body: list[int], tools: list[dict] | None) -> list[int]:
+    """The stand-in as `body` renders it before the new messages, when that is the stand-in rendered `alone` less one
+    span of its assistant turn before the content (a reasoning block the template drops from finished turns); else
+    `alone`, and the caller refuses the turn."""
+    content = tokenizer.encode(STAND_IN[1]["content"], add_special_tokens=False)
+    ending = close(tokenizer, [], tools)
+    at = find(alone, content + ending)
+    end = find(body, content + ending)
+    if at is None or end is None:
+        return alone
+    kept = body[: end + len(content) + len(ending)]
+    dropped = len(alone) - len(kept)
+    head = next((i for i in range(min(len(alone), len(kept))) if alone[i] != kept[i]), None)
+    if head is None or dropped <= 0 or head + dropped > at or alone[head + dropped :] != kept[head:]:
+        return alone
+    return kept
+
+
+def find(ids: list[int], part: list[int]) -> int | None:
+    """Where `part` first starts in `ids`."""
+    return next((i for i in range(len(ids) - len(part) + 1) if ids[i : i + len(part)] == part), None)
 
 
 def close(tokenizer, sampled: list[int], tools: list[dict] | None) -> list[int]:

@@ -10,6 +10,7 @@ SGLang engine is rollout_farm/services/engine/sglang_engine.py, not this HTTP su
 | `openai_stream.py` | the server-sent events of a streamed OpenAI answer |
 | `sglang_native.py` | `SGLangNative`: SGLang's /generate, weight, pause and abort routes onto Rollouts and WeightPush |
 | `sglang_shapes.py` | SGLang's /generate fields onto the farm's, and each sample back in SGLang's answer shape |
+| `vllm_tokens.py` | `VLLMTokens`: vLLM's /inference/v1/generate (token ids in, ids and logprobs out) as rollouts |
 | `tinker.py` | `TinkerCompat`: Tinker's sampling API for the tinker SDK: sessions, samples as rollouts, futures |
 | `tinker_proto.py` | the protobuf `SampleResponse` a Tinker sample answers with, encoded by hand |
 """

@@ -40,8 +40,10 @@ class OpenAICompat:
     async def models(self, who: Principal = ANYONE) -> dict:
         """GET /v1/models: the base policy, with the committed weight version and the context length, then each
         resident version of the adapters `who` may use, as "name@vN" (its digest under `meta`)."""
-        meta = {"weight_version": await self.committed(), "context_length": await self.context_length()}
-        cards = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-farm", "meta": meta}]
+        context = await self.context_length()
+        meta = {"weight_version": await self.committed(), "context_length": context}
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-farm", "meta": meta}
+        cards = [card | ({"max_model_len": context} if context else {})]  # vLLM's name: renderers reads it
         for info in await self.fanout.adapters.all():
             if not who.may_use(info.owner):
                 continue

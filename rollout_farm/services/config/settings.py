@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
@@ -13,6 +14,21 @@ SECRET_FIELDS = {"api_token"}  # never echoed in an error
 
 class SettingsError(ValueError):
     """A setting the service cannot start with; the message names the FARM_* variable and the fix."""
+
+
+HOST_PATTERN = re.compile(r"^(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\*|\d{1,5})$")
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why `pattern` is no FARM_ENV_ALLOWED_HOSTS entry (rollout_farm/services/episodes/allowed_hosts.py), or None."""
+    if pattern == "*":
+        return None
+    found = HOST_PATTERN.match(pattern)
+    if not found:
+        return f"{pattern!r} is not host:port (a name, an IP address or *, then a port or *; [v6 address]:port)"
+    if found["port"] != "*" and not 0 < int(found["port"]) < 65536:
+        return f"{pattern!r}: port {found['port']} is out of range"
+    return None
 
 
 class ServiceSettings(BaseSettings):
@@ -177,6 +193,17 @@ class ServiceSettings(BaseSettings):
         description='Modules imported at start-up to register rewards and samplers, e.g. ["my_pkg.rewards"]; '
         'a request may name a sampler class in them by dotted path, "my_pkg.rewards:MySampler".',
     )
+    env_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Where remote environments (openenv's url, an MCP server's) may connect: host:port patterns, e.g. "
+            '["envs.internal:8000", "10.0.3.7:*"]; a host is a name as written, an IP address (checked against '
+            "what the URL's name resolves to) or *, a port a number or *. Empty (the default): no remote "
+            'environment; a lone "*" allows any. Loopback is not special (on a cluster it reaches the Ray '
+            "dashboard and Redis). A URL outside the list is a 422 naming this setting; the connection goes to "
+            "the address checked, and redirects to another origin are refused."
+        ),
+    )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     fair_share_samples: int = Field(
         0,
@@ -260,6 +287,12 @@ class ServiceSettings(BaseSettings):
     idempotency_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished rollout's result is kept for request_id replays."
     )
+
+    @model_validator(mode="after")
+    def _allowed_hosts_are_patterns(self) -> ServiceSettings:
+        if problems := [p for p in map(pattern_problem, self.env_allowed_hosts) if p]:
+            raise ValueError(f"FARM_ENV_ALLOWED_HOSTS: {'; '.join(problems)}")
+        return self
 
     @model_validator(mode="after")
     def _fused_front_has_no_ingress(self) -> ServiceSettings:

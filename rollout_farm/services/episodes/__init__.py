@@ -20,4 +20,5 @@ episodes -> environments -> sessions.
 | `environments.py` | the `Environment` interface (reset, step, close; Params, tools, tool format), `ENVIRONMENTS` |
 | `calculator.py` | the built-in calculator environment |
 | `openenv_remote.py` | the built-in openenv environment: a remote openenv-core server, one WebSocket per episode |
+| `allowed_hosts.py` | FARM_ENV_ALLOWED_HOSTS: where remote environments may connect, checked after DNS, pinned |
 """

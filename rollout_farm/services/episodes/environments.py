@@ -60,6 +60,13 @@ class Environment(abc.ABC):
     def __init__(self, params: BaseModel):
         self.params = params
 
+    @classmethod
+    def remote_urls(cls, params: BaseModel) -> dict[str, str]:
+        """The URLs the environment will connect to, by their params field: each must be in FARM_ENV_ALLOWED_HOSTS
+        (checked before any episode starts: a 422 naming the field; rollout_farm/services/episodes/allowed_hosts.py),
+        and the connection itself goes through allowed_hosts.current()."""
+        return {}
+
     @abc.abstractmethod
     async def reset(self, prompt: P.Prompt) -> list[dict]:
         """The episode's opening messages (a system prompt, the task)."""

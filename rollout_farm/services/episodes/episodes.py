@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall
 from rollout_farm.services.episodes import calculator, openenv_remote  # noqa: F401  (register the built-in environments)
+from rollout_farm.services.episodes.allowed_hosts import NOTHING, AllowedHosts, NotAllowed, use_allowed_hosts
 from rollout_farm.services.episodes.chat_turns import ContextFull
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
 from rollout_farm.services.episodes.sessions import Sessions
@@ -46,11 +47,15 @@ class EnvironmentFailed(Exception):
 
 
 class Episodes:
-    def __init__(self, sessions: Sessions, context_length: ContextLength, plugins: list[str]):
-        self.sessions, self.context_length, self.plugins = sessions, context_length, plugins
+    def __init__(
+        self, sessions: Sessions, context_length: ContextLength, plugins: list[str], allowed: AllowedHosts = NOTHING
+    ):
+        self.sessions, self.context_length, self.plugins, self.allowed = sessions, context_length, plugins, allowed
 
-    def environment(self, spec: E.EnvSpec, field: str = "env") -> tuple[type[Environment], object]:
-        """The environment class and its checked params; 422 naming env.name or env.params.<field>."""
+    async def environment(self, spec: E.EnvSpec, field: str = "env") -> tuple[type[Environment], object]:
+        """The environment class and its checked params; 422 naming env.name or env.params.<field>, or the URL field
+        of a remote environment whose host FARM_ENV_ALLOWED_HOSTS does not list (rollout_farm/services/episodes/
+        allowed_hosts.py)."""
         try:
             kind = ENVIRONMENTS.get(spec.name, self.plugins)
         except KeyError as e:
@@ -63,6 +68,11 @@ class Episodes:
         if kind.tool_format not in TOOL_FORMATS.names():
             problem = f"its tool format {kind.tool_format!r} is not registered"
             raise Invalid([{"field": f"{field}.name", "message": problem}])
+        for name, url in kind.remote_urls(params).items():
+            try:
+                await self.allowed.resolve(url)
+            except NotAllowed as e:
+                raise Invalid([{"field": f"{field}.params.{name}", "message": str(e)}]) from None
         return kind, params
 
     async def run(self, req: E.EpisodeRequest, who: Principal = ANYONE) -> E.EpisodeResponse:
@@ -79,7 +89,7 @@ class Episodes:
 
     async def stream(self, req: E.EpisodeRequest, who: Principal = ANYONE) -> AsyncIterator[str]:
         """NDJSON lines; the request is checked before the first line, so a bad one is still a plain 422."""
-        resolved = self.environment(req.env)
+        resolved = await self.environment(req.env)
 
         async def lines() -> AsyncIterator[str]:
             sent = 0
@@ -98,7 +108,7 @@ class Episodes:
         self, req: E.EpisodeRequest, resolved=None, who: Principal = ANYONE
     ) -> AsyncIterator[E.EpisodeGroup]:
         """The groups as they finish (`resolved`: the environment and its params, when checked already)."""
-        kind, params = resolved or self.environment(req.env)
+        kind, params = resolved or await self.environment(req.env)
         context = await self.context_length()
         groups = (self.group(req, kind, params, i, p, context, who) for i, p in enumerate(req.prompts))
         tasks = [asyncio.create_task(g) for g in groups]
@@ -139,6 +149,7 @@ class Episodes:
     ) -> E.EpisodeOut:
         """Episode `number` of the request (its seed, with a seeded request: each episode and turn draws apart), in a
         session owned by `who`'s tenant."""
+        use_allowed_hosts(self.allowed)  # where its environment may connect (this task's context)
         opened = await self.sessions.open(
             S.SessionCreate(
                 sampling_params=req.sampling_params,

@@ -33,6 +33,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import ToolCall
 from rollout_farm.services.chat.tool_schemas import NAME, schema_problems
+from rollout_farm.services.episodes import allowed_hosts
+from rollout_farm.services.episodes.allowed_hosts import SETTING, Address, NotAllowed
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
 
 MAX_MESSAGE = 16 << 20  # bytes of one WebSocket message (an observation may carry an image); websockets' default: 1 MiB
@@ -140,6 +142,10 @@ class OpenEnvRemote(Environment):
     Params = OpenEnvParams
     tool_format = "hermes"
 
+    @classmethod
+    def remote_urls(cls, params: OpenEnvParams) -> dict[str, str]:
+        return {"url": params.url}
+
     def __init__(self, params: OpenEnvParams):
         super().__init__(params)
         self.where = f"openenv server {params.url}"
@@ -208,11 +214,21 @@ class OpenEnvRemote(Environment):
             with attempt:
                 return await opening()
 
-    async def action_schema(self) -> dict:
-        """The action's JSON Schema, from GET /schema."""
+    async def address(self) -> Address:
+        """Where the server is: the address FARM_ENV_ALLOWED_HOSTS allows for its URL, resolved once."""
         try:
-            async with httpx.AsyncClient(timeout=None) as http:  # the runner bounds the call (tool_timeout_s)
-                r = await http.get(f"{self.params.url}/schema")
+            return await allowed_hosts.current().resolve(self.params.url)
+        except NotAllowed as e:
+            raise RemoteError(f"{self.where}: {e}") from None
+
+    async def action_schema(self) -> dict:
+        """The action's JSON Schema, from GET /schema (to the checked address; a redirect is not followed)."""
+        at = await self.address()
+        parts = urlsplit(self.params.url)
+        pinned = f"{parts.scheme}://{at.literal}:{at.port}{parts.path}/schema"
+        try:
+            async with httpx.AsyncClient(timeout=None, follow_redirects=False) as http:  # the runner bounds the call
+                r = await http.get(pinned, headers={"Host": parts.netloc}, extensions={"sni_hostname": at.host})
         except httpx.TransportError as e:
             raise Unreachable(f"{self.where}: GET /schema: {type(e).__name__}: {e}") from None
         try:
@@ -225,10 +241,16 @@ class OpenEnvRemote(Environment):
         return schema
 
     async def open_session(self) -> ClientConnection:
-        """The episode's WebSocket session (/ws): one remote environment, kept until close."""
+        """The episode's WebSocket session (/ws): one remote environment, kept until close. The connection goes to
+        the checked address (`host`, `port`: websockets then refuses a redirect to another origin)."""
         ws_url = "ws" + self.params.url.removeprefix("http") + "/ws"  # http -> ws, https -> wss
-        try:
-            return await connect(ws_url, open_timeout=None, max_size=MAX_MESSAGE)  # the runner bounds the call
+        at = await self.address()
+        try:  # the runner bounds the call
+            return await connect(ws_url, host=at.ip, port=at.port, open_timeout=None, max_size=MAX_MESSAGE)
+        except ValueError as e:  # websockets: a redirect to another origin while host and port are pinned
+            raise RemoteError(
+                f"{self.where}: {ws_url} redirected elsewhere ({e}); {SETTING} allows no redirect"
+            ) from None
         except (OSError, InvalidHandshake) as e:
             raise Unreachable(f"{self.where}: cannot open {ws_url}: {type(e).__name__}: {e}") from None
 

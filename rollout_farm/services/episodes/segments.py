@@ -18,14 +18,42 @@ from dataclasses import asdict, dataclass, field
 
 from rollout_farm.services.chat.tool_formats import ToolCall
 
+THINK, THINK_END = "<think>", "</think>"  # the reasoning block of reasoning models (Qwen3, DeepSeek-R1, ...)
+
 
 def normal(message: dict) -> tuple:
-    """What makes two chat messages the same turn: role, content (None as ""), the calls (arguments as parsed JSON),
-    the tool call they answer, and a name."""
+    """What makes two chat messages the same turn: role, content (None as ""; an assistant's without its reasoning),
+    the calls (arguments as parsed JSON), the tool call they answer, and a name."""
     calls = tuple(
         (c["function"]["name"], arguments(c["function"]["arguments"])) for c in message.get("tool_calls") or []
     )
-    return message["role"], message.get("content") or "", calls, message.get("tool_call_id"), message.get("name")
+    content = message.get("content") or ""
+    if message["role"] == "assistant":
+        content = reasoning_split(message)[1]
+    return message["role"], content, calls, message.get("tool_call_id"), message.get("name")
+
+
+def reasoning_split(message: dict) -> tuple[str, str]:
+    """An assistant message's (reasoning, content): the reasoning as `reasoning_content` or a leading <think> block of
+    its content (as reasoning models write it and their templates split it), each stripped of surrounding newlines."""
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or ""
+    head, sep, rest = content.partition(THINK_END)
+    if sep and head.lstrip().startswith(THINK):
+        reasoning, content = reasoning or head.lstrip().removeprefix(THINK), rest
+    return reasoning.strip("\n"), content.lstrip("\n")
+
+
+def same_turn(stored: dict, given: dict) -> bool:
+    """Whether `given` is the stored message as a harness sends it back: equal as `normal` compares them, and for an
+    assistant turn its reasoning repeated or left out (harnesses and templates drop earlier turns' reasoning; the
+    stored tokens keep what was sampled). Changed reasoning rewrites the turn."""
+    if normal(stored) != normal(given):
+        return False
+    if stored["role"] != "assistant":
+        return True
+    given_reasoning = reasoning_split(given)[0]
+    return not given_reasoning or given_reasoning == reasoning_split(stored)[0]
 
 
 def arguments(text: str) -> str:
@@ -38,10 +66,17 @@ def arguments(text: str) -> str:
         return text
 
 
+def reshaped(stored: list[dict], given: list[dict]) -> int:
+    """How many of the leading messages both share the client sent in another form than stored (reasoning left out
+    or moved to `reasoning_content`): appends that needed a normalisation."""
+    n = shared_messages(stored, given)
+    return sum(1 for s, g in zip(stored[:n], given[:n]) if s.get("content") != g.get("content"))
+
+
 def shared_messages(stored: list[dict], given: list[dict]) -> int:
     """How many leading messages the two histories share."""
     n = 0
-    while n < min(len(stored), len(given)) and normal(stored[n]) == normal(given[n]):
+    while n < min(len(stored), len(given)) and same_turn(stored[n], given[n]):
         n += 1
     return n
 

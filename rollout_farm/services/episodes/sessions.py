@@ -23,7 +23,7 @@ from rollout_farm.services.chat.delta import NotAppendOnly
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ParsedTurn
 from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
-from rollout_farm.services.episodes.segments import Segment, shared_messages
+from rollout_farm.services.episodes.segments import Segment, reshaped, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
 from rollout_farm.services.errors import Conflict, Invalid, NotFound
 from rollout_farm.services.observability import metrics
@@ -135,6 +135,8 @@ class Sessions:
             metrics.TOKEN_MISMATCH.labels("token_session").inc()
             raise Conflict(f"session {session.id} was built from token ids: go on with its /generate")
         if not head.messages or head.extended_by(messages):
+            if reshaped(head.messages, messages):
+                metrics.SESSION_NORMALISED.labels("reasoning").inc()
             return head
         parent = max(reversed(session.segments), key=lambda s: shared_messages(s.messages, messages))
         session.segments.append(parent.fork(str(len(session.segments)), messages))

@@ -84,7 +84,12 @@ TOOL_PARSE_ERRORS = Counter(
     "farm_tool_parse_errors_total", "Tool calls a sampled turn opened that did not read (malformed)", ["format"]
 )
 SESSION_FORKS = Counter(
-    "farm_session_forks_total", "Segments forked because a turn rewrote the session's history", ["by"]
+    "farm_session_forks_total", "Segments forked because a turn rewrote the session's history", ["reason"]
+)
+SESSION_NORMALISED = Counter(
+    "farm_session_normalised_appends_total",
+    "Turns appended to a history the client sent back in another form than stored (the same turns once normalised)",
+    ["rule"],
 )
 TOKEN_MISMATCH = Counter(
     "farm_session_token_refusals_total",
@@ -104,6 +109,7 @@ KNOWN_LABELS = {
     FILTER_GROUPS: ("kept", "zero_variance", "surplus", "cancelled"),
     SESSION_TURNS: ("chat", "generate"),
     SESSION_FORKS: ("messages", "offset"),
+    SESSION_NORMALISED: ("reasoning",),
     TOKEN_MISMATCH: ("template", "retry_conflict", "token_session"),
     EPISODES: ("done", "max_turns", "max_tokens", "context_overflow", "env_error"),
     ENV_TIMEOUTS: ("reset", "step"),

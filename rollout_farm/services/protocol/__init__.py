@@ -18,6 +18,7 @@ so that users of SGLang recognise them, and OpenAI's on the OpenAI-compatible en
 | `control.py` | health, readiness, and the control of every replica |
 | `openai.py` | the OpenAI-compatible requests; a field the farm cannot honour is a 422 naming it |
 | `sglang_native.py` | SGLang 0.5.14's native requests (`/generate`, weight and control routes), SGLang's names |
+| `vllm_tokens.py` | vLLM's token route request (`/inference/v1/generate`), vLLM's names |
 | `tinker.py` | Tinker's sampling requests and answers (the tinker SDK 0.38.0), Tinker's names; unserved fields a 422 |
 """
 

@@ -194,9 +194,17 @@ class SessionMessage(RequestModel):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant turn's calls, as the farm gave them.")
     tool_call_id: Text | None = Field(None, description="The call a tool message answers.")
+    reasoning_content: Text | None = Field(
+        None,
+        description="An assistant turn's reasoning, as clients of reasoning models send it apart from the content. "
+        "The session's tokens keep the reasoning the model sampled: left out, or repeated here or as the content's "
+        "<think> block, the turn is the same one; changed, it rewrites the history (a fork).",
+    )
 
     @model_validator(mode="after")
     def calls_numbered_in_order(self) -> SessionMessage:
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise beyond_schema(f"reasoning_content on a {self.role} message: only an assistant turn has reasoning")
         for i, call in enumerate(self.tool_calls or []):
             if call.index not in (None, i):
                 raise beyond_schema(f"tool_calls.{i}.index is {call.index}: a call's index is its position ({i})")
@@ -216,6 +224,8 @@ class SessionMessage(RequestModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
