@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rollout_farm.services.protocol.common import (
     MAX_N,
@@ -72,3 +72,10 @@ class GenerateTokensRequest(RequestModel):
         "session's KV cache is its own), so every request is isolated already.",
     )
     priority: Literal[0] = Field(0, description="Only 0: the farm schedules by tenant fair share, not priority.")
+
+    @field_validator("token_ids")
+    @classmethod
+    def some_tokens(cls, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("an empty prompt: give at least one token id")
+        return ids
