@@ -59,6 +59,7 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/chat/completions"): (ADAPTER,),
     ("POST", "/generate"): (ADAPTER,),
     ("PUT", "/generate"): (ADAPTER,),
+    ("POST", "/inference/v1/generate"): (ADAPTER,),
     ("GET", "/v1/sessions"): (ADMIN_ONLY,),
     ("DELETE", "/v1/sessions/{session_id}"): (ADMIN_ONLY,),
     ("POST", "/v1/sessions"): (ADAPTER,),
@@ -213,6 +214,8 @@ def test_another_tenants_adapter_is_unknown_on_every_route(http, tenants, folder
     generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "lora_path": "iso-a-lora@v1"}
     refused(as_(b, ("POST", "/generate"), json=generate), digest)
     refused(as_(b, ("PUT", "/generate"), json=generate), digest)
+    tokens_in = {"model": "iso-a-lora@v1", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    refused(as_(b, ("POST", "/inference/v1/generate"), json=tokens_in), digest)
     refused(as_(b, ("POST", "/v1/sessions"), json={"sampling_params": short, "adapter": ref}), digest)
     episode = {"env": {"name": "calculator"}, "prompts": [{"text": "1"}], "n": 1, "sampling_params": short}
     refused(as_(b, ("POST", "/v1/episodes"), json={**episode, "adapter": ref}), digest)
