@@ -69,6 +69,7 @@ def test_names_addresses_and_wildcards():
     assert allowed.allows("envs.internal", "10.9.9.9", 8000) and not allowed.allows("envs.internal", "10.9.9.9", 8001)
     assert allowed.allows("anything", "10.0.3.7", 1234)  # an address pattern: what the name resolved to
     assert allowed.allows("other", "192.0.2.1", 9000) and allowed.allows("x", "::1", 7000)
+    assert not allowed.allows("x", "fe80::1%eth0", 7000)  # a scoped link-local address (getaddrinfo's form) reads
     assert not allowed.allows("localhost", "127.0.0.1", 8265)  # loopback is not special: the Ray dashboard
     assert AllowedHosts(["*"]).allows("any", "169.254.169.254", 80) and not AllowedHosts([]).allows("a", "1.1.1.1", 80)
 

@@ -57,7 +57,7 @@ class AllowedHosts:
         """Whether a pattern allows the URL's `host` (as written) resolved to `ip`, on `port`."""
         if self.everything:
             return True
-        ip = str(ipaddress.ip_address(ip))
+        ip = str(ipaddress.ip_address(ip.split("%", 1)[0]))  # a link-local IPv6 address comes with its %scope
         for rule_host, rule_port in self.rules:
             if rule_port != "*" and int(rule_port) != port:
                 continue
