@@ -17,7 +17,7 @@ import pytest
 from rollout_farm.services.chat import delta as chat_delta
 from rollout_farm.services.chat.template import for_template
 from rollout_farm.services.chat.tool_formats import Hermes
-from rollout_farm.services.episodes.segments import Segment, shared_messages
+from rollout_farm.services.episodes.segments import Segment, reshaped, shared_messages
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -181,5 +181,7 @@ def test_a_harness_that_strips_the_reasoning_from_its_history_appends_one_that_e
         m["content"] += " Really."
 
     assert seg.extended_by(rewritten(strip)) and seg.extended_by(rewritten(moved))
+    assistants = sum(m["role"] == "assistant" for m in stored)
+    assert reshaped(stored, rewritten(strip)) == assistants and reshaped(stored, rewritten(lambda m: None)) == 0
     assert not seg.extended_by(rewritten(edited_reasoning)) and not seg.extended_by(rewritten(edited_answer))
     assert shared_messages(stored, rewritten(edited_answer)) == 2  # forks after the first user message

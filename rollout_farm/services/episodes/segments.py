@@ -70,7 +70,7 @@ def reshaped(stored: list[dict], given: list[dict]) -> int:
     """How many of the leading messages both share the client sent in another form than stored (reasoning left out
     or moved to `reasoning_content`): appends that needed a normalisation."""
     n = shared_messages(stored, given)
-    return sum(1 for s, g in zip(stored[:n], given[:n]) if s.get("content") != g.get("content"))
+    return sum(1 for s, g in zip(stored[:n], given[:n]) if (s.get("content") or "") != (g.get("content") or ""))
 
 
 def shared_messages(stored: list[dict], given: list[dict]) -> int:
