@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from common import DATA, TOKEN, log, resolve, start_service, stop_service, table, wait_quiet, write_json
+from common import DATA, TOKEN, add_front_args, log, resolve, start_service, stop_service, table, wait_quiet, write_json
 
 ARMS = ("raw", "full", "bucketed", "delta", "bytes", "path")
 
@@ -56,18 +56,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=0, help="farm train steps per mode for the step-time share")
     ap.add_argument("--train-modes", default="full,bucketed,delta")
     ap.add_argument("--train-args", default="", help="more farm train overrides, space-separated")
-    ap.add_argument(
-        "--http-proxy",
-        default="serve",
-        choices=["serve", "haproxy"],
-        help="the service's FARM_HTTP_PROXY; results under the model's name, with '@haproxy' for haproxy",
-    )
-    ap.add_argument(
-        "--front",
-        default="split",
-        choices=["split", "fused"],
-        help="the service's FARM_FRONT; '@fused' joins the key for fused",
-    )
+    add_front_args(ap)
     args = ap.parse_args()
 
     import torch
@@ -194,6 +183,7 @@ def report(args, path, n_tensors: int, nbytes: int, arms, times, sent, ratios, t
         "train": train,
     }
     merged = json.loads((DATA / "weight_sync.json").read_text()) if (DATA / "weight_sync.json").exists() else {}
+    # results under the model's name, '@haproxy' and '@fused' joined for a front other than the split one's defaults
     key = args.model + ("" if args.http_proxy == "serve" else f"@{args.http_proxy}")
     key += "" if args.front == "split" else f"@{args.front}"
     write_json("weight_sync", {"models": {**merged.get("models", {}), key: result}})
