@@ -92,6 +92,12 @@ def test_an_anthropic_history_becomes_chat_messages():
         ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9"}]}], {}, "messages.0.content.0"),
         ([{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "c", "input": {}}]}], {}, "messages.0"),
         ([{"role": "user", "content": "x"}], {"tool_choice": {"type": "any"}}, "tool_choice.type"),
+        (
+            [{"role": "user", "content": "x"}],
+            {"tools": [{"name": "f", "input_schema": {"type": 7}}]},
+            "tools.0.input_schema",
+        ),
+        ([{"role": "user", "content": "x"}], {"tools": [{"name": "f g", "input_schema": {}}]}, "tools.0.name"),
         ([{"role": "user", "content": "x"}], {"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ],
 )
@@ -119,7 +125,11 @@ def test_an_answer_becomes_an_anthropic_message_and_its_stream_assembles_to_it()
         {"type": "text", "text": "ok"},
         {"type": "tool_use", "id": "call_0_0", "name": "calc", "input": {"x": "1+1"}},
     ]
-    assert (msg["stop_reason"], msg["usage"], msg["farm"]["token_ids"]) == ("tool_use", {"input_tokens": 10, "output_tokens": 3}, [1, 2, 3])
+    assert (msg["stop_reason"], msg["usage"], msg["farm"]["token_ids"]) == (
+        "tool_use",
+        {"input_tokens": 10, "output_tokens": 3},
+        [1, 2, 3],
+    )
     snapshot = None
     for event in anthropic_stream.stream_events(msg):
         snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs={})
@@ -219,3 +229,12 @@ def test_an_answer_becomes_a_response_and_its_stream_assembles_to_it():
     assert json.loads(final.to_json(exclude_none=True))["output"] == resp["output"]
     cut = cr.response(answer("par", finish="length"), req)
     assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+
+
+def test_free_form_json_is_checked_at_any_depth():
+    """A NaN or a lone surrogate deep in a tool's schema is a 422 naming the field, as it is in a declared field (the
+    answer may echo it, and no JSON holds them)."""
+    for bad in (float("nan"), "\ud800"):
+        with pytest.raises(ValueError, match="input_schema"):
+            A.Tool(name="f", input_schema={"type": "object", "properties": {"x": {"default": [bad]}}})
+    A.Tool(name="f", input_schema={"type": "object", "properties": {"x": {"default": [1.5, "ok"]}}})

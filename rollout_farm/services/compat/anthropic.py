@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from rollout_farm.services.chat.template import for_template, prompt_ids, render
-from rollout_farm.services.episodes.chat_turns import invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import door_tools, invalid, renamed, thinking_and_text
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import anthropic as A
 from rollout_farm.services.protocol import common as C
@@ -34,7 +34,7 @@ def chat_request(req: A.MessagesRequest) -> S.SessionChatRequest:
     return S.SessionChatRequest(
         model=req.model,
         messages=[S.SessionMessage(**m) for m in chat_messages(req)],
-        tools=function_tools(req.tools),
+        tools=door_tools(function_tools(req.tools), "input_schema"),
         tool_choice=tool_choice(req),
         max_tokens=req.max_tokens,
         temperature=req.temperature,

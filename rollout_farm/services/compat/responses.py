@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from rollout_farm.services.episodes.chat_turns import invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import door_tools, invalid, renamed, thinking_and_text
 from rollout_farm.services.episodes.session_store import Session
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import responses as R
@@ -51,7 +51,7 @@ def chat_request(req: R.ResponsesRequest, history: list[dict]) -> S.SessionChatR
     return S.SessionChatRequest(
         model=req.model,
         messages=[S.SessionMessage(**m) for m in chat_messages(req, history)],
-        tools=function_tools(req.tools),
+        tools=door_tools(function_tools(req.tools), "parameters"),
         tool_choice=tool_choice(req),
         max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
@@ -192,7 +192,7 @@ def response(out: dict, req: R.ResponsesRequest) -> dict:
         "max_output_tokens": req.max_output_tokens,
         "previous_response_id": req.previous_response_id,
         "store": True,
-        "metadata": req.metadata or {},
+        "metadata": {},
         "usage": {
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

@@ -5,6 +5,7 @@ the farm's token view of it under `farm` (segment, turn, ids, weight versions, m
 
 from __future__ import annotations
 
+import re
 import time
 
 from pydantic import ValidationError
@@ -165,3 +166,18 @@ def thinking_and_text(content: str | None) -> tuple[str, str]:
     if content.lstrip().startswith(THINK) and THINK_END in content:
         return reasoning_split({"content": content})
     return "", content
+
+
+def door_tools(tools: list[dict] | None, schema: str) -> list[dict] | None:
+    """A front door's tools as OpenAI function tools, each problem a 422 named as that door names its fields
+    (`tools.N.name`, `tools.N.<schema>`: input_schema for Anthropic, parameters for Responses)."""
+    keys = {"name": "name", "parameters": schema}
+    if problems := tool_problems(tools or []):
+        field = re.compile(r"^tools\[(\d+)\](?:\.function\.(\w+))?")
+        raise Invalid(
+            [
+                {**p, "field": field.sub(lambda m: f"tools.{m[1]}" + (f".{keys[m[2]]}" if m[2] else ""), p["field"])}
+                for p in problems
+            ]
+        )
+    return tools

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rollout_farm.services.protocol.common import (
     MAX_NEW_TOKENS,
@@ -23,7 +23,10 @@ from rollout_farm.services.protocol.common import (
     RequestModel,
     Text,
     optional_temperature,
+    wire_safe_tree,
 )
+
+JSONObject = Annotated[dict[str, Any], AfterValidator(wire_safe_tree)]
 
 
 class CacheControl(RequestModel):
@@ -53,7 +56,7 @@ class ToolUseBlock(RequestModel):
     type: Literal["tool_use"]
     id: Text
     name: Text
-    input: dict[str, Any] = Field(..., description="The call's arguments.")
+    input: JSONObject = Field(..., description="The call's arguments.")
     cache_control: CacheControl | None = CACHE
 
 
@@ -83,7 +86,7 @@ class Tool(RequestModel):
     type: Literal["custom"] | None = None
     name: NonEmptyText
     description: Text | None = None
-    input_schema: dict[str, Any] = Field(..., description="JSON Schema of the tool's input.")
+    input_schema: JSONObject = Field(..., description="JSON Schema of the tool's input.")
     cache_control: CacheControl | None = CACHE
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import AfterValidator, Discriminator, Field, Tag
 
 from rollout_farm.services.protocol.common import (
     MAX_NEW_TOKENS,
@@ -21,6 +21,7 @@ from rollout_farm.services.protocol.common import (
     RequestModel,
     Text,
     optional_temperature,
+    wire_safe_tree,
 )
 
 STATUS = Literal["in_progress", "completed", "incomplete"]
@@ -108,7 +109,9 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: NonEmptyText
     description: Text | None = None
-    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments.")
+    parameters: Annotated[dict[str, Any], AfterValidator(wire_safe_tree)] | None = Field(
+        None, description="JSON Schema of the arguments."
+    )
     strict: Literal[False] | None = Field(
         None, description="true is refused: the farm does not constrain a call's arguments to the schema."
     )
@@ -156,5 +159,4 @@ class ResponsesRequest(RequestModel):
         "each output item (added, its text or arguments as one delta, done), and response.completed.",
     )
     text: TextConfig | None = None
-    metadata: dict[str, Text] | None = Field(None, description="Returned as given; no effect on the output.")
     user: Text | None = None
