@@ -55,6 +55,7 @@ CHEAP = {
     "max_new_tokens": (4, P.MAX_NEW_TOKENS),
     "max_tokens": (4, P.MAX_NEW_TOKENS),
     "max_completion_tokens": (4, P.MAX_NEW_TOKENS),
+    "max_output_tokens": (4, P.MAX_NEW_TOKENS),
     "target_groups": (1, 4096),
     "min_weight_version": (0, P.INT64_MAX),  # a version nobody pushes waits FARM_MIN_VERSION_WAIT_S for it
     "wait_s": (0.1, 600),

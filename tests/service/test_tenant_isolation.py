@@ -66,6 +66,10 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/sessions/{session_id}"): (SESSION, EPISODE),
     ("POST", "/v1/sessions/{session_id}/generate"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/chat/completions"): (SESSION,),
+    ("POST", "/v1/sessions/{session_id}/anthropic/v1/messages"): (SESSION,),
+    ("POST", "/v1/sessions/{session_id}/anthropic/v1/messages/count_tokens"): (SESSION,),
+    ("POST", "/v1/sessions/{session_id}/v1/responses"): (SESSION,),
+    ("POST", "/v1/sessions/{session_id}/responses"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/reward"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/close"): (SESSION,),
     ("GET", "/v1/sessions/{session_id}/trajectory"): (SESSION, EPISODE),
@@ -246,6 +250,12 @@ def test_another_tenants_session_is_unknown_on_every_route(http, tenants):
         refused(as_(who, "POST", "/v1/sessions/{session_id}/generate", {"append_token_ids": [1]}), secret)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         refused(as_(who, "POST", "/v1/sessions/{session_id}/chat/completions", chat), secret)
+        said = {"model": "m", "max_tokens": 2, "messages": chat["messages"]}
+        refused(as_(who, "POST", "/v1/sessions/{session_id}/anthropic/v1/messages", said), secret)
+        counted = {"model": "m", "messages": chat["messages"]}
+        refused(as_(who, "POST", "/v1/sessions/{session_id}/anthropic/v1/messages/count_tokens", counted), secret)
+        for door in ("/v1/sessions/{session_id}/v1/responses", "/v1/sessions/{session_id}/responses"):
+            refused(as_(who, "POST", door, {"input": "hi", "max_output_tokens": 2}), secret)
         refused(as_(who, "POST", "/v1/sessions/{session_id}/reward", {"reward": 1.0}), secret)
         refused(as_(who, "POST", "/v1/sessions/{session_id}/close"), secret)
         refused(as_(who, "GET", "/v1/sessions/{session_id}/trajectory"), secret)

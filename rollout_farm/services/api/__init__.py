@@ -23,6 +23,8 @@ is on. Errors map to statuses in errors.py.
 | `control.py` | pause, resume, abort; `/healthz`, `/readyz`, `/metrics` |
 | `openai.py` | `/v1/models`, `/v1/completions`, `/v1/chat/completions` |
 | `sglang_native.py` | SGLang's native routes: `/generate`, model and server reads, health, weight and control routes |
+| `anthropic.py` | a session's Anthropic Messages door: `anthropic/v1/messages` and its `count_tokens` |
+| `responses.py` | a session's OpenAI Responses door: `v1/responses` (and `responses`) |
 | `vllm_tokens.py` | vLLM's token route, `POST /inference/v1/generate` (token ids in, ids and logprobs out) |
 | `tinker.py` | Tinker's sampling API under `/api/v1` for the `tinker` SDK (X-API-Key); training calls a 404 saying so |
 """
@@ -38,11 +40,13 @@ from pydantic.json_schema import models_json_schema
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api import (
     adapters,
+    anthropic,
     control,
     episodes,
     errors,
     openai,
     queue,
+    responses,
     rollouts,
     samplers,
     sessions,
@@ -85,6 +89,8 @@ GENERATION = (
     sglang_native.generation,
     vllm_tokens.router,
     sessions.router,
+    anthropic.router,
+    responses.router,
     episodes.router,
 )
 NEED_TOKEN = (

@@ -113,7 +113,8 @@ class OpenAICompat:
         top_k = req.top_logprobs or 0
         scored = await self.scored(groups, top_k, False, rollout.adapter) if req.logprobs and top_k else None
         pieces = await self.pieces(groups) if req.logprobs and scored is None else None
-        return response("chat.completion", self.served_as(rollout.adapter), groups, req.stop, True, pieces, scored)
+        out = response("chat.completion", self.served_as(rollout.adapter), groups, req.stop, True, pieces, scored)
+        return with_token_ids(out, groups) if req.return_token_ids else out
 
     async def prompts(self, prompt, max_tokens: int) -> list[P.Prompt]:
         """OpenAI's four prompt shapes as rollout prompts; token ids checked against the vocabulary, and every
@@ -270,3 +271,10 @@ def response(
         "choices": picked,
         "usage": usage,
     }
+
+
+def with_token_ids(out: dict, groups: list[P.Group]) -> dict:
+    """A chat answer with vLLM's return_token_ids fields: the prompt's ids, and each choice's sampled ids."""
+    for choice, s in zip(out["choices"], (s for g in groups for s in g.samples)):
+        choice["token_ids"] = s.token_ids
+    return {"prompt_token_ids": groups[0].prompt_token_ids, **out}

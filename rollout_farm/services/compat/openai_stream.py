@@ -1,7 +1,8 @@
 """OpenAI's streaming answer: server-sent events in its chunk format, ending with `data: [DONE]`.
 
 Each choice is sent whole, once its samples finish (the engines return whole samples): a chunk with the text (and
-logprobs; a session's turn also its tool_calls and the farm's token ids), then a chunk with its finish_reason.
+logprobs; a session's turn also its tool_calls and the farm's token ids; with return_token_ids the sampled ids, and
+the prompt's on the first chunk), then a chunk with its finish_reason.
 With stream_options.include_usage, every chunk carries `"usage": null` and one last chunk has no choices and the
 usage block.
 """
@@ -33,7 +34,11 @@ def chunks(answer: dict, include_usage: bool) -> list[dict]:
         else:
             body = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
             end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        if "token_ids" in c:  # return_token_ids (vLLM's extension): the sampled ids on the content chunk
+            body["token_ids"] = c["token_ids"]
         farm = {"farm": answer["farm"]} if "farm" in answer else {}  # a session's token ids, on the content chunk
+        if not out and "prompt_token_ids" in answer:  # and the prompt's on the first chunk
+            farm["prompt_token_ids"] = answer["prompt_token_ids"]
         out += [{**head, "choices": [body], **extra, **farm}, {**head, "choices": [end], **extra}]
     if include_usage:
         out.append({**head, "choices": [], "usage": answer["usage"]})

@@ -5,6 +5,7 @@ the farm's token view of it under `farm` (segment, turn, ids, weight versions, m
 
 from __future__ import annotations
 
+import re
 import time
 
 from pydantic import ValidationError
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import ParsedTurn, ToolFormat
 from rollout_farm.services.chat.tool_schemas import tool_problems
-from rollout_farm.services.episodes.segments import Segment
+from rollout_farm.services.episodes.segments import THINK, THINK_END, Segment, reasoning_split
 from rollout_farm.services.episodes.session_store import Session
 from rollout_farm.services.errors import Invalid, pydantic_fields
 from rollout_farm.services.protocol import sessions as S
@@ -40,7 +41,7 @@ def turn_params(session_params: dict, req: S.SessionChatRequest) -> P.SamplingPa
     merged = dict(session_params)
     if max_tokens := req.max_completion_tokens or req.max_tokens:
         merged["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(req, name) is not None:
             merged[name] = getattr(req, name)
     if req.stop is not None:
@@ -111,8 +112,11 @@ def assistant_message(parsed: ParsedTurn) -> dict:
     return message
 
 
-def completion(session: Session, head: Segment, index: int, model: str, pieces: list[str] | None) -> dict:
-    """Turn `index` of a segment as an OpenAI chat completion (a retry gets the same turn again)."""
+def completion(
+    session: Session, head: Segment, index: int, model: str, pieces: list[str] | None, token_ids: bool = False
+) -> dict:
+    """Turn `index` of a segment as an OpenAI chat completion (a retry gets the same turn again); with `token_ids`,
+    vLLM's `prompt_token_ids` and `choices[0].token_ids` too (return_token_ids)."""
     turn = head.turns[index]
     message = head.messages[turn.prompt_messages]
     ids = head.token_ids[turn.start : turn.end]
@@ -129,7 +133,10 @@ def completion(session: Session, head: Segment, index: int, model: str, pieces: 
                 {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, lps)
             ]
         }
+    if token_ids:
+        choice["token_ids"] = ids
     return {
+        **({"prompt_token_ids": head.token_ids[: turn.start]} if token_ids else {}),
         "id": f"chatcmpl-{session.id}-{head.id}-{index}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -150,3 +157,27 @@ def completion(session: Session, head: Segment, index: int, model: str, pieces: 
 
 def pick(message: dict, key: str) -> dict:
     return {key: message[key]} if message.get(key) else {}
+
+
+def thinking_and_text(content: str | None) -> tuple[str, str]:
+    """An answer's (reasoning, text): a leading <think> block apart (the other front doors answer it as their
+    reasoning), else no reasoning and the text as sampled."""
+    content = content or ""
+    if content.lstrip().startswith(THINK) and THINK_END in content:
+        return reasoning_split({"content": content})
+    return "", content
+
+
+def door_tools(tools: list[dict] | None, schema: str) -> list[dict] | None:
+    """A front door's tools as OpenAI function tools, each problem a 422 named as that door names its fields
+    (`tools.N.name`, `tools.N.<schema>`: input_schema for Anthropic, parameters for Responses)."""
+    keys = {"name": "name", "parameters": schema}
+    if problems := tool_problems(tools or []):
+        field = re.compile(r"^tools\[(\d+)\](?:\.function\.(\w+))?")
+        raise Invalid(
+            [
+                {**p, "field": field.sub(lambda m: f"tools.{m[1]}" + (f".{keys[m[2]]}" if m[2] else ""), p["field"])}
+                for p in problems
+            ]
+        )
+    return tools

@@ -96,7 +96,7 @@ class Sessions:
             fmt = TOOL_FORMATS.get(session.tool_format)()
             for segment in session.segments:
                 if not segment.from_token_ids and (turn := segment.answered(messages)) is not None:  # a retry
-                    return await self.completion(session, segment, segment.turns.index(turn), req.logprobs)
+                    return await self.completion(session, segment, segment.turns.index(turn), req)
             head = self.chat_head(session, messages)
             new = messages[len(head.messages) :]
             if not new or new[-1]["role"] == "assistant":
@@ -124,7 +124,7 @@ class Sessions:
             metrics.TOOL_CALLS.labels(fmt.name).inc(len(parsed.calls))
             metrics.TOOL_PARSE_ERRORS.labels(fmt.name).inc(len(parsed.malformed))
             await self.store.save(session)
-            return await self.completion(session, head, len(head.turns) - 1, req.logprobs)
+            return await self.completion(session, head, len(head.turns) - 1, req)
 
     def chat_head(self, session: Session, messages: list[dict]) -> Segment:
         """The segment a chat history goes on in: the head when it extends it, else a fork of the segment sharing
@@ -143,12 +143,12 @@ class Sessions:
         metrics.SESSION_FORKS.labels("messages").inc()
         return session.head
 
-    async def completion(self, session: Session, segment: Segment, index: int, logprobs: bool) -> dict:
+    async def completion(self, session: Session, segment: Segment, index: int, req: S.SessionChatRequest) -> dict:
         turn = segment.turns[index]
         pieces = None
-        if logprobs:
+        if req.logprobs:
             pieces = (await self.renderer.token_pieces([segment.token_ids[turn.start : turn.end]]))[0]
-        return chat_turns.completion(session, segment, index, self.model, pieces)
+        return chat_turns.completion(session, segment, index, self.model, pieces, bool(req.return_token_ids))
 
     async def load(self, session_id: str, who: Principal = ADMIN) -> Session:
         """The session, when `who` may use it: another tenant's is unknown to it (404, as for no such session)."""

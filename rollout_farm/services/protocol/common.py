@@ -84,6 +84,21 @@ class RequestModel(BaseModel):
         return v
 
 
+def wire_safe_tree(value):
+    """A free-form JSON value (a tool's schema or input) whose strings and floats pass the same checks as a request's
+    fields, at any depth: a 422 naming the field, since the answer may echo it (no JSON has NaN, no UTF-8 a lone
+    surrogate)."""
+    for x in value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]:
+        if isinstance(x, (dict, list)):
+            wire_safe_tree(x)
+        elif problem := _wire_problem(x):
+            raise beyond_schema(problem)
+    for key in value if isinstance(value, dict) else []:
+        if problem := _wire_problem(key):
+            raise beyond_schema(problem)
+    return value
+
+
 def _temperature(v: float) -> float:
     if 0 < v < MIN_TEMPERATURE:
         raise ValueError(

@@ -116,3 +116,9 @@ class ChatCompletionRequest(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM's extension: the answer carries `prompt_token_ids` (the rendered prompt's ids) and each "
+        "choice's `token_ids` (its sampled ids, the stop token included); streamed, on each choice's content chunk "
+        "and the prompt's on the first chunk.",
+    )

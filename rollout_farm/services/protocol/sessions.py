@@ -254,6 +254,9 @@ class SessionChatRequest(RequestModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: optional_temperature(2.0) | None = Field(None, description="Default: the session's.")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="Default: the session's.")
+    top_k: Int64 | None = Field(
+        None, ge=-1, description="vLLM's extension: keep the k most likely tokens (-1: all). Default: the session's."
+    )
     n: Literal[1] = Field(1, description="A session samples one turn at a time.")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
     seed: Int64 | None = Field(None, ge=0)
@@ -270,3 +273,8 @@ class SessionChatRequest(RequestModel):
         "writing a second call).",
     )
     user: Text | None = None
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM's extension: the answer carries `prompt_token_ids` (the segment's tokens before the turn) "
+        "and `choices[0].token_ids` (the sampled ids); streamed, the first chunk carries both.",
+    )
