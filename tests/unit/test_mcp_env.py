@@ -80,24 +80,26 @@ async def test_an_http_servers_tools_are_shown_and_called(mcp_url):
     assert [t["function"]["name"] for t in env.tools] == ["add", "lookup", "shout", "wait", "crash"]
 
 
-async def test_the_answer_ends_the_episode_scored_by_the_reward_function():
-    env = mcp_env(server="tools", reward="gsm8k")
+async def test_the_answer_ends_the_episode_scored_by_the_reward_function(mcp_url):
+    use_allowed_hosts(AllowedHosts([mcp_url.split("/")[2]]))
+    env = mcp_env(url=mcp_url, reward="gsm8k")
     try:
         await env.reset(P.Prompt(text="2+3?", ground_truth="5"))
         right, wrong = await env.step(turn(text="#### 5")), await env.step(turn(text="#### 6"))
         assert (right.done, right.reward, wrong.reward) == (True, 1.0, 0.0)
     finally:
         await env.close()
-    unscored = mcp_env(server="tools")
+    unscored = mcp_env(url=mcp_url)
     assert (await unscored.step(turn(text="#### 5"))).reward == 0.0  # no reward function: 0
 
 
-async def test_a_call_the_runner_cancels_is_forgotten_and_the_session_goes_on():
-    env = mcp_env(server="tools")
+async def test_a_call_the_runner_cancels_is_forgotten_and_the_session_goes_on(mcp_url):
+    use_allowed_hosts(AllowedHosts([mcp_url.split("/")[2]]))
+    env = mcp_env(url=mcp_url)
     try:
         await env.reset(P.Prompt(text="x"))
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(env.step(turn(ToolCall("w", "wait", '{"seconds": 2}'))), 0.2)
+            await asyncio.wait_for(env.step(turn(ToolCall("w", "wait", '{"seconds": 1}'))), 0.2)
         step = await env.step(turn(ToolCall("a", "add", '{"a": 1, "b": 1}')))
         assert step.observation == [{"role": "tool", "tool_call_id": "a", "content": "2"}]
     finally:
@@ -107,8 +109,8 @@ async def test_a_call_the_runner_cancels_is_forgotten_and_the_session_goes_on():
 @pytest.mark.parametrize(
     "server, error",
     [
-        ("broken", "mcp server 'broken' (stdio): initialize: the session ended: MCPError -32000: Connection closed"),
-        ("missing", "mcp server 'missing' (stdio): initialize: the session ended: FileNotFoundError"),
+        ("broken", "mcp server 'broken' (stdio): initialize: MCPError -32000: Connection closed"),
+        ("missing", "mcp server 'missing' (stdio): initialize: FileNotFoundError"),
     ],
 )
 async def test_a_server_that_does_not_start_fails_the_reset_naming_it(server, error):

@@ -133,7 +133,7 @@ class McpConnection:
             raise
         if task not in done:
             task.cancel()
-            raise McpFailed(f"{self.where}: {what}: the session ended: {ending(self.holder)}")
+            raise McpFailed(f"{self.where}: {what}: {ending(self.holder)}")
         try:
             return task.result()
         except Exception as e:
@@ -158,9 +158,10 @@ def described(e: BaseException) -> str:
 
 
 def ending(holder: asyncio.Task) -> str:
+    """Why the session ended: the error that ended it (the server not starting, a transport's failure)."""
     if holder.cancelled():
-        return "cancelled"
-    return described(holder.exception()) if holder.exception() else "closed by the server"
+        return "the session was cancelled"
+    return described(holder.exception()) if holder.exception() else "the session ended"
 
 
 @asynccontextmanager
