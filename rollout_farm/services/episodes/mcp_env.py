@@ -120,7 +120,8 @@ class McpConnection:
     async def hold(self, opened: asyncio.Future) -> None:
         async with self.transport() as (read, write), ClientSession(read, write) as session:
             await session.initialize()
-            opened.set_result(session)
+            if not opened.done():  # else the reset gave up waiting (the runner's timeout), and close comes next
+                opened.set_result(session)
             await self.closing.wait()
 
     async def request(self, what: str, pending: Awaitable[T]) -> T:
