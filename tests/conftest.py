@@ -82,17 +82,20 @@ def service(service_settings):
 @pytest.fixture(scope="session")
 def env_ports() -> dict[str, int]:
     """The ports the bench app lets remote environments reach (FARM_ENV_ALLOWED_HOSTS on 127.0.0.1): `openenv`, where
-    tests/service/test_openenv_env.py starts its server, and `down`, where nothing listens."""
+    tests/service/test_openenv_env.py starts its server, `mcp`, where tests/service/test_mcp_env.py starts its MCP
+    server, and `down`, where nothing listens."""
     from rollout_farm.services.net import free_port
 
-    return {"openenv": free_port(), "down": free_port()}
+    return {"openenv": free_port(), "mcp": free_port(), "down": free_port()}
 
 
 @pytest.fixture(scope="session")
 def bench_service(service, env_ports, tmp_path_factory):
     """A second app in the same Serve instance, under /bench: one replica of a user engine loaded by dotted path
     (tests.farm_plugins:EchoEngine, the fixed-latency bench engine underneath), which needs no model; the split front
-    with two ingress replicas."""
+    with two ingress replicas; two stdio MCP servers (tests/mcp_server.py, and one that exits at once)."""
+    import sys
+
     from rollout_farm.services.config.settings import ServiceSettings
     from rollout_farm.services.serving import server
 
@@ -108,6 +111,10 @@ def bench_service(service, env_ports, tmp_path_factory):
         engine_num_cpus=0,
         plugins=["tests.farm_plugins"],
         env_allowed_hosts=[f"127.0.0.1:{port}" for port in env_ports.values()],
+        mcp_servers={
+            "tools": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_server.py")]},
+            "broken": {"command": sys.executable, "args": ["-c", "raise SystemExit(3)"]},
+        },
         log_level="WARNING",
         state_dir=str(tmp_path_factory.mktemp("bench-state")),
     )

@@ -265,6 +265,14 @@ def test_autoscaling():
     )
     assert json.loads(listed["FARM_ENV_ALLOWED_HOSTS"]) == ["envs.ns.svc:8000"]
     assert "allowedHosts" in render_error(merged(BASE, {"environments": {"allowedHosts": ["no-port"]}}))
+    # stdio MCP servers: none unless configured (FARM_MCP_SERVERS), a map as JSON that the service's settings read
+    assert json.loads(serve_env(rayservice("default"))["FARM_MCP_SERVERS"]) == {}
+    files = {"files": {"command": "mcp-server-filesystem", "args": ["/data"], "env": {"LOG": "0"}}}
+    configured = serve_env(one(render(merged(BASE, {"environments": {"mcpServers": files}})), "RayService"))
+    assert json.loads(configured["FARM_MCP_SERVERS"]) == files
+    assert ServiceSettings(api_token="t" * 12, mcp_servers=json.loads(configured["FARM_MCP_SERVERS"])).mcp_servers
+    for bad in ({"files": {"args": []}}, {"two words": {"command": "x"}}, {"files": {"command": "x", "shell": True}}):
+        assert "mcpServers" in render_error(merged(BASE, {"environments": {"mcpServers": bad}}))
 
 
 def test_every_farm_variable_is_a_setting():
@@ -275,7 +283,7 @@ def test_every_farm_variable_is_a_setting():
     settings_schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]
     own_values = {"model", "api_token", "replicas", "max_replicas", "target_ongoing_requests", "engine", "device"}
     own_values |= {"require_token_for_generation", "dtype", "ingress_replicas", "log_level", "http_proxy", "front"}
-    own_values |= {"env_allowed_hosts"}
+    own_values |= {"env_allowed_hosts", "mcp_servers"}
     managed = {"redis_url", "weights_dir", "uploads_dir", "app_name", "sglang_tp_size"}
     assert set(settings_schema["properties"]) <= fields - own_values - managed
 

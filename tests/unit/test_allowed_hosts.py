@@ -2,19 +2,28 @@
 
 Real sockets on loopback: a listener on 127.0.0.2 that the list does not allow counts every connection made to it, and
 must count none: named by its address, by another spelling of it (`127.2`, `2130706434`: the resolver's forms, as a
-hostname that resolves there), and behind a redirect from an allowed server (HTTP and WebSocket). The allowed server
-itself answers.
+hostname that resolves there), and behind a redirect from an allowed server (HTTP and WebSocket; openenv's and an
+MCP server's over streamable HTTP). The allowed server itself answers.
 """
 
 import asyncio
 import json
 from http import HTTPStatus
 
+import httpx2
 import pytest
 
+from rollout_farm.services import protocol as P
 from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.episodes import allowed_hosts
-from rollout_farm.services.episodes.allowed_hosts import AllowedHosts, NotAllowed, use_allowed_hosts
+from rollout_farm.services.episodes.allowed_hosts import (
+    Address,
+    AllowedHosts,
+    NotAllowed,
+    PinnedTransport,
+    use_allowed_hosts,
+)
+from rollout_farm.services.episodes.mcp_env import McpEnvironment, McpFailed, McpParams
 from rollout_farm.services.episodes.openenv_remote import OpenEnvParams, OpenEnvRemote, RemoteError
 from rollout_farm.services.net import free_port
 
@@ -26,6 +35,7 @@ class Listener:
 
     def __init__(self, host: str, answer):
         self.host, self.answer, self.connections, self.port = host, answer, 0, free_port(host)
+        self.heads: list[bytes] = []  # each request's line and headers
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self.serve, self.host, self.port)
@@ -38,6 +48,7 @@ class Listener:
     async def serve(self, reader, writer):
         self.connections += 1
         request = await reader.readuntil(b"\r\n\r\n")
+        self.heads.append(request)
         path = request.split(b" ", 2)[1].decode()
         status, headers, body = self.answer(path)
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
@@ -116,3 +127,38 @@ async def test_an_allowed_server_answers_and_outside_an_episode_nothing_is_allow
         use_allowed_hosts(AllowedHosts([f"127.0.0.1:{server.port}"]))
         assert await env.action_schema() == SCHEMA["action"]
         assert server.connections == 1
+
+
+async def test_an_mcp_server_not_listed_or_behind_a_redirect_is_never_connected_to():
+    """MCP over streamable HTTP obeys the same list: the `mcp` environment's URL is resolved and checked before any
+    connection, and the SDK's client, pinned to the checked address, follows no redirect to another origin."""
+    async with Listener("127.0.0.2", forbidden) as hidden:
+
+        def elsewhere(path):
+            return 307, {"Location": f"{hidden.url}/mcp"}, b""
+
+        async with Listener("127.0.0.1", elsewhere) as redirecting:
+            for url, allowed, error in [
+                (f"{hidden.url}/mcp", [f"127.0.0.1:{hidden.port}"], "is not in FARM_ENV_ALLOWED_HOSTS"),
+                (f"{redirecting.url}/mcp", [f"127.0.0.1:{redirecting.port}"], "initialize: MCPError -32600: Redirect"),
+            ]:
+                use_allowed_hosts(AllowedHosts(allowed))
+                env = McpEnvironment(McpParams(url=url))
+                with pytest.raises(McpFailed, match=error):
+                    await env.reset(P.Prompt(text="x"))
+                await env.close()
+            assert redirecting.connections == 1 and hidden.connections == 0
+
+
+async def test_the_mcp_client_goes_to_the_checked_address_with_the_name_as_host():
+    """PinnedTransport: a request for the URL's name goes to the address checked (not to a second resolution of the
+    name), its Host header the name; a request for any other origin is refused unsent."""
+    async with Listener("127.0.0.1", forbidden) as server:
+        url = f"http://mcp.invalid:{server.port}/mcp"  # .invalid never resolves: only the pin can reach the server
+        transport = PinnedTransport(url, Address("mcp.invalid", "127.0.0.1", server.port))
+        async with httpx2.AsyncClient(transport=transport) as http:
+            assert (await http.get(url)).json() == SCHEMA
+            for other in (f"http://127.0.0.1:{server.port}/mcp", f"https://mcp.invalid:{server.port}/mcp"):
+                with pytest.raises(NotAllowed, match="allows no redirect"):
+                    await http.get(other)
+        assert server.connections == 1 and f"Host: mcp.invalid:{server.port}".encode() in server.heads[0]

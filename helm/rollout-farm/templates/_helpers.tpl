@@ -224,6 +224,7 @@ which runs in that runtime_env, and the replicas inherit it.
   "FARM_FRONT" .Values.serve.front
   "FARM_HTTP_PROXY" .Values.serve.httpProxy
   "FARM_ENV_ALLOWED_HOSTS" (.Values.environments.allowedHosts | toJson)
+  "FARM_MCP_SERVERS" (.Values.environments.mcpServers | toJson)
   "FARM_WEIGHTS_DIR" (include "rollout-farm.weightsDir" .)
   "FARM_UPLOADS_DIR" (include "rollout-farm.uploadsDir" .)
   "FARM_CACHE" (include "rollout-farm.cacheDir" .)

@@ -88,7 +88,8 @@ class Ingress:
         # a session's chat turns are rendered here, with the replicas' tokenizer (chat/renderer.py)
         self.sessions = Sessions(self.rollouts.answer, self.openai.renderer, store, self.openai.model_name)
         allowed = AllowedHosts(settings.env_allowed_hosts)
-        self.episodes = Episodes(self.sessions, self.checks.context_length, settings.plugins, allowed)
+        episodes = (self.sessions, self.checks.context_length, settings.plugins, allowed, settings.mcp_servers)
+        self.episodes = Episodes(*episodes)
         self.queue = TrajectoryQueue(
             self.redis,
             prefix,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAKE_TOKEN = "export FARM_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -29,6 +29,23 @@ def pattern_problem(pattern: str) -> str | None:
     if found["port"] != "*" and not 0 < int(found["port"]) < 65536:
         return f"{pattern!r}: port {found['port']} is out of range"
     return None
+
+
+MCP_SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class McpServer(BaseModel):
+    """A stdio MCP server the deployment lets episodes start (FARM_MCP_SERVERS): a request names it, never a command."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    command: str = Field(..., min_length=1, description="The executable: a path, or a name on the service's PATH.")
+    args: list[str] = Field(default_factory=list, description="Its arguments.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Its environment variables, over the few the mcp SDK passes on (HOME, PATH, SHELL, TERM, USER, "
+        "LOGNAME): the service's own (its token, Redis) are not.",
+    )
+    cwd: str | None = Field(None, description="Its working folder; None: the service's.")
 
 
 class ServiceSettings(BaseSettings):
@@ -204,6 +221,14 @@ class ServiceSettings(BaseSettings):
             "the address checked, and redirects to another origin are refused."
         ),
     )
+    mcp_servers: dict[str, McpServer] = Field(
+        default_factory=dict,
+        description="The stdio MCP servers an episode of the `mcp` environment may start, by name: JSON, e.g. "
+        '{"files": {"command": "mcp-server-files", "args": ["--root", "/data"], "env": {"LOG": "0"}}} (each: command, '
+        "args, env, cwd). A request names one (env.params.server); it never names a command. Each episode starts its "
+        "own process and stops it at the episode's end. Empty (the default): none; MCP servers over HTTP are URLs "
+        "in FARM_ENV_ALLOWED_HOSTS instead.",
+    )
     max_weights_bytes: int = Field(8 << 30, ge=1, description="Largest accepted weight upload, in bytes.")
     fair_share_samples: int = Field(
         0,
@@ -292,6 +317,12 @@ class ServiceSettings(BaseSettings):
     def _allowed_hosts_are_patterns(self) -> ServiceSettings:
         if problems := [p for p in map(pattern_problem, self.env_allowed_hosts) if p]:
             raise ValueError(f"FARM_ENV_ALLOWED_HOSTS: {'; '.join(problems)}")
+        return self
+
+    @model_validator(mode="after")
+    def _mcp_servers_are_named(self) -> ServiceSettings:
+        if bad := [name for name in self.mcp_servers if not MCP_SERVER_NAME.match(name)]:
+            raise ValueError(f"FARM_MCP_SERVERS: names {bad}: 1-64 letters, digits, '_' or '-'")
         return self
 
     @model_validator(mode="after")

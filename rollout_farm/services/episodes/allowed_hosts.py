@@ -8,7 +8,7 @@ URL's host resolves to, so `127.1`, `2130706434` or a name that resolves there a
 port a number or `*`. A lone `*` allows everything and must be said. Loopback is not special. The environment's
 connection then goes to the resolved address that was checked, never to a second resolution of the name (no DNS
 rebinding between the check and the connection); redirects to another origin are refused (rollout_farm/services/
-episodes/openenv_remote.py).
+episodes/openenv_remote.py; for the mcp SDK's HTTP client, PinnedTransport below).
 
 The allowed hosts reach an environment through `current()`, set for each episode by rollout_farm/services/episodes/
 episodes.py; outside an episode nothing is allowed.
@@ -22,6 +22,8 @@ import socket
 from contextvars import ContextVar
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import httpx2
 
 from rollout_farm.services.config.settings import HOST_PATTERN
 
@@ -103,3 +105,30 @@ def current() -> AllowedHosts:
 def use_allowed_hosts(allowed: AllowedHosts) -> None:
     """Set the allowed hosts for this task and the tasks it starts (an episode's)."""
     _current.set(allowed)
+
+
+class PinnedTransport(httpx2.AsyncBaseTransport):
+    """An httpx2 transport (the mcp SDK's HTTP client) that sends every request to `at`, the address checked for
+    `url`: the request keeps its URL's name in its Host header and TLS server name. A request to any other origin
+    (a redirect the SDK would follow) is refused: NotAllowed, which the SDK reports as that request's error."""
+
+    def __init__(self, url: str, at: Address):
+        parts = urlsplit(url)
+        self.scheme, self.at = parts.scheme, at
+        self.inner = httpx2.AsyncHTTPTransport(trust_env=False)  # no proxy from the environment: the pinned address
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        port = request.url.port or DEFAULT_PORTS.get(request.url.scheme, 80)
+        if (request.url.scheme, request.url.host, port) != (self.scheme, self.at.host.lower(), self.at.port):
+            raise NotAllowed(f"{request.url} is not the server's origin; {SETTING} allows no redirect")
+        pinned = httpx2.Request(
+            request.method,
+            request.url.copy_with(host=self.at.ip),
+            headers=request.headers,  # its Host: the name as written
+            stream=request.stream,
+            extensions={**request.extensions, "sni_hostname": self.at.host},
+        )
+        return await self.inner.handle_async_request(pinned)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ToolCall
-from rollout_farm.services.episodes import calculator, openenv_remote  # noqa: F401  (register the built-in environments)
+from rollout_farm.services.episodes import calculator, mcp_env, openenv_remote  # noqa: F401  (the built-in environments)
 from rollout_farm.services.episodes.allowed_hosts import NOTHING, AllowedHosts, NotAllowed, use_allowed_hosts
 from rollout_farm.services.episodes.chat_turns import ContextFull
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
@@ -48,9 +48,16 @@ class EnvironmentFailed(Exception):
 
 class Episodes:
     def __init__(
-        self, sessions: Sessions, context_length: ContextLength, plugins: list[str], allowed: AllowedHosts = NOTHING
+        self,
+        sessions: Sessions,
+        context_length: ContextLength,
+        plugins: list[str],
+        allowed: AllowedHosts = NOTHING,
+        mcp_servers: dict | None = None,
     ):
         self.sessions, self.context_length, self.plugins, self.allowed = sessions, context_length, plugins, allowed
+        # what the deployment configured for environments: the context env.params are validated in (mcp_env.py)
+        self.configured = {"mcp_servers": mcp_servers or {}}
 
     async def environment(self, spec: E.EnvSpec, field: str = "env") -> tuple[type[Environment], object]:
         """The environment class and its checked params; 422 naming env.name or env.params.<field>, or the URL field
@@ -61,7 +68,7 @@ class Episodes:
         except KeyError as e:
             raise Invalid([{"field": f"{field}.name", "message": str(e).strip("'\"")}]) from None
         try:
-            params = kind.Params(**spec.params)
+            params = kind.Params.model_validate(spec.params, context=self.configured)
         except ValidationError as e:
             where = [f"{field}.params." + ".".join(map(str, x["loc"])) for x in e.errors()]
             raise Invalid([{"field": w, "message": x["msg"]} for w, x in zip(where, e.errors())]) from None

@@ -10,8 +10,20 @@ episode (reset) and closes it after (close), so the remote environment keeps its
   -> {"type": "close"}
 
 A turn becomes an action: in text mode the assistant's text fills one action field; in tool mode the model is shown
-one tool whose parameters are the action's JSON Schema (GET /schema), and each call's arguments are an action. The
-observation (openenv sends it without reward, done and metadata) is shown as a user or tool message. An action the
+one tool whose parameters are the action's JSON Schema (GET /schema), and each call's arguments are an action. In mcp
+mode the environment is an openenv MCPEnvironment: the model is shown its MCP tools and each call is a CallToolAction
+(openenv-core's mcp_types), as rollout_farm/services/episodes/mcp_tools.py shows any MCP server's tools:
+
+  -> {"type": "step", "data": {"type": "list_tools"}}     <- the observation {"tools": [{name, description,
+     (a ListToolsAction; a server whose action class is      input_schema}]}; a server that refuses it lists them over
+     CallToolAction alone, as openenv's MCP apps are,        the session's JSON-RPC:
+     refuses it)                                          -> {"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1,
+                                                              "method": "tools/list"}}  <- {"type": "mcp", "data":
+                                                              {"result": {"tools": [...]}}}
+  -> {"type": "step", "data": {"type": "call_tool", "tool_name", "arguments"}}  <- the observation {"tool_name",
+     "result": {content, structured_content, is_error} | null, "error": {"error_type", "message"} | null}, reward, done
+
+The observation (openenv sends it without reward, done and metadata) is shown as a user or tool message. An action the
 server's schema refuses (VALIDATION_ERROR) is an error the model reads; a connection refused or lost, or any other
 error answer, raises naming the URL, which ends that episode with env_error. Only JSON is read from the network.
 """
@@ -36,6 +48,7 @@ from rollout_farm.services.chat.tool_schemas import NAME, schema_problems
 from rollout_farm.services.episodes import allowed_hosts
 from rollout_farm.services.episodes.allowed_hosts import SETTING, Address, NotAllowed
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
+from rollout_farm.services.episodes.mcp_tools import ToolRefused, call_arguments, openai_tools, result_text
 
 MAX_MESSAGE = 16 << 20  # bytes of one WebSocket message (an observation may carry an image); websockets' default: 1 MiB
 OPEN_TRIES = 3  # tries of GET /schema and of opening /ws when no server answers, before the episode fails
@@ -45,10 +58,11 @@ HIDDEN = ("metadata",)  # openenv's base Action field, not for the model to set
 class OpenEnvParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(..., description="The openenv server's base URL, http(s)://host:port (its /ws and /schema).")
-    action: Literal["text", "tool"] = Field(
+    action: Literal["text", "tool", "mcp"] = Field(
         "text",
         description="text: the assistant's text fills message_field; tool: the model calls one tool whose parameters "
-        "are the action's JSON Schema, each call an action.",
+        "are the action's JSON Schema, each call an action; mcp: an MCPEnvironment, the model calls its MCP tools, "
+        "each call a CallToolAction.",
     )
     message_field: str | None = Field(
         None, description="text mode: the action field the text fills; None: the action's only string field."
@@ -127,6 +141,17 @@ def call_action(call: ToolCall, tool_name: str) -> dict:
     return args
 
 
+def tool_result(observation: dict) -> str:
+    """A CallToolObservation as the model reads it: the MCP result, or `error: ` and openenv's error message."""
+    error = observation.get("error")
+    if isinstance(error, dict):
+        return f"error: {error.get('message')}"
+    result = observation.get("result")
+    if isinstance(result, dict):
+        return result_text(result)
+    return "" if result is None else json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
 def refusal(data: dict) -> str:
     """A VALIDATION_ERROR's errors as one line: `field: message; ...`."""
     errors = data.get("errors") or [{"msg": data.get("message", "invalid")}]
@@ -136,8 +161,9 @@ def refusal(data: dict) -> str:
 @ENVIRONMENTS.register("openenv")
 class OpenEnvRemote(Environment):
     """A remote openenv-core server (params.url), one WebSocket session (/ws) per episode: the prompt and the reset's
-    observation open it, each turn is an action (its text in one field, or a tool call), reward and done are the
-    server's. Params: url, action (text|tool), message_field, tool_name, reset, observation_fields."""
+    observation open it, each turn is an action (its text in one field, a tool call, or a call of its MCP tools),
+    reward and done are the server's. Params: url, action (text|tool|mcp), message_field, tool_name, reset,
+    observation_fields."""
 
     Params = OpenEnvParams
     tool_format = "hermes"
@@ -157,41 +183,75 @@ class OpenEnvRemote(Environment):
     async def reset(self, prompt: P.Prompt) -> list[dict]:
         if prompt.text is None:
             raise ValueError("the openenv environment takes text prompts: the instruction before the first observation")
-        schema = await self.retried(self.action_schema)
+        schema = await self.retried(self.action_schema) if self.params.action != "mcp" else {}
         if self.params.action == "tool":
             self.tools = [action_tool(self.params.tool_name, schema)]
             if problems := schema_problems(self.tools[0]["function"]["parameters"], "action"):
                 raise ValueError(f"{self.where}: its action schema is no tool's parameters: {problems}")
-        else:
+        elif self.params.action == "text":
             self.field = self.params.message_field or text_field(schema)
             if self.field not in schema.get("properties", {}):
                 raise ValueError(f"{self.where}: the action has no field {self.field!r} (env.params.message_field)")
         self.ws = await self.retried(self.open_session)
         observation, _, _ = await self.exchange({"type": "reset", "data": self.params.reset})
-        return [{"role": "user", "content": f"{prompt.text}\n{observation}"}]
+        if self.params.action == "mcp":
+            try:
+                self.tools = openai_tools(await self.mcp_tools())
+            except ValueError as e:
+                raise RemoteError(f"{self.where}: {e}") from None
+        return [{"role": "user", "content": f"{prompt.text}\n{self.shown(observation)}"}]
 
     async def step(self, turn: AssistantTurn) -> Step:
         if self.params.action == "text":
             try:
-                content, reward, done = await self.exchange({"type": "step", "data": {self.field: turn.text}})
+                observation, reward, done = await self.exchange({"type": "step", "data": {self.field: turn.text}})
+                content = self.shown(observation)
             except Refused as e:
                 content, reward, done = f"error: the environment refused the action: {e}", 0.0, False
             return Step([{"role": "user", "content": content}], reward, done)
         if not turn.tool_calls:
-            return Step([{"role": "user", "content": f"error: no call of the tool {self.params.tool_name}"}])
+            named = "its tools" if self.params.action == "mcp" else f"the tool {self.params.tool_name}"
+            return Step([{"role": "user", "content": f"error: no call of {named}"}])
         step = Step()
         for call in turn.tool_calls:
             try:
-                content, reward, step.done = await self.exchange(
-                    {"type": "step", "data": call_action(call, self.params.tool_name)}
-                )
-            except Refused as e:
+                content, reward, step.done = await self.call(call)
+            except (Refused, ToolRefused) as e:
                 content, reward = f"error: the environment refused the action: {e}", 0.0
             step.observation.append({"role": "tool", "tool_call_id": call.id, "content": content})
             step.reward += reward
             if step.done:
                 break
         return step
+
+    async def call(self, call: ToolCall) -> tuple[str, float, bool]:
+        """One tool call as an action: what the model reads, the reward, done."""
+        if self.params.action == "tool":
+            observation, reward, done = await self.exchange(
+                {"type": "step", "data": call_action(call, self.params.tool_name)}
+            )
+            return self.shown(observation), reward, done
+        action = {"type": "call_tool", "tool_name": call.name, "arguments": call_arguments(call, self.tools)}
+        observation, reward, done = await self.exchange({"type": "step", "data": action})
+        return tool_result(observation), reward, done
+
+    async def mcp_tools(self) -> list[dict]:
+        """The MCP tools: a ListToolsAction's observation, or the session's JSON-RPC tools/list where the server's
+        action class refuses that action."""
+        try:
+            observation, _, _ = await self.exchange({"type": "step", "data": {"type": "list_tools"}})
+            tools = observation.get("tools")
+        except Refused:
+            kind, data = await self.send({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}})
+            if kind != "mcp" or not isinstance(data, dict) or "result" not in data:
+                raise RemoteError(f"{self.where}: tools/list answered {str(data)[:200]!r}") from None
+            tools = data["result"].get("tools") if isinstance(data["result"], dict) else None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RemoteError(f"{self.where}: tools/list answered no list of tools")
+        return tools
+
+    def shown(self, observation: dict) -> str:
+        return shown(observation, self.params.observation_fields)
 
     async def close(self) -> None:
         if self.ws is None:
@@ -254,9 +314,20 @@ class OpenEnvRemote(Environment):
         except (OSError, InvalidHandshake) as e:
             raise Unreachable(f"{self.where}: cannot open {ws_url}: {type(e).__name__}: {e}") from None
 
-    async def exchange(self, message: dict) -> tuple[str, float, bool]:
-        """One message and its answer: what the model is shown, the reward, done. Refused for an action the schema
-        refuses; RemoteError for anything else that is not an observation."""
+    async def exchange(self, message: dict) -> tuple[dict, float, bool]:
+        """One message and its answer: the observation, the reward, done. Refused for an action the schema refuses;
+        RemoteError for anything else that is not an observation."""
+        kind, data = await self.send(message)
+        if kind == "error" and isinstance(data, dict):
+            if message["type"] == "step" and data.get("code") == "VALIDATION_ERROR":
+                raise Refused(refusal(data))
+            raise RemoteError(f"{self.where}: {message['type']}: {data.get('code')}: {data.get('message')}")
+        if kind != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
+            raise RemoteError(f"{self.where}: {message['type']} answered {str(data)[:200]!r}, not an observation")
+        return data["observation"], float(data.get("reward") or 0), bool(data.get("done"))
+
+    async def send(self, message: dict) -> tuple[str | None, object]:
+        """One message and its answer's type and data; RemoteError when the session is lost or answers no JSON."""
         if self.lost:
             raise RemoteError(f"{self.where}: {self.lost}")
         try:
@@ -269,12 +340,4 @@ class OpenEnvRemote(Environment):
             raise RemoteError(f"{self.where}: the session closed: {e}") from None
         except ValueError as e:
             raise RemoteError(f"{self.where}: an answer that is not JSON: {e}") from None
-        kind, data = (reply.get("type"), reply.get("data")) if isinstance(reply, dict) else (None, None)
-        if kind == "error" and isinstance(data, dict):
-            if message["type"] == "step" and data.get("code") == "VALIDATION_ERROR":
-                raise Refused(refusal(data))
-            raise RemoteError(f"{self.where}: {message['type']}: {data.get('code')}: {data.get('message')}")
-        if kind != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
-            raise RemoteError(f"{self.where}: {message['type']} answered {str(reply)[:200]!r}, not an observation")
-        reward = data.get("reward")
-        return shown(data["observation"], self.params.observation_fields), float(reward or 0), bool(data.get("done"))
+        return (reply.get("type"), reply.get("data")) if isinstance(reply, dict) else (None, reply)
