@@ -267,6 +267,24 @@ def test_another_tenants_session_is_unknown_on_every_route(http, tenants):
     assert segment["token_ids"] == [40, 41, 42, *turn.json()["token_ids"]]
 
 
+def test_an_anthropic_sdks_api_key_is_its_tenants_token(service, http, tenants):
+    """Anthropic's SDK (and Claude Code) sends its key as `x-api-key`, not as a bearer token: the farm reads it as the
+    token, so `api_key=<tenant token>` reaches the tenant's own session and another tenant's key does not."""
+    from anthropic import Anthropic, NotFoundError
+
+    a, b = tenants
+    sid = http.post("/v1/sessions", json={}, headers=a).json()["session_id"]
+
+    def client(who: dict) -> Anthropic:
+        key = who["Authorization"].removeprefix("Bearer ")
+        return Anthropic(base_url=f"{service}/v1/sessions/{sid}/anthropic", api_key=key, max_retries=0)
+
+    ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert client(a).messages.count_tokens(**ask).input_tokens > 0
+    with pytest.raises(NotFoundError):
+        client(b).messages.count_tokens(**ask)
+
+
 def test_the_sessions_of_a_tenants_episodes_are_its_own(http, tenants):
     a, b = tenants
     probe = Probe(EPISODE)

@@ -1,5 +1,5 @@
 """Anthropic's Messages API on a session, for Anthropic-API agents unmodified: the official SDK works with
-`anthropic.Anthropic(base_url=f"{session_base_url}/anthropic", auth_token=...)`. Each call is one chat turn of the
+`anthropic.Anthropic(base_url=f"{session_base_url}/anthropic", api_key=<token>)`. Each call is one chat turn of the
 session (rollout_farm/services/compat/anthropic.py): the same tokens, loss mask, forks and retries as the session's
 chat/completions. Errors are the farm's body (the SDK raises its class for the status and keeps the body)."""
 

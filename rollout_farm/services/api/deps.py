@@ -36,8 +36,11 @@ async def require_token(request: Request, farm: Ingress = Depends(ingress)) -> N
 async def caller(request: Request, farm: Ingress = Depends(ingress)) -> Principal:
     """Who sends the request: the admin (FARM_API_TOKEN), a tenant (one of its tokens), or nobody: no token, or one
     that is neither (an OpenAI client's placeholder key on an open route: the route decides whether that is enough,
-    as before tenants)."""
+    as before tenants). Anthropic's SDKs and Claude Code send their key as `x-api-key`: without an Authorization
+    header, that key is the bearer token."""
     sent = request.headers.get("authorization", "")
+    if not sent and (key := request.headers.get("x-api-key")):
+        sent = f"Bearer {key}"
     if not sent:
         return Principal()
     expected = f"Bearer {farm.settings.api_token.get_secret_value()}"

@@ -101,6 +101,8 @@ def chat_messages(req: R.ResponsesRequest, history: list[dict]) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
         else:
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text_of(item.content)})
+    if not out:
+        raise invalid("input", "no input items and no previous_response_id: give the message the model answers")
     return out
 
 

@@ -23,6 +23,7 @@ from rollout_farm.services.protocol.common import (
     RequestModel,
     Text,
     optional_temperature,
+    text_or_list,
     wire_safe_tree,
 )
 
@@ -63,7 +64,7 @@ class ToolUseBlock(RequestModel):
 class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: Text = Field(..., description="The id of a tool_use block earlier in `messages`.")
-    content: Text | list[TextBlock] = Field("", description="The result: text, or text blocks (joined).")
+    content: text_or_list(TextBlock) = Field("", description="The result: text, or text blocks (joined).")
     is_error: bool = Field(False, description="The tool failed: the result is rendered as 'Error: <content>'.")
     cache_control: CacheControl | None = CACHE
 
@@ -73,7 +74,7 @@ Block = Annotated[Union[TextBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock]
 
 class Message(RequestModel):
     role: Literal["user", "assistant", "system"]
-    content: Text | list[Block] = Field(
+    content: text_or_list(Block) = Field(
         ...,
         description="Text, or blocks: text and tool_result from the user; text, thinking and tool_use from the "
         "assistant; text in a system message.",
@@ -130,7 +131,7 @@ class CountTokensRequest(RequestModel):
 
     model: Text = Field(..., description="Any name: the service serves one policy.")
     messages: list[Message] = Field(..., min_length=1)
-    system: Text | list[TextBlock] | None = Field(None, description="The system prompt: text, or text blocks.")
+    system: text_or_list(TextBlock) | None = Field(None, description="The system prompt: text, or text blocks.")
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingAdaptive | None = Field(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 API_VERSION = "v1"
@@ -139,6 +139,18 @@ Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """A tensor dimension."""
 Text = Annotated[str, Field(json_schema_extra={"pattern": NO_NUL})]
 """A string without NUL characters (RequestModel checks; the schema says so)."""
+
+
+def text_or_list(item) -> Any:
+    """Text, or a list of `item`: the JSON value's type picks the branch, so a refusal inside the list (a
+    beyond_schema one, say) is reported alone, not beside "Input should be a valid string" from the other branch
+    (which would read as the schema's refusal: rollout_farm/services/errors.py, SCHEMA_MISMATCH)."""
+    return Annotated[
+        Union[Annotated[Text, Tag("text")], Annotated[list[item], Tag("list")]],
+        Discriminator(lambda v: "text" if isinstance(v, str) else "list"),
+    ]
+
+
 NonEmptyText = Annotated[str, Field(json_schema_extra={"pattern": NO_NUL, "minLength": 1})]
 # for the schema: the service refuses an empty list of token ids too (with its message, naming the field)
 NonEmptyIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]

@@ -21,6 +21,7 @@ from rollout_farm.services.protocol.common import (
     RequestModel,
     Text,
     optional_temperature,
+    text_or_list,
     wire_safe_tree,
 )
 
@@ -48,7 +49,7 @@ Part = Annotated[Union[InputText, OutputText], Field(discriminator="type")]
 class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[Part]
+    content: text_or_list(Part)
     id: Text | None = Field(None, description="An earlier output item's id (ignored: the content says the turn).")
     status: STATUS | None = None
 
@@ -65,7 +66,7 @@ class FunctionCallItem(RequestModel):
 class FunctionCallOutputItem(RequestModel):
     type: Literal["function_call_output"]
     call_id: Text = Field(..., description="The call_id of a function_call earlier in the history.")
-    output: Text | list[InputText] = Field(..., description="The result: text, or input_text parts (joined).")
+    output: text_or_list(InputText) = Field(..., description="The result: text, or input_text parts (joined).")
     id: Text | None = None
     status: STATUS | None = None
 
@@ -134,7 +135,7 @@ class ResponsesRequest(RequestModel):
     """POST /v1/sessions/{id}/v1/responses: one turn of the session."""
 
     model: Text | None = Field(None, description="Any name: the service serves one policy.")
-    input: Text | list[Item] = Field(
+    input: text_or_list(Item) = Field(
         ..., description="A user message's text, or input items (the new ones only with previous_response_id)."
     )
     instructions: Text | None = Field(None, description="The system message, first in the history.")
