@@ -12,8 +12,8 @@ import pytest
 
 from rollout_farm.services.chat import delta as chat_delta
 from rollout_farm.services.chat.template import for_template
-from rollout_farm.services.episodes.segments import reshaped, shared_messages
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, detected
+from rollout_farm.services.episodes.segments import reshaped, shared_messages
 from tests.chat_families import FAMILIES, TOOLS, episode, qwen3_tokenizer, sampled
 
 

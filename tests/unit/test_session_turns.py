@@ -59,8 +59,24 @@ class Renderer:
     """A chat template's stand-in: a new message renders to a token per character of its content (at least one),
     the generation prompt to one more."""
 
-    async def turn(self, tail, after_assistant, new, tools, first, opening):
+    async def turn(self, tail, after_assistant, new, tools, first, opening, answered=None):
         return [[], [60 + ord(c) % 100 for m in new for c in (m.get("content") or "-")], [7], []]
+
+    async def tool_format(self):
+        return "hermes"
+
+    async def loaded(self):
+        return Decoder()
+
+
+class Decoder:
+    """The stand-in's tokenizer: every sample the Engine below draws reads "done", and no tag is a single token."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [0, 0]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "done" if ids else ""
 
 
 class Engine:

@@ -177,8 +177,9 @@ def turn(
     answered: list[dict] | None = None,
 ) -> list[list[int]]:
     """A session turn's context ids as [close, messages, prompt, forced] (`forced`: the text of a call tool_choice
-    names, up to its arguments; `answered`: the tool calls of the turn the new messages follow). NotAppendOnly when the template has no exact continuation for these messages, or
-    refuses them (a role it does not take: its own error's text)."""
+    names, up to its arguments; `answered`: the tool calls of the turn the new messages follow). NotAppendOnly
+    when the template has no exact continuation for these messages, or refuses them (a role it does not take: its
+    own error's text)."""
     try:
         parts = turn_context(tokenizer, held_tail, after_sampled, for_template(new), tools, opens, answered)
     except NotAppendOnly:
