@@ -331,3 +331,12 @@ def test_an_episodes_reward_is_the_sum_of_its_turns_and_each_turn_keeps_its_para
         first, second = s.sampled_turns
         assert temps[first.start : first.end].tolist() == [0.5] * (first.end - first.start)
         assert temps[second.start : second.end].tolist() == pytest.approx([0.9] * (second.end - second.start))
+
+
+def test_a_sessions_tool_format_is_the_models_by_default_and_an_unknown_one_names_the_field_and_the_names():
+    s = sessions(Engine([drawn()]))
+    assert run(s.open(S.SessionCreate(), "")).tool_format == "hermes"  # "auto": what the renderer tells
+    assert run(s.open(S.SessionCreate(tool_format="harmony"), "")).tool_format == "harmony"
+    with pytest.raises(Invalid) as e:
+        run(s.open(S.SessionCreate(tool_format="xml"), ""))
+    assert e.value.detail[0]["field"] == "tool_format" and "auto, deepseek-v3" in e.value.detail[0]["message"]
