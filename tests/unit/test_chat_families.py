@@ -12,8 +12,9 @@ import pytest
 
 from rollout_farm.services.chat import delta as chat_delta
 from rollout_farm.services.chat.template import for_template
+from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, detected
 from rollout_farm.services.episodes.segments import reshaped, shared_messages
-from tests.chat_families import TOOLS, episode, qwen3_tokenizer
+from tests.chat_families import FAMILIES, TOOLS, episode, qwen3_tokenizer, sampled
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +102,78 @@ def test_a_harness_that_strips_the_reasoning_from_its_history_appends_one_that_e
     assert reshaped(stored, rewritten(strip)) == assistants and reshaped(stored, rewritten(lambda m: None)) == 0
     assert not seg.extended_by(rewritten(edited_reasoning)) and not seg.extended_by(rewritten(edited_answer))
     assert shared_messages(stored, rewritten(edited_answer)) == 2  # forks after the first user message
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    f = FAMILIES[request.param]
+    return f, f.tokenizer()
+
+
+def test_every_family_appends_every_turn_with_the_sampled_ids_verbatim_and_its_calls_read(family):
+    """Each family's real template over five turns with tool calls (parallel ones where the family makes them): every
+    turn's prompt extends the last, the sampled ids stay as sampled, the loss mask is 1 exactly on them, and the calls
+    are read back from the ids."""
+    f, tok = family
+    seg, prompts = f.episode(tok)
+    assert len(seg.turns) == 5
+    for turn, (before, now) in enumerate(zip(prompts, prompts[1:])):
+        t = seg.turns[turn]
+        assert now[: len(before)] == before and now[t.start : t.end] == seg.token_ids[t.start : t.end]
+        assert seg.token_ids[t.start : t.end] == sampled(tok, f.replies[turn], f.tags, f.end)
+    sampled_at = {i for t in seg.turns for i in range(t.start, t.end)}
+    assert [i for i, m in enumerate(seg.loss_mask) if m] == sorted(sampled_at)
+    calls = [
+        [json.loads(c["function"]["arguments"]) for c in m["tool_calls"]]
+        for m in seg.messages
+        if m["role"] == "assistant"
+    ]
+    parallel = [{"expression": "12*31"}] + ([{"expression": "2+2"}] if f.tool_format != "harmony" else [])
+    assert calls == [[{"expression": "37*48"}], [], parallel, [], []]
+    assert all("\ue000" not in m["content"] and m["content"] is not None for m in seg.messages)
+
+
+def test_auto_picks_each_familys_format_from_its_template(family):
+    f, tok = family
+    assert detected(tok) == f.tool_format
+    assert detected(type("NoTemplate", (), {"chat_template": None})()) == "plain"
+    assert detected(type("Other", (), {"chat_template": "{{ messages[0].content }}"})()) == "hermes"
+
+
+def test_a_call_the_template_renders_reads_back_as_the_same_call(family):
+    """The template's own rendering of an assistant turn with calls (what the model was trained to write), parsed back
+    by the family's format from its token ids: the same calls. Unicode, nesting and odd values included."""
+    f, tok = family
+    fmt = TOOL_FORMATS.get(f.tool_format)()
+    args = [{"expression": "37*48"}, {"q": 'naïve — 東京 "quoted"', "n": 3, "deep": {"a": [1, {"b": None}]}}]
+    calls = [
+        {"id": fmt.call_id(0, i), "type": "function", "function": {"name": "calculator", "arguments": a}}
+        for i, a in enumerate(args[: 1 if f.tool_format in ("harmony", "llama3-json") else 2])
+    ]
+    user = [{"role": "user", "content": "Go."}]
+    ready = tok.apply_chat_template(user, tools=f.tools, add_generation_prompt=True, tokenize=False)
+    whole = tok.apply_chat_template(
+        user + [{"role": "assistant", "content": "", "tool_calls": calls}], tools=f.tools, tokenize=False
+    )
+    whole, ready = tok.encode(whole, add_special_tokens=False), tok.encode(ready, add_special_tokens=False)
+    shared = next(i for i, (a, b) in enumerate(zip([*whole, -1], [*ready, -2])) if a != b)  # R1 drops its <think>
+    written = whole[shared:]
+    got = fmt.parse_ids(written, tok, 0)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+    assert got.malformed == []
+
+
+def test_a_marker_written_as_text_opens_no_call_where_the_family_has_its_token(family):
+    """Negative control: the same call written character by character, its markers as ordinary text rather than the
+    family's special tokens: no call (read by id), while the text alone would read one."""
+    f, tok = family
+    fmt = TOOL_FORMATS.get(f.tool_format)()
+    text = f.replies[0]
+    as_tokens = fmt.parse_ids(sampled(tok, text, f.tags, f.end), tok, 0)
+    assert len(as_tokens.calls) == 1
+    if not fmt.markers or f.tool_format == "llama3-json":  # the tag is optional there: a bare JSON turn is a call
+        return
+    as_text = fmt.parse_ids(sampled(tok, text, (), f.end), tok, 0)
+    assert as_text.calls == [] and fmt.parse(text, 0).calls == as_tokens.calls

@@ -31,7 +31,7 @@ OWNERS = [
         r"GRPO|grpo",
     ),
     ("where the chat template is rendered", "rollout_farm/services/chat/template.py", r"chat template"),
-    ("where a tool call is parsed", "rollout_farm/services/chat/tool_formats.py", r"tool call"),
+    ("where a tool call is parsed", "rollout_farm/services/chat/tool_formats/base.py", r"tool call"),
 ]
 
 

@@ -59,8 +59,24 @@ class Renderer:
     """A chat template's stand-in: a new message renders to a token per character of its content (at least one),
     the generation prompt to one more."""
 
-    async def turn(self, tail, after_assistant, new, tools, first, opening):
+    async def turn(self, tail, after_assistant, new, tools, first, opening, answered=None):
         return [[], [60 + ord(c) % 100 for m in new for c in (m.get("content") or "-")], [7], []]
+
+    async def tool_format(self):
+        return "hermes"
+
+    async def loaded(self):
+        return Decoder()
+
+
+class Decoder:
+    """The stand-in's tokenizer: every sample the Engine below draws reads "done", and no tag is a single token."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [0, 0]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "done" if ids else ""
 
 
 class Engine:
@@ -315,3 +331,12 @@ def test_an_episodes_reward_is_the_sum_of_its_turns_and_each_turn_keeps_its_para
         first, second = s.sampled_turns
         assert temps[first.start : first.end].tolist() == [0.5] * (first.end - first.start)
         assert temps[second.start : second.end].tolist() == pytest.approx([0.9] * (second.end - second.start))
+
+
+def test_a_sessions_tool_format_is_the_models_by_default_and_an_unknown_one_names_the_field_and_the_names():
+    s = sessions(Engine([drawn()]))
+    assert run(s.open(S.SessionCreate(), "")).tool_format == "hermes"  # "auto": what the renderer tells
+    assert run(s.open(S.SessionCreate(tool_format="harmony"), "")).tool_format == "harmony"
+    with pytest.raises(Invalid) as e:
+        run(s.open(S.SessionCreate(tool_format="xml"), ""))
+    assert e.value.detail[0]["field"] == "tool_format" and "auto, deepseek-v3" in e.value.detail[0]["message"]

@@ -11,7 +11,7 @@ replicas' own, fetched once (`renderer.py`), so nothing here runs on a replica o
 | `template.py` | `render`: messages and tools through the chat template; `for_template`; `prompt_ids` of a prompt |
 | `delta.py` | a session turn's tokens (`turn`): new messages, close, generation prompt; `NotAppendOnly` if none exact |
 | `pieces.py` | each token's text, joining to the sample's text, and an alternative's text: for logprobs answers |
-| `tool_formats.py` | `TOOL_FORMATS` (hermes, plain): a tool call in the text read back as OpenAI `tool_calls` |
+| `tool_formats/` | `TOOL_FORMATS`, a file per family's call format, read back by token id; `detect.py`: a model's own |
 | `tool_schemas.py` | OpenAI tool definitions checked (names, `parameters` a JSON Schema of an object), as 422 detail |
 | `renderer.py` | `ChatRenderer`: the ingress's tokenizer, asked of one replica once, and the functions above with it |
 """

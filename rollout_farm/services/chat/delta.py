@@ -60,17 +60,52 @@ def opening(tokenizer, messages: list[dict], tools: list[dict] | None) -> Delta:
     return Delta(body, after(body, render_ids(tokenizer, messages, tools, True), "the generation prompt"))
 
 
-def delta(tokenizer, new: list[dict], tools: list[dict] | None) -> Delta:
-    """The tokens of messages that follow a turn the session already holds, then the generation prompt."""
-    base = render_ids(tokenizer, STAND_IN, tools, False)
-    body = render_ids(tokenizer, STAND_IN + new, tools, False)
-    prompt = after(body, render_ids(tokenizer, STAND_IN + new, tools, True), "the generation prompt")
-    if body[: len(base)] != base:
-        base = in_history(tokenizer, base, body, tools)
-    return Delta(after(base, body, "these messages"), prompt)
+def delta(tokenizer, new: list[dict], tools: list[dict] | None, answered: list[dict] | None = None) -> Delta:
+    """The tokens of messages that follow a turn the session already holds, then the generation prompt. Tool results
+    that follow calls (`answered`) are rendered after a stand-in that made those calls where the template needs one
+    (gpt-oss's names each result by its call)."""
+    try:
+        return delta_after(tokenizer, STAND_IN, new, tools)
+    except Exception:
+        if not (answered and new[0]["role"] == "tool"):
+            raise
+    calls = [
+        {"id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": {}}}
+        for c in answered
+    ]
+    return delta_after(tokenizer, [STAND_IN[0], {"role": "assistant", "content": "", "tool_calls": calls}], new, tools)
 
 
-def in_history(tokenizer, alone: list[int], body: list[int], tools: list[dict] | None) -> list[int]:
+def delta_after(tokenizer, stand_in: list[dict], new: list[dict], tools: list[dict] | None) -> Delta:
+    """The new messages' tokens after `stand_in` as the template renders it in the history (`in_history`)."""
+    body = render_ids(tokenizer, stand_in + new, tools, False)
+    prompt = after(body, render_ids(tokenizer, stand_in + new, tools, True), "the generation prompt")
+    for history in in_history(tokenizer, stand_in, body, tools, prompt):
+        if body[: len(history)] == history:
+            return Delta(body[len(history) :], prompt)
+    raise NotAppendOnly("the chat template does not render these messages as an append to the history")
+
+
+def in_history(tokenizer, stand_in: list[dict], body: list[int], tools: list[dict] | None, prompt: list[int]):
+    """The stand-in's tokens as `body` may render them before the new messages, each exact, tried in turn:
+    - alone: the template renders a finished turn as it renders the last one (Qwen2.5, Llama, DeepSeek);
+    - less its reasoning: a span of the assistant turn before its content dropped once a message follows it (Qwen3);
+    - as before a generation prompt: the last turn rendered as a training target until a message follows it
+      (gpt-oss ends it with `<|return|>`, then with `<|end|>`);
+    - without the tools: the template writes the tools before the last user message (Mistral), so they move to a
+      new user message."""
+    alone = render_ids(tokenizer, stand_in, tools, False)
+    yield alone
+    if stand_in is STAND_IN:
+        yield less_reasoning(tokenizer, alone, body, tools)
+    ready = render_ids(tokenizer, stand_in, tools, True)
+    if prompt and ready[-len(prompt) :] == prompt:
+        yield ready[: -len(prompt)]
+    if tools:
+        yield render_ids(tokenizer, stand_in, None, False)
+
+
+def less_reasoning(tokenizer, alone: list[int], body: list[int], tools: list[dict] | None) -> list[int]:
     """The stand-in as `body` renders it before the new messages, when that is the stand-in rendered `alone` less one
     span of its assistant turn before the content (a reasoning block the template drops from finished turns); else
     `alone`, and the caller refuses the turn."""
@@ -102,11 +137,24 @@ def close(tokenizer, sampled: list[int], tools: list[dict] | None) -> list[int]:
         raise NotAppendOnly("the chat template does not render an assistant turn's content as its own tokens")
     ending = closed[at + len(content) :]
     done = next((k for k in range(len(ending), 0, -1) if sampled[-k:] == ending[:k]), 0)
+    if not done and len(ending) == 1 and sampled and special(tokenizer, sampled[-1]) and special(tokenizer, ending[0]):
+        return []  # the turn ended with another of the template's end tokens (Llama's <|eom_id|>, gpt-oss's <|call|>)
     return ending[done:]
 
 
+def special(tokenizer, token: int) -> bool:
+    found = getattr(tokenizer, "added_tokens_decoder", {}).get(token)
+    return bool(found and found.special)
+
+
 def turn_context(
-    tokenizer, held: list[int], after_sampled: bool, new: list[dict], tools: list[dict] | None, opens: bool
+    tokenizer,
+    held: list[int],
+    after_sampled: bool,
+    new: list[dict],
+    tools: list[dict] | None,
+    opens: bool,
+    answered: list[dict] | None = None,
 ) -> list[list[int]]:
     """The context a turn appends, as [close, messages, prompt]: `opens` for a segment with no messages yet (every
     message rendered whole); `after_sampled` when `held` ends with a sampled assistant turn (its close goes first)."""
@@ -114,18 +162,26 @@ def turn_context(
         first = opening(tokenizer, new, tools)
         return [[], first.messages, first.prompt]
     ending = close(tokenizer, held, tools) if after_sampled else []
-    d = delta(tokenizer, new, tools)
+    d = delta(tokenizer, new, tools, answered)
     return [ending, d.messages, d.prompt]
 
 
 def turn(
-    tokenizer, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
+    tokenizer,
+    held_tail: list[int],
+    after_sampled: bool,
+    new: list[dict],
+    tools: list[dict],
+    opens: bool,
+    forced: str,
+    answered: list[dict] | None = None,
 ) -> list[list[int]]:
     """A session turn's context ids as [close, messages, prompt, forced] (`forced`: the text of a call tool_choice
-    names, up to its arguments). NotAppendOnly when the template has no exact continuation for these messages, or
-    refuses them (a role it does not take: its own error's text)."""
+    names, up to its arguments; `answered`: the tool calls of the turn the new messages follow). NotAppendOnly
+    when the template has no exact continuation for these messages, or refuses them (a role it does not take: its
+    own error's text)."""
     try:
-        parts = turn_context(tokenizer, held_tail, after_sampled, for_template(new), tools, opens)
+        parts = turn_context(tokenizer, held_tail, after_sampled, for_template(new), tools, opens, answered)
     except NotAppendOnly:
         raise
     except Exception as e:  # the template's own error

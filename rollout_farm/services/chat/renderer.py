@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat import delta, pieces, template
+from rollout_farm.services.chat.tool_formats import detected
 
 FetchTokenizer = Callable[[], Awaitable]  # the tokenizer, asked of one engine replica (Replicas.read)
 
@@ -28,6 +29,7 @@ class ChatRenderer:
         self.fetch = fetch
         self.tokenizer = None
         self.lock = asyncio.Lock()
+        self.detected: str | None = None
 
     async def loaded(self):
         if self.tokenizer is None:
@@ -44,12 +46,25 @@ class ChatRenderer:
         """The text's token ids as a replica tokenizes a text prompt."""
         return template.prompt_ids(await self.loaded(), P.Prompt(text=text))
 
+    async def tool_format(self) -> str:
+        """The tool format the model's chat template renders (a session's "auto"), told once."""
+        if self.detected is None:
+            self.detected = detected(await self.loaded())
+        return self.detected
+
     async def turn(
-        self, held_tail: list[int], after_sampled: bool, new: list[dict], tools: list[dict], opens: bool, forced: str
+        self,
+        held_tail: list[int],
+        after_sampled: bool,
+        new: list[dict],
+        tools: list[dict],
+        opens: bool,
+        forced: str,
+        answered: list[dict] | None = None,
     ) -> list[list[int]]:
         """A session turn's context ids as [close, messages, prompt, forced]; NotAppendOnly when there is no exact
         continuation (rollout_farm/services/chat/delta.py)."""
-        return delta.turn(await self.loaded(), held_tail, after_sampled, new, tools, opens, forced)
+        return delta.turn(await self.loaded(), held_tail, after_sampled, new, tools, opens, forced, answered)
 
     async def token_pieces(self, samples: list[list[int]]) -> list[list[str]]:
         """Each sample's token texts, joining to its text."""

@@ -20,5 +20,7 @@ episodes -> environments -> sessions.
 | `environments.py` | the `Environment` interface (reset, step, close; Params, tools, tool format), `ENVIRONMENTS` |
 | `calculator.py` | the built-in calculator environment |
 | `openenv_remote.py` | the built-in openenv environment: a remote openenv-core server, one WebSocket per episode |
+| `mcp_env.py` | the built-in mcp environment: an MCP server's tools (stdio from FARM_MCP_SERVERS, or HTTP) |
+| `mcp_tools.py` | MCP tools as OpenAI function tools, and a tool result as the text the model reads (mcp and openenv) |
 | `allowed_hosts.py` | FARM_ENV_ALLOWED_HOSTS: where remote environments may connect, checked after DNS, pinned |
 """

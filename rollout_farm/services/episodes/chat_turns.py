@@ -97,12 +97,17 @@ def fitted(params: P.SamplingParams, room: int) -> P.SamplingParams:
     return params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
 
 
-def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice) -> ParsedTurn:
-    """The sampled text's calls, unless tool_choice is none (then the text is all content). A NUL the model sampled
-    is shown as U+FFFD, as undecodable bytes are: no request may carry a NUL, and a client sends this text back in
-    its history (the session keeps the sampled ids themselves, whatever the text)."""
-    text = text.replace("\x00", "\ufffd")
-    return ParsedTurn(text.strip()) if tool_choice == "none" else fmt.parse(text, turn)
+def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice, ids=None, tokenizer=None) -> ParsedTurn:
+    """The sampled text's calls, unless tool_choice is none (then the text is all content). With the sampled `ids`
+    (and the tokenizer) the format's markers are read by token id and the text is decoded from them, markers kept
+    (the engine's text skips special tokens: rollout_farm/services/chat/tool_formats/base.py). A NUL the model
+    sampled is shown as U+FFFD, as undecodable bytes are: no request may carry a NUL, and a client sends this text
+    back in its history (the session keeps the sampled ids themselves, whatever the text)."""
+    marked = fmt.marked_ids(ids, tokenizer) if ids is not None else fmt.marked_text(text)
+    marked = marked.replace("\x00", "\ufffd")
+    if tool_choice == "none":
+        return ParsedTurn(fmt.unmark(marked).strip())
+    return fmt.unmarked(fmt.read(marked, turn))
 
 
 def assistant_message(parsed: ParsedTurn) -> dict:

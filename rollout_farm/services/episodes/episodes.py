@@ -72,7 +72,7 @@ class Episodes:
         except ValidationError as e:
             where = [f"{field}.params." + ".".join(map(str, x["loc"])) for x in e.errors()]
             raise Invalid([{"field": w, "message": x["msg"]} for w, x in zip(where, e.errors())]) from None
-        if kind.tool_format not in TOOL_FORMATS.names():
+        if kind.tool_format not in ["auto", *TOOL_FORMATS.names()]:
             problem = f"its tool format {kind.tool_format!r} is not registered"
             raise Invalid([{"field": f"{field}.name", "message": problem}])
         for name, url in kind.remote_urls(params).items():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.delta import NotAppendOnly
-from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, ParsedTurn
+from rollout_farm.services.chat.tool_formats import AUTO, TOOL_FORMATS, ParsedTurn
 from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
 from rollout_farm.services.episodes.segments import Segment, reshaped, shared_messages
@@ -43,13 +43,15 @@ class Sessions:
 
     async def open(self, req: S.SessionCreate, base_url: str, who: Principal = ANYONE) -> S.SessionInfo:
         """A new session, owned by `who`'s tenant (the caller may use req.adapter: the route checks)."""
-        if req.tool_format not in TOOL_FORMATS.names():
-            raise invalid("tool_format", f"unknown tool format {req.tool_format!r}: {', '.join(TOOL_FORMATS.names())}")
-        metrics.TOOL_CALLS.labels(req.tool_format)  # a series at 0 from the start: a parser that never reads shows
-        metrics.TOOL_PARSE_ERRORS.labels(req.tool_format)
+        if req.tool_format not in [AUTO, *TOOL_FORMATS.names()]:
+            names = ", ".join([AUTO, *TOOL_FORMATS.names()])
+            raise invalid("tool_format", f"unknown tool format {req.tool_format!r}: one of {names}")
+        tool_format = await self.renderer.tool_format() if req.tool_format == AUTO else req.tool_format
+        metrics.TOOL_CALLS.labels(tool_format)  # a series at 0 from the start: a parser that never reads shows
+        metrics.TOOL_PARSE_ERRORS.labels(tool_format)
         session = Session(
             id=uuid.uuid4().hex,
-            tool_format=req.tool_format,
+            tool_format=tool_format,
             sampling_params=req.sampling_params.model_dump(),
             min_weight_version=req.min_weight_version,
             ttl_s=req.ttl_s,
@@ -104,7 +106,8 @@ class Sessions:
             opening = fmt.opening(forced) if forced else ""
             tail, after_assistant = head.token_ids[-HELD_TAIL:], head.ends_with_assistant()
             try:
-                ids = await self.renderer.turn(tail, after_assistant, new, tools, not head.messages, opening)
+                answered = head.messages[-1].get("tool_calls") if head.messages else None
+                ids = await self.renderer.turn(tail, after_assistant, new, tools, not head.messages, opening, answered)
             except NotAppendOnly as e:
                 metrics.TOKEN_MISMATCH.labels("template").inc()
                 raise invalid("messages", f"no exact token continuation: {e}") from None
@@ -118,7 +121,8 @@ class Sessions:
             if context is not None:
                 params = chat_turns.fitted(params, context - len(head.token_ids))
             sample = await self.sample(session, head.token_ids, params, chat_turns.rollout_fields(req))
-            parsed = chat_turns.parsed_turn(fmt, opening + sample.text, len(head.turns), req.tool_choice)
+            written, tokenizer = opened + sample.token_ids, await self.renderer.loaded()  # markers read by id
+            parsed = chat_turns.parsed_turn(fmt, "", len(head.turns), req.tool_choice, written, tokenizer)
             append_sample(head, sample, parsed, not (parsed.malformed and session.malformed_tool_calls == "mask"))
             metrics.SESSION_TURNS.labels("chat").inc()
             metrics.TOOL_CALLS.labels(fmt.name).inc(len(parsed.calls))

@@ -56,7 +56,12 @@ class SessionCreate(RequestModel):
         "min_version, resolved at each turn); null: the base model. Every turn's rollout is checked against the "
         "version's digest; each turn records the policy that drew it (`policies`).",
     )
-    tool_format: Text = Field("hermes", description="How the model writes tool calls: hermes or plain.")
+    tool_format: Text = Field(
+        "auto",
+        description="How the model writes tool calls: auto (told from the model's chat template), or a format of "
+        "TOOL_FORMATS: hermes, qwen3-xml, llama3-json, mistral, mistral-v11, deepseek-v3, deepseek-v3.1, harmony, "
+        "plain. The session's info shows the one chosen.",
+    )
     malformed_tool_calls: Literal["train", "mask"] = Field(
         "train",
         description="A turn whose tool call did not parse: train on it (its tokens keep loss mask 1) or mask it (0).",
