@@ -99,7 +99,7 @@ def turn_rules(stored: dict, given: dict, ids: CallIds) -> Step | None:
     if stored["role"] != given["role"] or stored.get("name") != given.get("name"):
         return None
     rules = set()
-    if parts(stored) != parts(given):
+    if "content_parts" in given and given["content_parts"] != parts(stored):  # the joined text compares below
         rules.add("text_parts")
     if stored["role"] == "assistant":
         (reasoning, content), (given_reasoning, given_content) = reasoning_split(stored), reasoning_split(given)
