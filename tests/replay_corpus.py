@@ -386,17 +386,19 @@ def decided(seg: Segment, history: History) -> tuple[bool, list[str]]:
 def run(family: Family, episodes: int, seed: int = 0) -> dict:
     """The corpus for one family: per case, histories, appends, forks, and the first problems seen."""
     table: dict[str, Counter] = {}
+    rules: dict[str, set] = {}
     problems: list[str] = []
     for e in range(episodes):
         seg, new = stored_episode(family, seed * 100_000 + e)
         for history in histories(family, seg, new, e):
             appended, wrong = decided(seg, history)
-            row = table.setdefault(history.kind, Counter())
+            row = table.setdefault(history.kind, Counter(histories=0, appends=0, forks=0))
             row["histories"] += 1
             row["appends" if appended else "forks"] += 1
+            rules.setdefault(history.kind, set()).update(history.rules)
             problems += [f"{family.name} episode {e} {history.kind}: {w}" for w in wrong]
     return {
-        "normalisations": {k: dict(v) for k, v in table.items() if k in NORMALISATIONS},
+        "normalisations": {k: {**v, "rules": sorted(rules[k])} for k, v in table.items() if k in NORMALISATIONS},
         "edits": {k: dict(v) for k, v in table.items() if k in EDITS},
         "histories": sum(v["histories"] for v in table.values()),
         "problems": problems[:20],
@@ -414,8 +416,8 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     for name, got in out["families"].items():
-        false_forks = sum(v.get("forks", 0) for v in got["normalisations"].values())
-        missed = sum(v.get("appends", 0) for v in got["edits"].values())
+        false_forks = sum(v["forks"] for v in got["normalisations"].values())
+        missed = sum(v["appends"] for v in got["edits"].values())
         print(f"{name}: {got['histories']} histories, {false_forks} false forks, {missed} edits appended")
 
 

@@ -31,8 +31,8 @@ def test_no_false_forks_and_every_edit_forks(families, name):
     normalised, edits = got["normalisations"], got["edits"]
     expected = set(corpus.NORMALISATIONS) - (set() if families[name].thinks else corpus.THINKING_ONLY)
     assert set(normalised) == expected and set(edits) >= set(corpus.EDITS) - {"reasoning_edited"}
-    assert {k: v.get("forks", 0) for k, v in normalised.items()} == dict.fromkeys(normalised, 0)  # 0 false forks
-    assert {k: v.get("appends", 0) for k, v in edits.items()} == dict.fromkeys(edits, 0)  # 100% forks on edits
+    assert {k: v["forks"] for k, v in normalised.items()} == dict.fromkeys(normalised, 0)  # 0 false forks
+    assert {k: v["appends"] for k, v in edits.items()} == dict.fromkeys(edits, 0)  # 100% forks on the edits
 
 
 def test_every_normalisation_is_a_rewrite_a_literal_comparison_would_fork(families):
