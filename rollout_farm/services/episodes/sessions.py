@@ -135,8 +135,9 @@ class Sessions:
         if head.from_token_ids or (head.token_ids and not head.messages):
             metrics.TOKEN_MISMATCH.labels("token_session").inc()
             raise Conflict(f"session {session.id} was built from token ids: go on with its /generate")
-        if not head.messages or head.extended_by(messages):
-            for rule in sorted(match(head.messages, messages).rules):  # what it took to see the same history
+        m = match(head.messages, messages)
+        if not head.messages or (m.stored == len(head.messages) and m.given < len(messages)):  # head.extended_by
+            for rule in sorted(m.rules):  # what it took to see the same history
                 metrics.SESSION_NORMALISED.labels(rule).inc()
             return head
         parent = max(reversed(session.segments), key=lambda s: shared_messages(s.messages, messages))
