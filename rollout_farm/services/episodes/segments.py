@@ -5,9 +5,11 @@ new messages' tokens, bit for bit.
 A segment keeps the chat history its tokens render (`messages`) and where each message ends in the tokens
 (`message_ends`; None inside a run of messages rendered together, where no exact cut exists). A request whose
 messages start with a segment's extends it: only the new messages are rendered and appended (loss mask 0), then the
-sampled ids (mask 1). A request that rewrites the history (edits, drops or replaces a message) forks: a new segment
-names its parent and starts with the parent's tokens up to the last message both share that ends at a known token
-(copied with mask 0: they are trained in the parent), never a realign of the old tokens to the new text.
+sampled ids (mask 1); "start with" allows the known rewrites harnesses make of a history they send back (stripped
+thinking, re-serialised arguments, re-ordered or merged tool results: rollout_farm/services/episodes/history_match.py).
+A request that rewrites the history (edits, drops or replaces a message) forks: a new segment names its parent and
+starts with the parent's tokens up to the last message both share that ends at a known token (copied with mask 0:
+they are trained in the parent), never a realign of the old tokens to the new text.
 A request that repeats the history a turn answered (a retry) gets that turn again.
 """
 
@@ -17,68 +19,31 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from rollout_farm.services.chat.tool_formats import ToolCall
+from rollout_farm.services.episodes.history_match import (  # the matching's names, where they were first
+    THINK,
+    THINK_END,
+    arguments,
+    match,
+    normal,
+    reasoning_split,
+    reshaped,
+    same_turn,
+    shared_messages,
+)
 
-THINK, THINK_END = "<think>", "</think>"  # the reasoning block of reasoning models (Qwen3, DeepSeek-R1, ...)
-
-
-def normal(message: dict) -> tuple:
-    """What makes two chat messages the same turn: role, content (None as ""; an assistant's without its reasoning),
-    the calls (arguments as parsed JSON), the tool call they answer, and a name."""
-    calls = tuple(
-        (c["function"]["name"], arguments(c["function"]["arguments"])) for c in message.get("tool_calls") or []
-    )
-    content = message.get("content") or ""
-    if message["role"] == "assistant":
-        content = reasoning_split(message)[1]
-    return message["role"], content, calls, message.get("tool_call_id"), message.get("name")
-
-
-def reasoning_split(message: dict) -> tuple[str, str]:
-    """An assistant message's (reasoning, content): the reasoning as `reasoning_content` or a leading <think> block of
-    its content (as reasoning models write it and their templates split it), each stripped of surrounding newlines."""
-    content = message.get("content") or ""
-    reasoning = message.get("reasoning_content") or ""
-    head, sep, rest = content.partition(THINK_END)
-    if sep and head.lstrip().startswith(THINK):
-        reasoning, content = reasoning or head.lstrip().removeprefix(THINK), rest
-    return reasoning.strip("\n"), content.lstrip("\n")
-
-
-def same_turn(stored: dict, given: dict) -> bool:
-    """Whether `given` is the stored message as a harness sends it back: equal as `normal` compares them, and for an
-    assistant turn its reasoning repeated or left out (harnesses and templates drop earlier turns' reasoning; the
-    stored tokens keep what was sampled). Changed reasoning rewrites the turn."""
-    if normal(stored) != normal(given):
-        return False
-    if stored["role"] != "assistant":
-        return True
-    given_reasoning = reasoning_split(given)[0]
-    return not given_reasoning or given_reasoning == reasoning_split(stored)[0]
-
-
-def arguments(text: str) -> str:
-    """A call's arguments as compared: JSON text normalised (key order, spacing); text that is not JSON as it is.
-    OpenAI's `arguments` is whatever the model wrote, which may not be JSON: such a call is kept as sent, and equals
-    only the same text (the farm's own calls always read as JSON, so it never matches one of theirs)."""
-    try:
-        return json.dumps(json.loads(text or "{}"), sort_keys=True)
-    except ValueError:
-        return text
-
-
-def reshaped(stored: list[dict], given: list[dict]) -> int:
-    """How many of the leading messages both share the client sent in another form than stored (reasoning left out
-    or moved to `reasoning_content`): appends that needed a normalisation."""
-    n = shared_messages(stored, given)
-    return sum(1 for s, g in zip(stored[:n], given[:n]) if (s.get("content") or "") != (g.get("content") or ""))
-
-
-def shared_messages(stored: list[dict], given: list[dict]) -> int:
-    """How many leading messages the two histories share."""
-    n = 0
-    while n < min(len(stored), len(given)) and same_turn(stored[n], given[n]):
-        n += 1
-    return n
+__all__ = [
+    "THINK",
+    "THINK_END",
+    "Segment",
+    "Turn",
+    "arguments",
+    "match",
+    "normal",
+    "reasoning_split",
+    "reshaped",
+    "same_turn",
+    "shared_messages",
+]
 
 
 @dataclass
@@ -165,14 +130,13 @@ class Segment:
 
     def answered(self, given: list[dict]) -> Turn | None:
         """The turn that answered exactly this history, if any: a retry gets it again."""
-        for turn in self.turns:
-            if turn.prompt_messages == len(given) and shared_messages(self.messages, given) == len(given):
-                return turn
-        return None
+        m = match(self.messages, given)
+        return next((t for t in self.turns if m.given == len(given) and t.prompt_messages == m.stored), None)
 
     def extended_by(self, given: list[dict]) -> bool:
         """Whether `given` is this segment's history and more."""
-        return len(given) > len(self.messages) and shared_messages(self.messages, given) == len(self.messages)
+        m = match(self.messages, given)
+        return m.stored == len(self.messages) and m.given < len(given)
 
     def fork_at(self, new_id: str, cut: int) -> Segment:
         """A segment that keeps this one's first `cut` tokens (copied untrained) and goes on from there: a token-level
@@ -195,9 +159,8 @@ class Segment:
     def fork(self, new_id: str, given: list[dict]) -> Segment:
         """A segment for a history that rewrites this one: this segment's tokens up to the last shared message that
         ends at a known token, copied untrained; the caller renders given[len(fork.messages):] next."""
-        keep = shared_messages(self.messages, given)
-        while keep and self.message_ends[keep - 1] is None:
-            keep -= 1
+        bounds = match(self.messages, given).bounds  # where a cut leaves whole steps of the match (not in a merge)
+        keep = max(n for n, _ in bounds if n == 0 or self.message_ends[n - 1] is not None)
         fork = self.fork_at(new_id, self.message_ends[keep - 1] if keep else 0)
         fork.messages, fork.message_ends = self.messages[:keep], self.message_ends[:keep]
         fork.from_token_ids = False  # cut at a shared message: before any token-level turn, which has no message

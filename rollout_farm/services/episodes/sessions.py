@@ -23,7 +23,8 @@ from rollout_farm.services.chat.delta import NotAppendOnly
 from rollout_farm.services.chat.tool_formats import AUTO, TOOL_FORMATS, ParsedTurn
 from rollout_farm.services.episodes import chat_turns
 from rollout_farm.services.episodes.chat_turns import invalid
-from rollout_farm.services.episodes.segments import Segment, reshaped, shared_messages
+from rollout_farm.services.episodes.history_match import match
+from rollout_farm.services.episodes.segments import Segment, shared_messages
 from rollout_farm.services.episodes.session_store import Session, SessionStore
 from rollout_farm.services.errors import Conflict, Invalid, NotFound
 from rollout_farm.services.observability import metrics
@@ -100,7 +101,7 @@ class Sessions:
                 if not segment.from_token_ids and (turn := segment.answered(messages)) is not None:  # a retry
                     return await self.completion(session, segment, segment.turns.index(turn), req)
             head = self.chat_head(session, messages)
-            new = messages[len(head.messages) :]
+            new = messages[match(head.messages, messages).given :]  # a harness may have merged stored messages
             if not new or new[-1]["role"] == "assistant":
                 raise invalid("messages", "the last message is the assistant's: end with the one the model answers")
             opening = fmt.opening(forced) if forced else ""
@@ -138,9 +139,10 @@ class Sessions:
         if head.from_token_ids or (head.token_ids and not head.messages):
             metrics.TOKEN_MISMATCH.labels("token_session").inc()
             raise Conflict(f"session {session.id} was built from token ids: go on with its /generate")
-        if not head.messages or head.extended_by(messages):
-            if reshaped(head.messages, messages):
-                metrics.SESSION_NORMALISED.labels("reasoning").inc()
+        m = match(head.messages, messages)
+        if not head.messages or (m.stored == len(head.messages) and m.given < len(messages)):  # head.extended_by
+            for rule in sorted(m.rules):  # what it took to see the same history
+                metrics.SESSION_NORMALISED.labels(rule).inc()
             return head
         parent = max(reversed(session.segments), key=lambda s: shared_messages(s.messages, messages))
         session.segments.append(parent.fork(str(len(session.segments)), messages))

@@ -109,7 +109,7 @@ KNOWN_LABELS = {
     FILTER_GROUPS: ("kept", "zero_variance", "surplus", "cancelled"),
     SESSION_TURNS: ("chat", "generate"),
     SESSION_FORKS: ("messages", "offset"),
-    SESSION_NORMALISED: ("reasoning",),
+    SESSION_NORMALISED: ("reasoning", "arguments", "call_ids", "tool_order", "tool_merge", "text_parts"),
     TOKEN_MISMATCH: ("template", "retry_conflict", "token_session"),
     EPISODES: ("done", "max_turns", "max_tokens", "context_overflow", "env_error"),
     ENV_TIMEOUTS: ("reset", "step"),

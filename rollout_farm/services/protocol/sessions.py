@@ -216,7 +216,8 @@ class SessionMessage(RequestModel):
         return self
 
     def as_chat(self) -> dict:
-        """The message as a chat template takes it (developer as system, text parts joined)."""
+        """The message as a chat template takes it (developer as system, text parts joined; the parts kept apart as
+        `content_parts`, for rollout_farm/services/episodes/history_match.py)."""
         text = (
             self.content
             if isinstance(self.content, str) or self.content is None
@@ -231,6 +232,8 @@ class SessionMessage(RequestModel):
             out["name"] = self.name
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
+        if isinstance(self.content, list):  # the parts as sent: a harness may merge tool results as parts
+            out["content_parts"] = [p.text for p in self.content]
         return out
 
 
