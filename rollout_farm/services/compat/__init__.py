@@ -10,7 +10,7 @@ SGLang engine is rollout_farm/services/engine/sglang_engine.py, not this HTTP su
 | `openai_stream.py` | the server-sent events of a streamed OpenAI answer |
 | `anthropic.py` | a session's Anthropic Messages turn: blocks to chat messages and tools, the completion as a Message |
 | `anthropic_stream.py` | the server-sent events of a streamed Anthropic Message (Anthropic's event types) |
-| `responses.py` | a session's OpenAI Responses turn: input items to chat messages, `previous_response_id`, the response |
+| `responses.py` | a session's OpenAI Responses turn: input items to chat messages, `previous_response_id` |
 | `responses_stream.py` | the server-sent events of a streamed Response (`response.*` events with sequence numbers) |
 | `sglang_native.py` | `SGLangNative`: SGLang's /generate, weight, pause and abort routes onto Rollouts and WeightPush |
 | `sglang_shapes.py` | SGLang's /generate fields onto the farm's, and each sample back in SGLang's answer shape |

@@ -16,6 +16,7 @@ episodes -> environments -> sessions.
 | `chat_turns.py` | a chat turn's OpenAI side: tools and tool_choice checked, sampling params, the chat completion |
 | `session_store.py` | the session as one JSON value in Redis, expiring ttl_s after its last change; its turn lock |
 | `segments.py` | a session's tokens in segments that only grow: sampled ids (mask 1), context (mask 0), forks |
+| `history_match.py` | a harness's history against the stored turns: the shared messages, the normalisations it took |
 | `episodes.py` | `Episodes`: n episodes per prompt; `EpisodeRun`: reset, chat turn, step, until done or a limit |
 | `environments.py` | the `Environment` interface (reset, step, close; Params, tools, tool format), `ENVIRONMENTS` |
 | `calculator.py` | the built-in calculator environment |

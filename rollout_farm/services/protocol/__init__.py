@@ -17,7 +17,7 @@ so that users of SGLang recognise them, and OpenAI's on the OpenAI-compatible en
 | `adapters.py` | LoRA adapters: pushes, versions, the `AdapterRef` a request names, a sample's `Policy`; tenants |
 | `control.py` | health, readiness, and the control of every replica |
 | `openai.py` | the OpenAI-compatible requests; a field the farm cannot honour is a 422 naming it |
-| `anthropic.py` | Anthropic's Messages requests on a session (the anthropic SDK 2.17.0), its blocks; unserved ones a 422 |
+| `anthropic.py` | Anthropic's Messages requests on a session (anthropic SDK 2.17.0), its blocks; unserved: a 422 |
 | `responses.py` | OpenAI's Responses requests on a session (openai 3.57), its input items; unserved ones a 422 |
 | `sglang_native.py` | SGLang 0.5.14's native requests (`/generate`, weight and control routes), SGLang's names |
 | `vllm_tokens.py` | vLLM's token route request (`/inference/v1/generate`), vLLM's names |
