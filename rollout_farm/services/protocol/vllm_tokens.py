@@ -54,6 +54,13 @@ class VLLMSamplingParams(RequestModel):
     )
     skip_special_tokens: bool = Field(True, description="vLLM's detokenizer option; this route returns no text.")
     spaces_between_special_tokens: bool = Field(True, description="As skip_special_tokens: no text is returned.")
+    routed_experts_prompt_start: int = Field(
+        0,
+        ge=0,
+        description="vLLM's: the prompt position the returned routed experts start at (verifiers 0.4.0's training "
+        "client sends it on every turn its renderer bridges from the last one). Accepted: the farm's engines return no "
+        "routed experts (each choice's routed_experts is null), as vLLM does without --enable-return-routed-experts.",
+    )
 
 
 class GenerateTokensRequest(RequestModel):
