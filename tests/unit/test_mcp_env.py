@@ -16,7 +16,7 @@ from rollout_farm.services.chat.tool_formats import ToolCall
 from rollout_farm.services.config.settings import McpServer
 from rollout_farm.services.episodes.allowed_hosts import AllowedHosts, use_allowed_hosts
 from rollout_farm.services.episodes.environments import AssistantTurn
-from rollout_farm.services.episodes.mcp_env import McpEnvironment, McpFailed, McpParams
+from rollout_farm.services.episodes.mcp_env import RUNNING, McpEnvironment, McpFailed, McpParams
 from rollout_farm.services.episodes.openenv_remote import OpenEnvParams, OpenEnvRemote
 from rollout_farm.services.net import free_port
 from tests import mcp_server
@@ -26,6 +26,8 @@ SERVERS = {
     "tools": McpServer(command=sys.executable, args=[SERVER]),
     "broken": McpServer(command=sys.executable, args=["-c", "raise SystemExit(3)"]),
     "missing": McpServer(command="/nonexistent/mcp-server"),
+    "one": McpServer(command=sys.executable, args=[SERVER], max_processes=1),
+    "two": McpServer(command=sys.executable, args=[SERVER], max_processes=2),
 }
 CALLS = [
     ToolCall("c1", "add", '{"a": 2, "b": 3}'),
@@ -119,6 +121,33 @@ async def test_a_server_that_does_not_start_fails_the_reset_naming_it(server, er
         await env.reset(P.Prompt(text="x"))
     await env.close()
     assert str(failed.value).startswith(error), failed.value
+
+
+async def test_a_servers_processes_are_capped_and_a_reset_that_gives_up_waiting_starts_none():
+    """max_processes=1: a second episode's reset waits until the first episode's process stops; a third that gives
+    up waiting (the runner's timeout) is cancelled where it waits and starts nothing. Negative control: with 2 slots
+    the second episode starts at once."""
+    first, second = mcp_env(server="one"), mcp_env(server="one")
+    await first.reset(P.Prompt(text="Add."))
+    slots = RUNNING[(asyncio.get_running_loop(), "one")]
+    assert slots.locked()  # the one slot is the first episode's
+    waiting = asyncio.create_task(second.reset(P.Prompt(text="Add.")))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # no slot: it cannot have started, however fast the machine
+    third = mcp_env(server="one")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(third.reset(P.Prompt(text="Add.")), 0.2)
+    await asyncio.wait_for(third.close(), 5)
+    assert third.connection.holder.cancelled()  # never got a slot, never started a process
+    await first.close()
+    assert await asyncio.wait_for(waiting, 30) == [{"role": "user", "content": "Add."}]
+    step = await second.step(turn(*CALLS))
+    assert [(m["tool_call_id"], m["content"]) for m in step.observation] == SEEN
+    await second.close()
+    both = [mcp_env(server="two") for _ in range(2)]
+    await asyncio.wait_for(asyncio.gather(*(e.reset(P.Prompt(text="Add.")) for e in both)), 30)
+    for e in both:
+        await e.close()
 
 
 async def test_a_server_that_dies_mid_episode_fails_the_next_call():

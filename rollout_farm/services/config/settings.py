@@ -46,6 +46,14 @@ class McpServer(BaseModel):
         "LOGNAME): the service's own (its token, Redis) are not.",
     )
     cwd: str | None = Field(None, description="Its working folder; None: the service's.")
+    max_processes: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Its processes running at once in one ingress replica (one per episode): an episode beyond waits "
+        "for one to stop, within its reset's timeout (`env_timeout_s`), so a request's prompts times n cannot start "
+        "a process each at once.",
+    )
 
 
 class ServiceSettings(BaseSettings):

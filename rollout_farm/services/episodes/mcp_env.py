@@ -111,11 +111,12 @@ class McpConnection:
         self.where, self.transport = where, transport
         self.closing = asyncio.Event()
         self.holder: asyncio.Task | None = None
+        self.opened: asyncio.Future[ClientSession] | None = None
 
     async def open(self) -> ClientSession:
-        opened: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
-        self.holder = asyncio.create_task(self.hold(opened))
-        return await self.request("initialize", opened)
+        self.opened = asyncio.get_running_loop().create_future()
+        self.holder = asyncio.create_task(self.hold(self.opened))
+        return await self.request("initialize", self.opened)
 
     async def hold(self, opened: asyncio.Future) -> None:
         async with self.transport() as (read, write), ClientSession(read, write) as session:
@@ -141,12 +142,14 @@ class McpConnection:
             raise McpFailed(f"{self.where}: {what}: {described(e)}") from None
 
     async def close(self) -> None:
+        """The session closed: the SDK's shutdown (stdin closed, then the process stopped, all bounded); one that never
+        opened (the reset gave up while it waited for a process slot or started) is cancelled where it is."""
         self.closing.set()
-        if self.holder is not None:
-            try:
-                await self.holder  # the SDK's shutdown: stdin closed, then the process stopped, all bounded
-            except Exception:  # already reported by the request it failed
-                pass
+        if self.holder is None:
+            return
+        if not (self.opened.done() and not self.opened.cancelled()):
+            self.holder.cancel()
+        await asyncio.wait({self.holder})  # its error, if any, was reported by the request it failed
 
 
 def described(e: BaseException) -> str:
@@ -163,6 +166,18 @@ def ending(holder: asyncio.Task) -> str:
     if holder.cancelled():
         return "the session was cancelled"
     return described(holder.exception()) if holder.exception() else "the session ended"
+
+
+RUNNING: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Semaphore] = {}  # a stdio server's process slots
+
+
+@asynccontextmanager
+async def one_of(name: str, limit: int, process: AbstractAsyncContextManager) -> AsyncIterator[Any]:
+    """The server's process, started once one of its `limit` slots in this event loop is free (McpServer.max_processes);
+    the slot is given back when the process stops."""
+    slots = RUNNING.setdefault((asyncio.get_running_loop(), name), asyncio.Semaphore(limit))
+    async with slots, process as streams:
+        yield streams
 
 
 @asynccontextmanager
@@ -216,7 +231,7 @@ class McpEnvironment(Environment):
         stdio = self.params._stdio
         if stdio is not None:
             server = StdioServerParameters(command=stdio.command, args=stdio.args, env=stdio.env, cwd=stdio.cwd)
-            return lambda: stdio_client(server)
+            return lambda: one_of(self.params.server, stdio.max_processes, stdio_client(server))
         try:
             at = await allowed_hosts.current().resolve(self.params.url)
         except NotAllowed as e:
