@@ -3,16 +3,19 @@
 is a byte-level BPE trained here with the family's added tokens: the template is the real one, its special tokens are
 single tokens, and the sampled ids may differ from the canonical encoding of their text, as a real model's do.
 
-`qwen3_tokenizer()` builds Qwen3's; `sampled` writes a turn as a model samples it; `episode` runs the turns as a
-session builds them (tests/unit/test_chat_families.py, the replay corpus).
+`FAMILIES` is the one family table of the tests (tests/unit/test_chat_families.py, the replay corpus
+tests/replay_corpus.py); `qwen3_tokenizer()` builds Qwen3's; `sampled` writes a turn as a model samples it; `episode`
+runs the turns as a session builds them.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from rollout_farm.services.chat import delta as chat_delta
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, Hermes
+from rollout_farm.services.episodes.chat_turns import assistant_message, opens_thinking, parsed_turn
 from rollout_farm.services.episodes.segments import Segment
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -25,6 +28,7 @@ ADDED = (
     "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> "
     "<tool_response> </tool_response> <think> </think>"
 ).split()
+LEAD = "Let me check.\n"  # text a Qwen turn may write before its calls
 TAGS = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 
 # Five turns: a call, an answer, two calls in one turn (their results sent as two tool messages), an answer, a goodbye.
@@ -53,6 +57,16 @@ def qwen3_tokenizer(template: str = "qwen3.jinja"):
     """Qwen3's tokenizer: its added tokens (the six tags not special) on a BPE trained on the turns below."""
     corpus = [*REPLIES, "<tool_response>\n1776\n</tool_response> system user assistant Use tools. What is"]
     return family_tokenizer(template, ADDED, TAGS, corpus, eos="<|im_end|>", pad="<|endoftext|>")
+
+
+def qwen25_tokenizer():
+    """Qwen2.5's template (tests/unit/test_session_tokens.py: hermes calls, results in one user turn) on Qwen3's
+    tokenizer."""
+    from tests.unit.test_session_tokens import QWEN25
+
+    tok = qwen3_tokenizer()
+    tok.chat_template = QWEN25
+    return tok
 
 
 def family_tokenizer(template: str, added, tags, corpus, eos: str, pad: str, bos: str | None = None):
@@ -89,27 +103,29 @@ def sampled(tok, text: str, tags=None, end: str | None = "<|im_end|>") -> list[i
 
 
 def episode(
-    tok, replies=REPLIES, following=FOLLOWING, fmt=None, tags=None, end="<|im_end|>", tools=TOOLS
+    tok, replies=REPLIES, following=FOLLOWING, fmt=None, tags=None, end="<|im_end|>", tools=TOOLS, ask="What is 37*48?"
 ) -> tuple[Segment, list[list[int]]]:
-    """The turns as a session builds them: (segment, each turn's prompt ids). The calls are read from the sampled
-    ids by `fmt` (hermes by default), the following messages rendered after them as a session does."""
+    """The turns as a session builds them: (segment, each turn's prompt ids). The calls and the reasoning are read
+    from the sampled ids as a session reads them (chat_turns.parsed_turn, by `fmt`: hermes by default) into the
+    assistant message it stores, the following messages rendered after them as a session does (none after the last
+    turn given fewer)."""
     seg, fmt = Segment("s0"), fmt or Hermes()
-    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 37*48?"}]
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": ask}]
     first = chat_delta.opening(tok, messages, tools)
     seg.add_context(first.messages, messages)
     seg.add_context(first.prompt, [])
-    prompts = []
+    prompts, prompt = [], first.prompt
     for turn, text in enumerate(replies):
         prompts.append(list(seg.token_ids))
         ids = sampled(tok, text, tags, end)
-        parsed = fmt.parse_ids(ids, tok, turn)
-        message = {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+        parsed = parsed_turn(fmt, "", turn, "auto", ids, tok, opens_thinking(tok, prompt))
+        message = assistant_message(parsed)
         seg.add_sampled(ids, [-0.5] * len(ids), [-0.4] * len(ids), [turn] * len(ids), "stop", message, parsed.calls)
         if turn == len(following):
             break
         new = following[turn]
         close, rendered, prompt, _ = chat_delta.turn(
-            tok, seg.token_ids[-64:], True, new, tools, False, "", message["tool_calls"]
+            tok, seg.token_ids[-64:], True, new, tools, False, "", message.get("tool_calls")
         )
         seg.add_context(close, [])
         seg.add_context(rendered, new)
@@ -139,7 +155,10 @@ def following_for(fmt) -> list[list[dict]]:
 class Family:
     """A model family for the tests: its tokenizer (real template, real added tokens), its tool format, five sampled
     turns (a call, an answer, two calls or one where the family makes one per turn, an answer, a goodbye), the
-    messages that follow each, and the token its turns end with (none: each reply ends with its own)."""
+    messages that follow each, the token its turns end with (none: each reply ends with its own), how its turns
+    carry reasoning (`think`: a leading <think> block of the content, which its template splits; `opened`: the text up
+    to </think> of a <think> block the generation prompt opened, read apart as reasoning_content; `analysis`:
+    harmony's analysis channel, read apart as reasoning_content; none) and the text it may write before its calls."""
 
     name: str
     tokenizer: Callable
@@ -149,10 +168,25 @@ class Family:
     tags: tuple[str, ...]  # the added tokens a reply's text is sampled with as single tokens
     end: str | None
     tools: list[dict] = field(default_factory=lambda: TOOLS)
+    reasoning: str | None = None
+    lead: str = ""
+
+    @property
+    def fmt(self):
+        return TOOL_FORMATS.get(self.tool_format)()
+
+    @property
+    def parallel(self) -> bool:
+        """Whether a turn may make several calls (harmony's make one per turn)."""
+        return self.tool_format != "harmony"
+
+    @cached_property
+    def tok(self):
+        """The family's tokenizer, built once."""
+        return self.tokenizer()
 
     def episode(self, tok) -> tuple[Segment, list[list[int]]]:
-        fmt = TOOL_FORMATS.get(self.tool_format)()
-        return episode(tok, self.replies, self.following, fmt, self.tags, self.end, self.tools)
+        return episode(tok, self.replies, self.following, self.fmt, self.tags, self.end, self.tools)
 
 
 def family(
@@ -169,6 +203,7 @@ def family(
     following=None,
     tools=TOOLS,
     lead="Let me compute. ",
+    reasoning=None,
 ):
     fmt = TOOL_FORMATS.get(fmt_name)()
     replies = replies or [
@@ -188,6 +223,8 @@ def family(
         tuple(added),
         end if end is not None else eos,
         tools,
+        reasoning,
+        lead if replies is None else "",
     )
 
 
@@ -213,7 +250,8 @@ HARMONY_SAY = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant<|channe
 FAMILIES = {
     f.name: f
     for f in [
-        Family("qwen3", qwen3_tokenizer, "hermes", REPLIES, FOLLOWING, tuple(TAGS), "<|im_end|>"),
+        Family("qwen3", qwen3_tokenizer, "hermes", REPLIES, FOLLOWING, tuple(TAGS), "<|im_end|>", TOOLS, "think", LEAD),
+        Family("qwen2.5", qwen25_tokenizer, "hermes", REPLIES, FOLLOWING, tuple(TAGS), "<|im_end|>", lead=LEAD),
         family(
             "qwen3-coder",
             "qwen3-coder.jinja",
@@ -224,7 +262,7 @@ FAMILIES = {
             "<|endoftext|>",
             end="<|im_end|>",
         ),
-        family("qwen3.5", "qwen3.5.jinja", ADDED, TAGS, "qwen3-xml", "<|im_end|>", "<|endoftext|>"),
+        family("qwen3.5", "qwen3.5.jinja", ADDED, TAGS, "qwen3-xml", "<|im_end|>", "<|endoftext|>", reasoning="opened"),
         family(
             "llama3.1",
             "llama3.1.jinja",
@@ -296,6 +334,7 @@ FAMILIES = {
             bos="<|startoftext|>",
             end="",
             tools=DESCRIBED,
+            reasoning="analysis",
             replies=[
                 HARMONY_CALL.format("I should call the tool.", "37*48"),
                 HARMONY_SAY.format("Got 1776.", "The answer is 1776."),

@@ -4,13 +4,14 @@ either a known normalisation (the session must APPEND: no false fork) or a genui
 control). Issue 39 item 4; the rules: rollout_farm/services/episodes/history_match.py.
 
 No engine is needed to decide append or fork: the "engine" is a seeded choice of replies (reasoning, text, one call or
-parallel calls in the family's tool format), written as a model samples them (tests/chat_families.py `sampled`) and
-stored through the family's real chat template as a session stores them (Segment, the chat delta).
+parallel calls in the family's tool format), written as a model samples them and stored through the family's real
+chat template as a session stores them (tests/chat_families.py `episode`: the calls and reasoning read from the
+sampled ids, the chat delta rendered between turns).
 
-A family plugs in as a `Family`: its tokenizer (with its real template), its tool format, and whether its turns carry
-reasoning the template splits. `python -m tests.replay_corpus` runs the corpus for every family here and writes
+The families are tests/chat_families.py's FAMILIES (each its tokenizer with its real template, its tool format, how
+its turns carry reasoning). `python -m tests.replay_corpus` runs the corpus for every family and writes
 docs/data/replay_forks.json (per family, per case: histories, appends, forks); tests/unit/test_replay_corpus.py runs
-the same corpus and asserts 0 false forks and 100% forks on the edits.
+a seeded part of the same corpus per family and asserts 0 false forks and 100% forks on the edits.
 """
 
 from __future__ import annotations
@@ -23,28 +24,20 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_farm.services.chat import delta as chat_delta
-from rollout_farm.services.chat.tool_formats import Hermes, ToolFormat
 from rollout_farm.services.episodes.history_match import match, reasoning_split
 from rollout_farm.services.episodes.segments import Segment
-from tests.chat_families import qwen3_tokenizer, sampled
+from tests.chat_families import FAMILIES, Family, episode
 
 TOOLS = [
-    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    {"type": "function", "function": {"name": name, "description": f"The {name}.", "parameters": {"type": "object"}}}
     for name in ("calculator", "search", "weather")
 ]
 VALUES = ["37*48", "café au lait", "東京", 'naïve "quoted" text', 3, 12.5, True, None, [1, 2], {"deep": "é"}]
 KEYS = ["expression", "query", "city", "limit", "unit", "filters"]
 USERS = ["What is 37*48?", "And the weather there?", "Search for it, please.", "Thanks. One more?", "Why?"]
 RESULTS = ["1776", "sunny, 21 °C", "no results", "line one\nline two", '{"hits": 3}', "4"]
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    tokenizer: object  # with the family's real chat template
-    fmt: ToolFormat
-    thinks: bool  # its turns carry reasoning (<think>) that its template splits
+THOUGHTS = ["Let me see.", "Two things to check.", "Easy."]
+ANSWERS = ["The answer is 1776.", "It is sunny.", "Done.\nAnything else?"]
 
 
 @dataclass(frozen=True)
@@ -57,68 +50,58 @@ class History:
 
 
 def families() -> dict[str, Family]:
-    """The families here: Qwen3 (its official template) and Qwen2.5 (the template of
-    tests/unit/test_session_tokens.py), both hermes tool calls, on Qwen3's test tokenizer."""
-    from tests.unit.test_session_tokens import QWEN25
-
-    qwen3 = qwen3_tokenizer()
-    qwen25 = copy.deepcopy(qwen3)
-    qwen25.chat_template = QWEN25
-    return {"qwen3": Family("qwen3", qwen3, Hermes(), True), "qwen2.5": Family("qwen2.5", qwen25, Hermes(), False)}
+    """The families the corpus runs: every family of the tests."""
+    return FAMILIES
 
 
-def replies(rng: random.Random, family: Family) -> list[str]:
-    """An episode's turns as the model writes them: 4-6, one of them parallel calls, the last an answer."""
+def replies(rng: random.Random, family: Family) -> list[tuple[str, int]]:
+    """An episode's turns as the model writes them, each with its number of calls: 4-6 turns, one of them calls
+    (parallel where the family makes them), the last an answer."""
     kinds = ["parallel"] + [rng.choice(["call", "parallel", "answer"]) for _ in range(rng.randint(2, 4))]
     rng.shuffle(kinds)
     out = []
     for kind in kinds + ["answer"]:
-        think = f"<think>\n{rng.choice(['Let me see.', 'Two things to check.', 'Easy.'])}\n</think>\n\n"
-        if kind == "answer":
-            text = rng.choice(["The answer is 1776.", "It is sunny.", "Done.\nAnything else?"])
-        else:
-            calls = [call(rng, family.fmt) for _ in range(1 if kind == "call" else rng.randint(2, 3))]
-            text = rng.choice(["", "Let me check.\n"]) + "\n".join(calls)
-        out.append(think * family.thinks + text)
+        n = 0 if kind == "answer" else 1 if kind == "call" or not family.parallel else rng.randint(2, 3)
+        calls = [call(rng) for _ in range(n)]
+        text = rng.choice([rng.choice(ANSWERS)] if not n else ["", family.lead])
+        out.append((written(family, rng.choice(THOUGHTS), text, calls), n))
     return out
 
 
-def call(rng: random.Random, fmt: ToolFormat) -> str:
+def call(rng: random.Random) -> tuple[str, dict]:
     keys = rng.sample(KEYS, rng.randint(1, 3))
-    return fmt.render_call(rng.choice(TOOLS)["function"]["name"], {k: rng.choice(VALUES) for k in keys})
+    return rng.choice(TOOLS)["function"]["name"], {k: rng.choice(VALUES) for k in keys}
 
 
-def following(rng: random.Random, message: dict) -> list[dict]:
-    """What comes after a sampled turn: a result per call, or the user's next message."""
-    calls = message.get("tool_calls") or []
+def written(family: Family, thought: str, text: str, calls: list[tuple[str, dict]]) -> str:
+    """A turn's text as the family's model writes it: its reasoning, its text, its calls."""
+    said = text + (family.fmt.render_calls(calls) if calls else "")
+    if family.reasoning == "think":
+        return f"<think>\n{thought}\n</think>\n\n{said}"
+    if family.reasoning == "opened":  # the prompt opened the <think> block
+        return f"{thought}\n</think>\n\n{said}"
+    if family.reasoning == "analysis":  # harmony: an analysis message, then the final answer or the call
+        final = said if calls else f"<|channel|>final<|message|>{said}<|return|>"
+        return f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant{final}"
+    return said
+
+
+def following(rng: random.Random, family: Family, turn: int, calls: int) -> list[dict]:
+    """What comes after a sampled turn: a result per call (the format's call ids), or the user's next message."""
     if not calls:
         return [{"role": "user", "content": rng.choice(USERS)}]
-    results = rng.sample(RESULTS, len(calls))  # distinct: results swapped between calls are another history
-    return [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results)]
+    results = rng.sample(RESULTS, calls)  # distinct: results swapped between calls are another history
+    return [{"role": "tool", "tool_call_id": family.fmt.call_id(turn, i), "content": r} for i, r in enumerate(results)]
 
 
 def stored_episode(family: Family, seed: int) -> tuple[Segment, list[dict]]:
     """A session's segment after an episode's turns, and what follows its last turn."""
-    rng, tok, seg = random.Random(seed), family.tokenizer, Segment(f"s{seed}")
-    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": rng.choice(USERS)}]
-    first = chat_delta.opening(tok, messages, TOOLS)
-    seg.add_context(first.messages, messages)
-    seg.add_context(first.prompt, [])
-    new = []
-    for turn, text in enumerate(replies(rng, family)):
-        if new:
-            close, rendered, prompt, _ = chat_delta.turn(tok, seg.token_ids[-64:], True, new, TOOLS, False, "")
-            seg.add_context(close, [])
-            seg.add_context(rendered, new)
-            seg.add_context(prompt, [])
-        ids = sampled(tok, text)
-        parsed = family.fmt.parse(text, turn)
-        message = {"role": "assistant", "content": parsed.content}
-        if parsed.calls:
-            message["tool_calls"] = [c.openai() for c in parsed.calls]
-        seg.add_sampled(ids, [-0.5] * len(ids), [-0.4] * len(ids), [turn] * len(ids), "stop", message, parsed.calls)
-        new = following(rng, message)
-    return seg, new
+    rng = random.Random(seed)
+    ask, turns = rng.choice(USERS), replies(rng, family)
+    after = [following(rng, family, turn, n) for turn, (_, n) in enumerate(turns)]
+    texts = [text for text, _ in turns]
+    seg, _ = episode(family.tok, texts, after[:-1], family.fmt, family.tags, family.end, TOOLS, ask)
+    return seg, after[-1]
 
 
 def runs(history: list[dict]) -> list[tuple[int, int]]:
@@ -145,10 +128,12 @@ def strip_reasoning(h, rng):
     for m in h:
         if m["role"] == "assistant":
             m["content"] = reasoning_split(m)[1]
+            m.pop("reasoning_content", None)
     return {"reasoning"}
 
 
 def move_reasoning(h, rng):
+    """A leading <think> block moved to `reasoning_content` (a turn whose reasoning is apart already is as stored)."""
     for m in h:
         if m["role"] == "assistant":
             m["reasoning_content"], m["content"] = reasoning_split(m)
@@ -212,8 +197,10 @@ def everything(h, rng):
     """All at once, as one harness may do: its own call ids, its own JSON, no thinking, results re-ordered in one
     turn and merged in another."""
     rules = rename_call_ids(h, rng) | reserialise_arguments(h, rng) | text_parts(h, rng)
-    if any("<think>" in (m.get("content") or "") for m in h):
+    if any(reasoning_split(m)[0] for m in h if m["role"] == "assistant"):
         rules |= strip_reasoning(h, rng)
+    if not runs(h):  # one call a turn: no results to merge or re-order
+        return rules
     first, *rest = runs(h)
     if rest:  # merge the last runs, then re-order the first (its place is unchanged by a merge after it)
         for start, k in reversed(rest):
@@ -237,7 +224,24 @@ NORMALISATIONS = {
     "text_parts": text_parts,
     "all_at_once": everything,
 }
-THINKING_ONLY = {"reasoning_stripped", "reasoning_moved"}
+# The cases of parallel calls' results: none where a turn makes one call (harmony).
+PARALLEL_ONLY = (
+    "results_reordered",
+    "results_merged",
+    "result_ids_swapped",
+    "merged_out_of_order",
+    "merged_with_a_change",
+    "call_id_shared",
+)
+# The cases a family's reasoning allows: none without reasoning; a move only where the content holds it (a <think>
+# block; reasoning read apart, harmony's analysis channel or a block the prompt opened, is reasoning_content as
+# stored).
+APPLIES = {
+    "reasoning_stripped": lambda f: f.reasoning is not None,
+    "reasoning_moved": lambda f: f.reasoning == "think",
+    "reasoning_edited": lambda f: f.reasoning is not None,
+    **dict.fromkeys(PARALLEL_ONLY, lambda f: f.parallel),
+}
 
 
 # The edits: each a genuine rewrite that must fork; each returns the first stored message it changes.
@@ -275,7 +279,10 @@ def edit_argument(h, rng):
 
 def edit_reasoning(h, rng):
     i = pick(h, rng, lambda i, m: m["role"] == "assistant")
-    h[i]["content"] = h[i]["content"].replace("\n</think>", " Or not.\n</think>", 1)
+    if h[i].get("reasoning_content"):
+        h[i]["reasoning_content"] += " Or not."
+    else:
+        h[i]["content"] = h[i]["content"].replace("\n</think>", " Or not.\n</think>", 1)
     return i
 
 
@@ -345,13 +352,13 @@ def histories(family: Family, seg: Segment, new: list[dict], seed: int) -> list[
     """Every applicable rewrite of one stored episode, each followed by the same new messages."""
     out = []
     for kind, rewrite in NORMALISATIONS.items():
-        if kind in THINKING_ONLY and not family.thinks:
+        if not APPLIES.get(kind, bool)(family):
             continue
         h = copy.deepcopy(seg.messages)
         rules = rewrite(h, random.Random(f"{seed}:{kind}"))
         out.append(History(kind, h + new, new, frozenset(rules), -1))
     for kind, rewrite in EDITS.items():
-        if kind == "reasoning_edited" and not family.thinks:
+        if not APPLIES.get(kind, bool)(family):
             continue
         h = copy.deepcopy(seg.messages)
         edited = rewrite(h, random.Random(f"{seed}:{kind}"))

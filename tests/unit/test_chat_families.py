@@ -13,8 +13,11 @@ import pytest
 from rollout_farm.services.chat import delta as chat_delta
 from rollout_farm.services.chat.template import for_template
 from rollout_farm.services.chat.tool_formats import TOOL_FORMATS, detected
+from rollout_farm.services.compat import anthropic, responses
+from rollout_farm.services.episodes.chat_turns import completion, opens_thinking, parsed_turn, thinking_and_text
 from rollout_farm.services.episodes.segments import reshaped, shared_messages
-from tests.chat_families import FAMILIES, TOOLS, episode, qwen3_tokenizer, sampled
+from rollout_farm.services.episodes.session_store import Session
+from tests.chat_families import FAMILIES, HARMONY_SAY, TOOLS, episode, qwen3_tokenizer, sampled
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def test_every_family_appends_every_turn_with_the_sampled_ids_verbatim_and_its_c
     sampled_at = {i for t in seg.turns for i in range(t.start, t.end)}
     assert [i for i, m in enumerate(seg.loss_mask) if m] == sorted(sampled_at)
     calls = [
-        [json.loads(c["function"]["arguments"]) for c in m["tool_calls"]]
+        [json.loads(c["function"]["arguments"]) for c in m.get("tool_calls") or []]
         for m in seg.messages
         if m["role"] == "assistant"
     ]
@@ -177,3 +180,37 @@ def test_a_marker_written_as_text_opens_no_call_where_the_family_has_its_token(f
         return
     as_text = fmt.parse_ids(sampled(tok, text, (), f.end), tok, 0)
     assert as_text.calls == [] and fmt.parse(text, 0).calls == as_tokens.calls
+
+
+REASONED = {  # a turn with reasoning as each family's model writes it, and the reasoning it holds
+    "qwen3": ("<think>\nI know this.\n</think>\n\nThe answer is 1776.", "I know this."),
+    "qwen3.5": ("I know this.\n</think>\n\nThe answer is 1776.", "I know this."),  # its prompt opened <think>
+    "gpt-oss": (HARMONY_SAY.format("I know this.", "The answer is 1776."), "I know this."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REASONED))
+def test_a_turns_reasoning_reaches_every_front_door(name):
+    """The reasoning a turn holds (a <think> block, one the prompt opened, harmony's analysis channel) reaches the
+    client: as `reasoning_content` where the session reads it apart (else inline, as sampled), as the Anthropic
+    answer's thinking block and the Responses answer's reasoning item; the text without it."""
+    f = FAMILIES[name]
+    text, reasoning = REASONED[name]
+    seg, _ = episode(f.tok, [text], [], f.fmt, f.tags, f.end, f.tools)
+    session = Session("s", f.tool_format, {}, -1, 60.0, segments=[seg])
+    message = completion(session, seg, 0, "m", None)["choices"][0]["message"]
+    assert thinking_and_text(message) == (reasoning, "The answer is 1776.")
+    assert message.get("reasoning_content") == (None if name == "qwen3" else reasoning)
+    assert anthropic.blocks(message)[0] == {"type": "thinking", "thinking": reasoning, "signature": ""}
+    assert responses.output(message, "x")[0]["content"] == [{"type": "reasoning_text", "text": reasoning}]
+
+
+def test_only_a_prompt_that_opens_a_think_block_makes_the_text_before_think_end_reasoning():
+    """Negative control: DeepSeek-R1's prompt closes its <think> block (thinking off: `<think>\\n</think>`), so a
+    </think> the model writes after it is text; Qwen3.5's leaves it open."""
+    for name, opens in [("qwen3.5", True), ("deepseek-r1", False), ("qwen3", False)]:
+        f = FAMILIES[name]
+        prompt = chat_delta.opening(f.tok, [{"role": "user", "content": "Hi"}], f.tools).prompt
+        assert opens_thinking(f.tok, prompt) is opens, name
+    parsed = parsed_turn(TOOL_FORMATS.get("hermes")(), "Hmm.\n</think>\n\nHi.", 0, "auto")
+    assert (parsed.reasoning, parsed.content) == ("", "Hmm.\n</think>\n\nHi.")

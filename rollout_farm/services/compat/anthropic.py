@@ -9,9 +9,9 @@ History, as a chat template takes it:
   assistant text / tool_use         the assistant's content and tool_calls (input as JSON arguments)
   assistant thinking                the assistant's reasoning_content (the stored turn keeps what the model sampled)
 
-The answer: a thinking block when the sampled text opens with a <think> block, a text block, a tool_use block per
-call; stop_reason tool_use, max_tokens, stop_sequence (the stop string the text holds) or end_turn; the farm's token
-view under `farm`.
+The answer: a thinking block for the turn's reasoning (its reasoning_content, else a leading <think> block), a text
+block, a tool_use block per call; stop_reason tool_use, max_tokens, stop_sequence (the stop string the text holds) or
+end_turn; the farm's token view under `farm`.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ async def count_tokens(tokenizer, req: A.CountTokensRequest) -> dict:
 
 
 def blocks(message: dict) -> list[dict]:
-    """The answer's content blocks: thinking (a leading <think> block of the text), text, tool_use per call."""
-    thinking, content = thinking_and_text(message["content"])
+    """The answer's content blocks: thinking (its reasoning: chat_turns.thinking_and_text), text, tool_use per call."""
+    thinking, content = thinking_and_text(message)
     out = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
     if content:
         out.append({"type": "text", "text": content})

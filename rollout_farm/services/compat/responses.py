@@ -11,9 +11,9 @@ History, as a chat template takes it:
   (a run of them)                   answers a turn: the same order)
   function_call_output              a tool message answering call_id (a call earlier in the history)
 
-The answer's output: a reasoning item when the sampled text opens with a <think> block, a message with the text, a
-function_call per call; status incomplete (max_output_tokens) when the turn hit its limit; the farm's token view
-under `farm`.
+The answer's output: a reasoning item for the turn's reasoning (its reasoning_content, else a leading <think> block), a
+message with the text, a function_call per call; status incomplete (max_output_tokens) when the turn hit its limit;
+the farm's token view under `farm`.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def tool_choice(req: R.ResponsesRequest):
 
 def output(message: dict, base: str) -> list[dict]:
     """The answer's output items: reasoning, the message, a function_call per call."""
-    thinking, text = thinking_and_text(message["content"])
+    thinking, text = thinking_and_text(message)
     out = []
     if thinking:
         reasoning = [{"type": "reasoning_text", "text": thinking}]

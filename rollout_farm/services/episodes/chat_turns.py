@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 
 from pydantic import ValidationError
 
@@ -97,21 +98,39 @@ def fitted(params: P.SamplingParams, room: int) -> P.SamplingParams:
     return params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
 
 
-def parsed_turn(fmt: ToolFormat, text: str, turn: int, tool_choice, ids=None, tokenizer=None) -> ParsedTurn:
+def parsed_turn(
+    fmt: ToolFormat, text: str, turn: int, tool_choice, ids=None, tokenizer=None, thinking: bool = False
+) -> ParsedTurn:
     """The sampled text's calls, unless tool_choice is none (then the text is all content). With the sampled `ids`
     (and the tokenizer) the format's markers are read by token id and the text is decoded from them, markers kept
     (the engine's text skips special tokens: rollout_farm/services/chat/tool_formats/base.py). A NUL the model
     sampled is shown as U+FFFD, as undecodable bytes are: no request may carry a NUL, and a client sends this text
-    back in its history (the session keeps the sampled ids themselves, whatever the text)."""
+    back in its history (the session keeps the sampled ids themselves, whatever the text). `thinking`: the prompt
+    opened a <think> block (`opens_thinking`), so the text up to its </think> is the turn's reasoning."""
     marked = fmt.marked_ids(ids, tokenizer) if ids is not None else fmt.marked_text(text)
     marked = marked.replace("\x00", "\ufffd")
+    reasoning = ""
+    if thinking and THINK_END in marked:
+        reasoning, marked = marked.split(THINK_END, 1)
+        reasoning, marked = fmt.unmark(reasoning).strip("\n"), marked.lstrip("\n")
     if tool_choice == "none":
-        return ParsedTurn(fmt.unmark(marked).strip())
-    return fmt.unmarked(fmt.read(marked, turn))
+        return ParsedTurn(fmt.unmark(marked).strip(), reasoning=reasoning)
+    parsed = fmt.unmarked(fmt.read(marked, turn))
+    return replace(parsed, reasoning=reasoning) if reasoning else parsed
+
+
+def opens_thinking(tokenizer, prompt: list[int]) -> bool:
+    """Whether a turn's generation prompt ends inside a <think> block it opened (Qwen3.5's, DeepSeek-R1's with
+    thinking on): the model writes its reasoning first, closed by </think>, without the opening tag."""
+    return bool(prompt) and tokenizer.decode(prompt).rstrip().endswith(THINK)
 
 
 def assistant_message(parsed: ParsedTurn) -> dict:
+    """The sampled turn as the session stores it and answers it: the content, the reasoning a format reads apart from
+    it (harmony's analysis channel) as `reasoning_content`, the calls."""
     message = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
     if parsed.calls:
         message["tool_calls"] = [c.openai() for c in parsed.calls]
     return message
@@ -127,7 +146,12 @@ def completion(
     ids = head.token_ids[turn.start : turn.end]
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": message["content"] or None, **pick(message, "tool_calls")},
+        "message": {
+            "role": "assistant",
+            "content": message["content"] or None,
+            **pick(message, "reasoning_content"),
+            **pick(message, "tool_calls"),
+        },
         "finish_reason": "tool_calls" if turn.tool_calls else turn.finish_reason,
         "logprobs": None,
     }
@@ -164,10 +188,13 @@ def pick(message: dict, key: str) -> dict:
     return {key: message[key]} if message.get(key) else {}
 
 
-def thinking_and_text(content: str | None) -> tuple[str, str]:
-    """An answer's (reasoning, text): a leading <think> block apart (the other front doors answer it as their
-    reasoning), else no reasoning and the text as sampled."""
-    content = content or ""
+def thinking_and_text(message: dict) -> tuple[str, str]:
+    """An answer's (reasoning, text), as the other front doors answer its reasoning: its `reasoning_content` (what the
+    format read apart, harmony's analysis channel), else a leading <think> block of the text, else none and the text
+    as sampled."""
+    content = message.get("content") or ""
+    if message.get("reasoning_content"):
+        return message["reasoning_content"], content
     if content.lstrip().startswith(THINK) and THINK_END in content:
         return reasoning_split({"content": content})
     return "", content

@@ -7,7 +7,8 @@ rendered; the stored tokens, reasoning included, stay as sampled). Any other dif
 forks with its parent (rollout_farm/services/episodes/segments.py). A rule accepts only an exact re-presentation of
 the stored messages, never a near one: what it lets through must carry the same information.
 
-  reasoning   an assistant turn without its reasoning, or with it as `reasoning_content` (changed reasoning differs)
+  reasoning   an assistant turn without its reasoning, or with it as `reasoning_content` or as a leading <think>
+              block of the content, wherever the stored turn has it (changed reasoning differs)
   arguments   a call's arguments as other JSON text of the same value (key order, spacing, unicode escapes)
   call_ids    calls under the harness's own ids, mapped one to one onto the stored ids (two calls may not share one)
   tool_order  the results of one turn's parallel calls in another order, matched by call id; each result unchanged
@@ -105,8 +106,8 @@ def turn_rules(stored: dict, given: dict, ids: CallIds) -> Step | None:
         (reasoning, content), (given_reasoning, given_content) = reasoning_split(stored), reasoning_split(given)
         if content != given_content or given_reasoning not in ("", reasoning):
             return None
-        if (stored.get("content") or "") != (given.get("content") or ""):
-            rules.add("reasoning")
+        if any((stored.get(k) or "") != (given.get(k) or "") for k in ("content", "reasoning_content")):
+            rules.add("reasoning")  # the reasoning left out, or moved to or from `reasoning_content`
     elif (stored.get("content") or "") != (given.get("content") or ""):
         return None
     stored_calls, given_calls = stored.get("tool_calls") or [], given.get("tool_calls") or []

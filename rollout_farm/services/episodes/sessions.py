@@ -123,7 +123,8 @@ class Sessions:
                 params = chat_turns.fitted(params, context - len(head.token_ids))
             sample = await self.sample(session, head.token_ids, params, chat_turns.rollout_fields(req))
             written, tokenizer = opened + sample.token_ids, await self.renderer.loaded()  # markers read by id
-            parsed = chat_turns.parsed_turn(fmt, "", len(head.turns), req.tool_choice, written, tokenizer)
+            thinking = not opened and chat_turns.opens_thinking(tokenizer, prompt)
+            parsed = chat_turns.parsed_turn(fmt, "", len(head.turns), req.tool_choice, written, tokenizer, thinking)
             append_sample(head, sample, parsed, not (parsed.malformed and session.malformed_tool_calls == "mask"))
             metrics.SESSION_TURNS.labels("chat").inc()
             metrics.TOOL_CALLS.labels(fmt.name).inc(len(parsed.calls))
