@@ -1,6 +1,22 @@
-"""Sessions in Redis: one JSON value per session under `farm:<app>:sess:<id>`, expiring ttl_s after its last change,
-so a session survives an ingress restart and every ingress replica serves it. A lock per session runs its turns one
-at a time (a retry waits for the turn it repeats, then gets its answer).
+"""Sessions in Redis, stored append-only so that a turn costs what it adds, not what the session holds; a session
+survives an ingress restart and every ingress replica serves it. A lock per session runs its turns one at a time (a
+retry waits for the turn it repeats, then gets its answer).
+
+Keys under `farm:<app>:sess:<id>`, all expiring together ttl_s after the session's last change:
+  <id>                       the header, JSON: the settings, closed, reward, a revision, and per segment its parent,
+                             parent_tokens and how many tokens, messages and turns it holds (the commit record)
+  <id>:<seg>:<column>        token_ids, loss_mask, logprobs, sampling_logprobs, token_versions: packed numbers
+                             (token_columns.py), a fork's own tokens only: its first parent_tokens are its parent's
+  <id>:<seg>:messages        list, a JSON [message, end] per message (a fork's list starts as a copy of the shared ones)
+  <id>:<seg>:turns           list, a JSON turn record per sampled turn (a turn's reward is set in place)
+  <id>:lock                  the turn lock
+A save writes, in one MULTI/EXEC, each column's new bytes at the offset the header commits and each list's new
+entries after its committed length, then the header (revision + 1) and the TTL of every key; it is refused when
+the header's revision is no longer the one loaded. A load reads up to the header's counts only, so bytes a writer
+left past them are never read, and refuses a session with a column shorter than its header says (a key evicted).
+A turn loads whole token ids (the engine samples from them), messages and turns (to match a chat history), and of
+masks, logprobs and versions only what it adds (token_columns.Tail); a retry and the trajectory load everything.
+A session stored by the farm before this layout (one JSON value) loads, and its next save writes it anew.
 """
 
 from __future__ import annotations
@@ -8,16 +24,30 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from redis.asyncio import Redis
-from redis.exceptions import LockError
+from redis.exceptions import LockError, WatchError
 
-from rollout_farm.services.episodes.segments import Segment
+from rollout_farm.services.episodes.segments import Segment, Turn
+from rollout_farm.services.episodes.token_columns import COLUMNS, SIZES, Tail, pack, unpack
 from rollout_farm.services.errors import Conflict, NotFound
+from rollout_farm.services.state.redis_client import binary
 
 TURN_LOCK_S = 600  # a turn holds its session's lock at most this long (a lost holder's lock lapses)
 SESSION_ID = re.compile(r"[0-9a-f]{32}")  # what Sessions.open gives (uuid4 hex)
+LAYOUT = 2  # the header's "layout": append-only keys (none: the whole session as one JSON value)
+LISTS = ("messages", "turns")
+
+
+@dataclass
+class Held:
+    """What Redis holds of a session, as its load or last save left it: the next save appends the rest."""
+
+    rev: int = 0  # the header's revision: each save adds 1
+    tokens: dict[str, int] = field(default_factory=dict)  # segment id -> tokens (its parent's prefix included)
+    messages: dict[str, int] = field(default_factory=dict)
+    rewards: dict[str, list[float | None]] = field(default_factory=dict)  # segment id -> each held turn's reward
 
 
 @dataclass
@@ -35,16 +65,19 @@ class Session:
     closed: bool = False
     reward: float | None = None
     segments: list[Segment] = field(default_factory=list)
+    held: Held = field(default_factory=Held, repr=False, compare=False)  # the store's bookkeeping, not the session's
 
     @property
     def head(self) -> Segment:
         return self.segments[-1]
 
+    def settings(self) -> dict:
+        """Its fields but the segments (and the store's bookkeeping): plain values."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("segments", "held")}
+
     def to_json(self) -> str:
-        """The session as JSON, each segment as its own JSON text (its fields are plain values: no deep copy of the
-        segments, which asdict would make only for them to be replaced: it was half a turn's bookkeeping)."""
-        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "segments"}
-        return json.dumps({**plain, "segments": [s.to_json() for s in self.segments]}, separators=(",", ":"))
+        """The session as one JSON value (the layout before the append-only one; tests keep sessions in memory so)."""
+        return json.dumps({**self.settings(), "segments": [s.to_json() for s in self.segments]}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Session:
@@ -54,7 +87,7 @@ class Session:
 
 class SessionStore:
     def __init__(self, r: Redis, prefix: str):
-        self.r, self.prefix = r, f"{prefix}:sess:"
+        self.r, self.raw, self.prefix = r, binary(r), f"{prefix}:sess:"
 
     def key(self, session_id: str) -> str:
         """The session's Redis key; 404 for an id no session can have (so no other key is ever read as a session)."""
@@ -63,27 +96,81 @@ class SessionStore:
         return self.prefix + session_id
 
     async def create(self, session: Session) -> None:
-        if not await self.r.set(self.key(session.id), session.to_json(), ex=int(session.ttl_s) or 1, nx=True):
+        session.held = Held()
+        if not await self.raw.set(self.key(session.id), header(session, 0), ex=ttl(session), nx=True):
             raise Conflict(f"session {session.id} exists already")
 
-    async def load(self, session_id: str) -> Session:
-        text = await self.r.get(self.key(session_id))
+    async def load(self, session_id: str, whole: bool = True) -> Session:
+        """The session; with whole=False as a turn needs it: masks, logprobs and versions only from their end on."""
+        key = self.key(session_id)
+        text = await self.raw.get(key)
         if text is None:
             raise NotFound(
                 f"no session {session_id!r}: it was never opened, or it expired (ttl_s after its last turn) or was "
                 "deleted; open one with POST /v1/sessions"
             )
-        return Session.from_json(text)
+        data = json.loads(text)
+        if data.get("layout") != LAYOUT:
+            return Session.from_json(text)  # held nothing in this layout: its next save writes it all
+        metas, rev = data.pop("segments"), data.pop("rev")
+        del data["layout"]
+        columns = COLUMNS if whole else {"token_ids": "i"}
+        reads = [(m, name) for m in metas for name in [*columns, *LISTS] if counted(m, name)]
+        async with self.raw.pipeline(transaction=True) as pipe:
+            for m, name in reads:  # up to the header's counts only
+                if name in LISTS:
+                    pipe.lrange(part(key, m["id"], name), 0, m[name] - 1)
+                else:
+                    pipe.getrange(part(key, m["id"], name), 0, (m["tokens"] - m["parent_tokens"]) * SIZES[name] - 1)
+            replies = iter(await pipe.execute())
+        got = {(m["id"], name): next(replies) for m, name in reads}
+        session = Session(**data)
+        session.held = Held(rev)
+        for m in metas:
+            session.segments.append(segment(session, m, got, whole))
+        return session
 
     async def save(self, session: Session) -> None:
-        await self.r.set(self.key(session.id), session.to_json(), ex=int(session.ttl_s) or 1)
+        """What the session gained since its load, appended in one transaction, and every key's TTL renewed."""
+        key, expire, held = self.key(session.id), ttl(session), session.held
+        async with self.raw.pipeline(transaction=True) as pipe:
+            await pipe.watch(key)
+            text = await pipe.get(key)
+            if text is None or revision(text) != held.rev:
+                raise Conflict(
+                    f"session {session.id} was deleted or changed while this turn ran (its lock lapses after "
+                    f"{TURN_LOCK_S} s): the turn is not stored; read the session and go on from there"
+                )
+            pipe.multi()
+            for seg in session.segments:
+                appended(pipe, key, seg, held)
+            pipe.set(key, header(session, held.rev + 1), ex=expire)
+            for seg in session.segments:
+                for name in [*COLUMNS, *LISTS]:
+                    pipe.expire(part(key, seg.id, name), expire)
+            try:
+                await pipe.execute()
+            except WatchError:
+                raise Conflict(f"session {session.id} changed while this turn was stored: read it again") from None
+        session.held = Held(
+            held.rev + 1,
+            {s.id: len(s.token_ids) for s in session.segments},
+            {s.id: len(s.messages) for s in session.segments},
+            {s.id: [t.reward for t in s.turns] for s in session.segments},
+        )
 
     async def delete(self, session_id: str) -> bool:
-        return bool(await self.r.delete(self.key(session_id)))
+        key = self.key(session_id)
+        text = await self.raw.get(key)
+        if text is None:
+            return False
+        data = json.loads(text)
+        ids = [m["id"] for m in data["segments"]] if data.get("layout") == LAYOUT else []
+        return bool(await self.raw.delete(key, *(part(key, i, name) for i in ids for name in [*COLUMNS, *LISTS])))
 
     async def ids(self) -> list[str]:
-        keys = [k async for k in self.r.scan_iter(match=self.prefix + "*", count=500)]
-        return sorted(k[len(self.prefix) :] for k in keys if not k.endswith(":lock"))
+        keys = [k async for k in self.r.scan_iter(match=self.prefix + "[0-9a-f]" * 32, count=500)]
+        return sorted(k[len(self.prefix) :] for k in keys)
 
     @contextlib.asynccontextmanager
     async def locked(self, session_id: str):
@@ -95,3 +182,104 @@ class SessionStore:
         finally:
             with contextlib.suppress(LockError):  # it lapsed: another turn may hold it now, nothing to release
                 await lock.release()
+
+
+def part(key: str, segment_id: str, name: str) -> str:
+    return f"{key}:{segment_id}:{name}"
+
+
+def ttl(session: Session) -> int:
+    return int(session.ttl_s) or 1
+
+
+def counted(meta: dict, name: str) -> bool:
+    """Whether the segment holds any of this column or list (none: nothing to read, as Redis may have no key)."""
+    return meta[name] > 0 if name in LISTS else meta["tokens"] > meta["parent_tokens"]
+
+
+def header(session: Session, rev: int) -> str:
+    metas = [
+        {
+            "id": s.id,
+            "parent": s.parent,
+            "parent_tokens": s.parent_tokens,
+            "from_token_ids": s.from_token_ids,
+            "tokens": len(s.token_ids),
+            "messages": len(s.messages),
+            "turns": len(s.turns),
+        }
+        for s in session.segments
+    ]
+    return json.dumps({"layout": LAYOUT, "rev": rev, **session.settings(), "segments": metas}, separators=(",", ":"))
+
+
+def revision(text: bytes) -> int:
+    data = json.loads(text)
+    return data["rev"] if data.get("layout") == LAYOUT else 0
+
+
+def appended(pipe, key: str, seg: Segment, held: Held) -> None:
+    """The segment's new tokens, messages and turns, and its held turns' changed rewards, onto the transaction."""
+    tokens = held.tokens.get(seg.id, seg.parent_tokens)  # a new fork holds its parent's prefix in the parent
+    if len(seg.token_ids) > tokens:
+        for name in COLUMNS:
+            offset = (tokens - seg.parent_tokens) * SIZES[name]
+            pipe.setrange(part(key, seg.id, name), offset, pack(name, getattr(seg, name)[tokens:]))
+    messages = held.messages.get(seg.id, 0)
+    entries = [json.dumps([m, end], separators=(",", ":")) for m, end in zip(seg.messages, seg.message_ends)]
+    pushed(pipe, part(key, seg.id, "messages"), messages, entries[messages:])
+    rewards = held.rewards.get(seg.id, [])
+    turns = part(key, seg.id, "turns")
+    for i, reward in enumerate(rewards):
+        if seg.turns[i].reward != reward:
+            pipe.lset(turns, i, turn_json(seg.turns[i]))
+    pushed(pipe, turns, len(rewards), [turn_json(t) for t in seg.turns[len(rewards) :]])
+
+
+def pushed(pipe, key: str, held: int, entries: list[str]) -> None:
+    """Entries after a list's first `held` (any a writer left past them dropped)."""
+    if not entries:
+        return
+    if held:
+        pipe.ltrim(key, 0, held - 1)
+    else:
+        pipe.delete(key)
+    pipe.rpush(key, *entries)
+
+
+def turn_json(turn: Turn) -> str:
+    return json.dumps(asdict(turn), separators=(",", ":"))
+
+
+def segment(session: Session, meta: dict, got: dict, whole: bool) -> Segment:
+    """A segment from its header entry and what was read: its columns after its parent's first parent_tokens (mask 0
+    there: trained in the parent); a column not read is a Tail of its length. A short column or list: 409."""
+    seg_id, start = meta["id"], meta["parent_tokens"]
+    parent = next((s for s in session.segments if s.id == meta["parent"]), None)
+    seg = Segment(seg_id, meta["parent"], start, from_token_ids=meta["from_token_ids"])
+    for name in COLUMNS:
+        if not whole and name != "token_ids":
+            setattr(seg, name, Tail(meta["tokens"]))
+            continue
+        own = got.get((seg_id, name), b"")
+        if len(own) != (meta["tokens"] - start) * SIZES[name]:
+            raise incomplete(session.id, f"segment {seg_id}'s {name}")
+        prefix = [0] * start if name == "loss_mask" else getattr(parent, name)[:start] if parent else []
+        setattr(seg, name, prefix + unpack(name, own))
+    entries = [json.loads(e) for e in got.get((seg_id, "messages"), [])]
+    turns = [Turn.from_dict(json.loads(t)) for t in got.get((seg_id, "turns"), [])]
+    if len(entries) != meta["messages"] or len(turns) != meta["turns"]:
+        raise incomplete(session.id, f"segment {seg_id}'s messages or turns")
+    seg.messages, seg.message_ends = [m for m, _ in entries], [end for _, end in entries]
+    seg.turns = turns
+    held = session.held
+    held.tokens[seg_id], held.messages[seg_id] = meta["tokens"], meta["messages"]
+    held.rewards[seg_id] = [t.reward for t in turns]
+    return seg
+
+
+def incomplete(session_id: str, what: str) -> Conflict:
+    return Conflict(
+        f"session {session_id} is incomplete in Redis ({what} shorter than its header says: a key was evicted or "
+        "deleted): it cannot go on; open another session"
+    )
