@@ -59,6 +59,11 @@ async def test_a_session_read_back_equals_the_one_stored_and_its_turns_append(re
         await store.save(session)
     whole = await store.load(kept.id)
     assert whole == kept and whole.to_json() == kept.to_json()
+    session = await store.load(kept.id, whole=False)
+    session.head.turns[2].reward = kept.head.turns[2].reward = 0.5  # a held turn scored: set in place
+    session.reward = kept.reward = 1.0
+    await store.save(session)
+    assert await store.load(kept.id) == kept
     assert whole.head.turns[3].tool_calls == [ToolCall("call_3", "calculator", '{"a": 1}')]
 
 
@@ -169,7 +174,7 @@ async def test_bytes_past_the_header_are_never_read_and_a_missing_key_is_refused
     key = f"{PREFIX}:sess:{session.id}:0:"
     # a writer that died half-way outside a transaction: bytes and entries past the committed counts
     await redis.append(key + "token_ids", "\x01\x02\x03\x04\x05\x06")
-    await redis.rpush(key + "messages", '[{"role":"user","content":"torn"},99]')
+    await redis.append(key + "messages", '[{"role":"user","content":"torn"},99]\n')
     assert await store.load(session.id) == session
     loaded = await store.load(session.id, whole=False)
     turn(loaded.head, 1)

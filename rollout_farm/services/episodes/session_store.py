@@ -7,16 +7,17 @@ Keys under `farm:<app>:sess:<id>`, all expiring together ttl_s after the session
                              parent_tokens and how many tokens, messages and turns it holds (the commit record)
   <id>:<seg>:<column>        token_ids, loss_mask, logprobs, sampling_logprobs, token_versions: packed numbers
                              (token_columns.py), a fork's own tokens only: its first parent_tokens are its parent's
-  <id>:<seg>:messages        list, a JSON [message, end] per message (a fork's list starts as a copy of the shared ones)
-  <id>:<seg>:turns           list, a JSON turn record per sampled turn (a turn's reward is set in place)
+  <id>:<seg>:messages        JSON lines, [message, end] each (a fork's start as a copy of the messages it shares)
+  <id>:<seg>:turns           JSON lines, a turn record each
+  <id>:<seg>:rewards         hash: turn index -> the reward set on it after it was stored
   <id>:lock                  the turn lock
-A save writes, in one MULTI/EXEC, each column's new bytes at the offset the header commits and each list's new
-entries after its committed length, then the header (revision + 1) and the TTL of every key; it is refused when
-the header's revision is no longer the one loaded. A load reads up to the header's counts only, so bytes a writer
-left past them are never read, and refuses a session with a column shorter than its header says (a key evicted).
-A turn loads whole token ids (the engine samples from them), messages and turns (to match a chat history), and of
-masks, logprobs and versions only what it adds (token_columns.Tail); a retry and the trajectory load everything.
-A session stored by the farm before this layout (one JSON value) loads, and its next save writes it anew.
+A save writes, in one MULTI/EXEC, each value's new bytes at the offset the header commits, then the header (revision
++ 1) and the TTL of every key; it is refused when the header's revision is no longer the one loaded. A load reads up
+to the header's offsets only, so bytes a writer left past them are never read, and refuses a session whose values
+are shorter than its header says (a key evicted). Lines, not Redis lists: a list's entries cost the client a parse
+each, one value one for all. A turn loads whole token ids (the engine samples from them), messages and turns (to
+match a chat history), and of masks, logprobs and versions only what it adds (token_columns.Tail); a retry and the
+trajectory load everything. A session stored before this layout (one JSON value) loads; its next save rewrites it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from rollout_farm.services.state.redis_client import binary
 TURN_LOCK_S = 600  # a turn holds its session's lock at most this long (a lost holder's lock lapses)
 SESSION_ID = re.compile(r"[0-9a-f]{32}")  # what Sessions.open gives (uuid4 hex)
 LAYOUT = 2  # the header's "layout": append-only keys (none: the whole session as one JSON value)
-LISTS = ("messages", "turns")
+LINES = ("messages", "turns")  # a segment's values of JSON lines; the header holds each one's count and bytes
+PARTS = (*COLUMNS, *LINES, "rewards")
+NOTHING = {"messages": 0, "messages_bytes": 0, "turns": 0, "turns_bytes": 0}  # a new segment's lines
 
 
 @dataclass
@@ -45,8 +48,7 @@ class Held:
     """What Redis holds of a session, as its load or last save left it: the next save appends the rest."""
 
     rev: int = 0  # the header's revision: each save adds 1
-    tokens: dict[str, int] = field(default_factory=dict)  # segment id -> tokens (its parent's prefix included)
-    messages: dict[str, int] = field(default_factory=dict)
+    metas: dict[str, dict] = field(default_factory=dict)  # segment id -> its header entry
     rewards: dict[str, list[float | None]] = field(default_factory=dict)  # segment id -> each held turn's reward
 
 
@@ -96,8 +98,15 @@ class SessionStore:
         return self.prefix + session_id
 
     async def create(self, session: Session) -> None:
+        """A new session's header (its segments hold nothing yet: the first save appends)."""
+        assert not any(s.token_ids or s.messages or s.turns for s in session.segments), "a new session holds nothing"
         session.held = Held()
-        if not await self.raw.set(self.key(session.id), header(session, 0), ex=ttl(session), nx=True):
+        if not await self.raw.set(
+            self.key(session.id),
+            header(session, 0, [entry(s, None) for s in session.segments]),
+            ex=ttl(session),
+            nx=True,
+        ):
             raise Conflict(f"session {session.id} exists already")
 
     async def load(self, session_id: str, whole: bool = True) -> Session:
@@ -114,20 +123,20 @@ class SessionStore:
             return Session.from_json(text)  # held nothing in this layout: its next save writes it all
         metas, rev = data.pop("segments"), data.pop("rev")
         del data["layout"]
-        columns = COLUMNS if whole else {"token_ids": "i"}
-        reads = [(m, name) for m in metas for name in [*columns, *LISTS] if counted(m, name)]
+        names = [*(COLUMNS if whole else ["token_ids"]), *LINES]
+        reads = [(m, name) for m in metas for name in names if stored_bytes(m, name)]
         async with self.raw.pipeline(transaction=True) as pipe:
-            for m, name in reads:  # up to the header's counts only
-                if name in LISTS:
-                    pipe.lrange(part(key, m["id"], name), 0, m[name] - 1)
-                else:
-                    pipe.getrange(part(key, m["id"], name), 0, (m["tokens"] - m["parent_tokens"]) * SIZES[name] - 1)
-            replies = iter(await pipe.execute())
-        got = {(m["id"], name): next(replies) for m, name in reads}
+            for m, name in reads:  # up to the header's offsets only
+                pipe.getrange(part(key, m["id"], name), 0, stored_bytes(m, name) - 1)
+            for m in metas:
+                pipe.hgetall(part(key, m["id"], "rewards"))
+            replies = await pipe.execute()
+        got = {(m["id"], name): value for (m, name), value in zip(reads, replies)}
+        rewards = dict(zip([m["id"] for m in metas], replies[len(reads) :]))
         session = Session(**data)
         session.held = Held(rev)
         for m in metas:
-            session.segments.append(segment(session, m, got, whole))
+            session.segments.append(segment(session, m, got, rewards[m["id"]], whole))
         return session
 
     async def save(self, session: Session) -> None:
@@ -142,11 +151,10 @@ class SessionStore:
                     f"{TURN_LOCK_S} s): the turn is not stored; read the session and go on from there"
                 )
             pipe.multi()
+            metas = [appended(pipe, key, seg, held) for seg in session.segments]
+            pipe.set(key, header(session, held.rev + 1, metas), ex=expire)
             for seg in session.segments:
-                appended(pipe, key, seg, held)
-            pipe.set(key, header(session, held.rev + 1), ex=expire)
-            for seg in session.segments:
-                for name in [*COLUMNS, *LISTS]:
+                for name in PARTS:
                     pipe.expire(part(key, seg.id, name), expire)
             try:
                 await pipe.execute()
@@ -154,8 +162,7 @@ class SessionStore:
                 raise Conflict(f"session {session.id} changed while this turn was stored: read it again") from None
         session.held = Held(
             held.rev + 1,
-            {s.id: len(s.token_ids) for s in session.segments},
-            {s.id: len(s.messages) for s in session.segments},
+            {m["id"]: m for m in metas},
             {s.id: [t.reward for t in s.turns] for s in session.segments},
         )
 
@@ -166,7 +173,7 @@ class SessionStore:
             return False
         data = json.loads(text)
         ids = [m["id"] for m in data["segments"]] if data.get("layout") == LAYOUT else []
-        return bool(await self.raw.delete(key, *(part(key, i, name) for i in ids for name in [*COLUMNS, *LISTS])))
+        return bool(await self.raw.delete(key, *(part(key, i, name) for i in ids for name in PARTS)))
 
     async def ids(self) -> list[str]:
         keys = [k async for k in self.r.scan_iter(match=self.prefix + "[0-9a-f]" * 32, count=500)]
@@ -192,24 +199,14 @@ def ttl(session: Session) -> int:
     return int(session.ttl_s) or 1
 
 
-def counted(meta: dict, name: str) -> bool:
-    """Whether the segment holds any of this column or list (none: nothing to read, as Redis may have no key)."""
-    return meta[name] > 0 if name in LISTS else meta["tokens"] > meta["parent_tokens"]
+def stored_bytes(meta: dict, name: str) -> int:
+    """How many bytes of the segment's value the header commits (its own tokens' for a column)."""
+    if name in LINES:
+        return meta[f"{name}_bytes"]
+    return (meta["tokens"] - meta["parent_tokens"]) * SIZES[name]
 
 
-def header(session: Session, rev: int) -> str:
-    metas = [
-        {
-            "id": s.id,
-            "parent": s.parent,
-            "parent_tokens": s.parent_tokens,
-            "from_token_ids": s.from_token_ids,
-            "tokens": len(s.token_ids),
-            "messages": len(s.messages),
-            "turns": len(s.turns),
-        }
-        for s in session.segments
-    ]
+def header(session: Session, rev: int, metas: list[dict]) -> str:
     return json.dumps({"layout": LAYOUT, "rev": rev, **session.settings(), "segments": metas}, separators=(",", ":"))
 
 
@@ -218,42 +215,51 @@ def revision(text: bytes) -> int:
     return data["rev"] if data.get("layout") == LAYOUT else 0
 
 
-def appended(pipe, key: str, seg: Segment, held: Held) -> None:
-    """The segment's new tokens, messages and turns, and its held turns' changed rewards, onto the transaction."""
-    tokens = held.tokens.get(seg.id, seg.parent_tokens)  # a new fork holds its parent's prefix in the parent
+def appended(pipe, key: str, seg: Segment, held: Held) -> dict:
+    """The segment's new tokens, messages and turns, and its held turns' changed rewards, onto the transaction; its
+    header entry after them."""
+    meta = entry(seg, held.metas.get(seg.id))
+    tokens = meta["tokens"]
     if len(seg.token_ids) > tokens:
         for name in COLUMNS:
-            offset = (tokens - seg.parent_tokens) * SIZES[name]
-            pipe.setrange(part(key, seg.id, name), offset, pack(name, getattr(seg, name)[tokens:]))
-    messages = held.messages.get(seg.id, 0)
-    entries = [json.dumps([m, end], separators=(",", ":")) for m, end in zip(seg.messages, seg.message_ends)]
-    pushed(pipe, part(key, seg.id, "messages"), messages, entries[messages:])
+            pipe.setrange(part(key, seg.id, name), stored_bytes(meta, name), pack(name, getattr(seg, name)[tokens:]))
+    n = meta["messages"]
+    lines(pipe, key, seg.id, meta, "messages", zip(seg.messages[n:], seg.message_ends[n:]))
     rewards = held.rewards.get(seg.id, [])
-    turns = part(key, seg.id, "turns")
-    for i, reward in enumerate(rewards):
-        if seg.turns[i].reward != reward:
-            pipe.lset(turns, i, turn_json(seg.turns[i]))
-    pushed(pipe, turns, len(rewards), [turn_json(t) for t in seg.turns[len(rewards) :]])
+    changed = {i: json.dumps(t.reward) for i, t in enumerate(seg.turns[: len(rewards)]) if t.reward != rewards[i]}
+    if changed:
+        pipe.hset(part(key, seg.id, "rewards"), mapping=changed)
+    lines(pipe, key, seg.id, meta, "turns", (asdict(t) for t in seg.turns[meta["turns"] :]))
+    meta["tokens"] = len(seg.token_ids)
+    return meta
 
 
-def pushed(pipe, key: str, held: int, entries: list[str]) -> None:
-    """Entries after a list's first `held` (any a writer left past them dropped)."""
-    if not entries:
-        return
-    if held:
-        pipe.ltrim(key, 0, held - 1)
-    else:
-        pipe.delete(key)
-    pipe.rpush(key, *entries)
+def entry(seg: Segment, held: dict | None) -> dict:
+    """The segment's header entry, its counts as held (none held: a new segment, whose first parent_tokens tokens are
+    its parent's)."""
+    counts = held or {**NOTHING, "tokens": seg.parent_tokens}
+    return {**counts, "id": seg.id, "parent": seg.parent, "parent_tokens": seg.parent_tokens,
+            "from_token_ids": seg.from_token_ids}  # fmt: skip
 
 
-def turn_json(turn: Turn) -> str:
-    return json.dumps(asdict(turn), separators=(",", ":"))
+def lines(pipe, key: str, segment_id: str, meta: dict, name: str, new) -> None:
+    """New entries as JSON lines at the value's committed end (over any bytes a writer left past it); meta counts
+    them."""
+    text = "".join(json.dumps(entry, separators=(",", ":")) + "\n" for entry in new).encode()  # ASCII: bytes = chars
+    if text:
+        pipe.setrange(part(key, segment_id, name), meta[f"{name}_bytes"], text)
+        meta[name] += text.count(b"\n")
+        meta[f"{name}_bytes"] += len(text)
 
 
-def segment(session: Session, meta: dict, got: dict, whole: bool) -> Segment:
+def parsed(data: bytes) -> list:
+    """JSON lines, in one parse."""
+    return json.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]") if data else []
+
+
+def segment(session: Session, meta: dict, got: dict, rewards: dict, whole: bool) -> Segment:
     """A segment from its header entry and what was read: its columns after its parent's first parent_tokens (mask 0
-    there: trained in the parent); a column not read is a Tail of its length. A short column or list: 409."""
+    there: trained in the parent); a column not read is a Tail of its length. A short value: 409."""
     seg_id, start = meta["id"], meta["parent_tokens"]
     parent = next((s for s in session.segments if s.id == meta["parent"]), None)
     seg = Segment(seg_id, meta["parent"], start, from_token_ids=meta["from_token_ids"])
@@ -262,19 +268,20 @@ def segment(session: Session, meta: dict, got: dict, whole: bool) -> Segment:
             setattr(seg, name, Tail(meta["tokens"]))
             continue
         own = got.get((seg_id, name), b"")
-        if len(own) != (meta["tokens"] - start) * SIZES[name]:
+        if len(own) != stored_bytes(meta, name):
             raise incomplete(session.id, f"segment {seg_id}'s {name}")
         prefix = [0] * start if name == "loss_mask" else getattr(parent, name)[:start] if parent else []
         setattr(seg, name, prefix + unpack(name, own))
-    entries = [json.loads(e) for e in got.get((seg_id, "messages"), [])]
-    turns = [Turn.from_dict(json.loads(t)) for t in got.get((seg_id, "turns"), [])]
-    if len(entries) != meta["messages"] or len(turns) != meta["turns"]:
-        raise incomplete(session.id, f"segment {seg_id}'s messages or turns")
+    for name in LINES:
+        if len(got.get((seg_id, name), b"")) != stored_bytes(meta, name):
+            raise incomplete(session.id, f"segment {seg_id}'s {name}")
+    entries = parsed(got.get((seg_id, "messages"), b""))
     seg.messages, seg.message_ends = [m for m, _ in entries], [end for _, end in entries]
-    seg.turns = turns
-    held = session.held
-    held.tokens[seg_id], held.messages[seg_id] = meta["tokens"], meta["messages"]
-    held.rewards[seg_id] = [t.reward for t in turns]
+    seg.turns = [Turn.from_dict(t) for t in parsed(got.get((seg_id, "turns"), b""))]
+    for i, reward in rewards.items():
+        seg.turns[int(i)].reward = json.loads(reward)
+    session.held.metas[seg_id] = meta
+    session.held.rewards[seg_id] = [t.reward for t in seg.turns]
     return seg
 
 
