@@ -137,11 +137,11 @@ async def store_costs(args, record: dict) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=200)
-    ap.add_argument("--sessions", type=int, default=3, help="sessions run one after another")
+    ap.add_argument("--sessions", type=int, default=5, help="sessions run one after another")
     ap.add_argument("--prompt", type=int, default=16, help="ids the first turn appends")
     ap.add_argument("--append", type=int, default=8, help="ids each later turn appends")
     ap.add_argument("--sample", type=int, default=8, help="tokens sampled per turn")
-    ap.add_argument("--window", type=int, default=5, help="turns per window: 2..1+W against the last W")
+    ap.add_argument("--window", type=int, default=10, help="turns per window: 2..1+W against the last W")
     ap.add_argument("--store-reps", type=int, default=15)
     ap.add_argument("--big-turns", type=int, default=2000, help="the large session of the store's cost")
     ap.add_argument("--out", default="session_turns", help="docs/data/<out>.json (with the front's suffix)")
