@@ -199,3 +199,14 @@ async def test_a_session_stored_as_one_json_value_loads_and_is_stored_anew(redis
     turn(session.head, 2)
     assert await store.load(session.id) == session
     assert len(await keys_of(redis, session)) == 15
+
+
+def test_a_tail_reads_what_it_holds_gives_a_prefix_it_does_not_hold_and_refuses_the_rest():
+    tail = Tail(4)
+    tail += [1, 0, 1]
+    assert len(tail) == 7 and tail[4] == 1 and tail[5] == 0 and tail[-1] == 1 and tail[4:6] == [1, 0]
+    prefix = tail[:3]  # a fork's copy of what the parent holds in Redis
+    assert isinstance(prefix, Tail) and len(prefix) == 3
+    for read in (lambda: tail[3], lambda: tail[2:5], lambda: tail[-4]):  # not held: refused, never made up
+        with pytest.raises(LookupError):
+            read()

@@ -55,7 +55,7 @@ class Tail:
     def __getitem__(self, k):
         if not isinstance(k, slice):
             i = k + len(self) if k < 0 else k
-            return self.items[self.held(i, i + 1)]
+            return self.items[self.held(i, i + 1).start]
         lo, hi, step = k.indices(len(self))
         if lo == 0 and hi <= self.start and step == 1:
             return Tail(hi)
