@@ -44,7 +44,7 @@ class Store:
     async def create(self, session: Session) -> None:
         self.data[session.id] = session.to_json()
 
-    async def load(self, session_id: str) -> Session:
+    async def load(self, session_id: str, whole: bool = True) -> Session:
         return Session.from_json(self.data[session_id])
 
     async def save(self, session: Session) -> None:

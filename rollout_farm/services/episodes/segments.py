@@ -63,6 +63,11 @@ class Turn:
     sampling_known: bool = True  # whether its sampling_logprobs are q (False: the engine reported none, raw is not q)
     policies: list[dict] | None = None  # the policies that drew it (P.Policy), in token order: one unless it spans
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Turn:
+        """The turn asdict gave (JSON's plain values) back."""
+        return cls(**{**data, "tool_calls": [ToolCall(**c) for c in data["tool_calls"]]})
+
 
 @dataclass
 class Segment:
@@ -173,5 +178,5 @@ class Segment:
     @classmethod
     def from_json(cls, text: str) -> Segment:
         data = json.loads(text)
-        data["turns"] = [Turn(**{**t, "tool_calls": [ToolCall(**c) for c in t["tool_calls"]]}) for t in data["turns"]]
+        data["turns"] = [Turn.from_dict(t) for t in data["turns"]]
         return cls(**data)

@@ -95,11 +95,12 @@ class Sessions:
         tools, forced = chat_turns.checked_tools(req)
         messages = [m.as_chat() for m in req.messages]
         async with self.store.locked(session_id):
-            session = await self.open_session(session_id, who)
+            session = await self.open_session(session_id, who, whole=False)
             fmt = TOOL_FORMATS.get(session.tool_format)()
-            for segment in session.segments:
+            for i, segment in enumerate(session.segments):
                 if not segment.from_token_ids and (turn := segment.answered(messages)) is not None:  # a retry
-                    return await self.completion(session, segment, segment.turns.index(turn), req)
+                    whole = await self.load(session_id, who)  # its logprobs and versions (a turn loads its own only)
+                    return await self.completion(whole, whole.segments[i], segment.turns.index(turn), req)
             head = self.chat_head(session, messages)
             new = messages[match(head.messages, messages).given :]  # a harness may have merged stored messages
             if not new or new[-1]["role"] == "assistant":
@@ -157,15 +158,16 @@ class Sessions:
             pieces = (await self.renderer.token_pieces([segment.token_ids[turn.start : turn.end]]))[0]
         return chat_turns.completion(session, segment, index, self.model, pieces, bool(req.return_token_ids))
 
-    async def load(self, session_id: str, who: Principal = ADMIN) -> Session:
-        """The session, when `who` may use it: another tenant's is unknown to it (404, as for no such session)."""
-        session = await self.store.load(session_id)
+    async def load(self, session_id: str, who: Principal = ADMIN, whole: bool = True) -> Session:
+        """The session, when `who` may use it: another tenant's is unknown to it (404, as for no such session).
+        whole=False: as a turn needs it (the store's load: masks, logprobs and versions only from their end on)."""
+        session = await self.store.load(session_id, whole)
         if not who.may_use(session.owner):
             raise NotFound(f"no session {session_id}: open one with POST /v1/sessions")
         return session
 
-    async def open_session(self, session_id: str, who: Principal = ADMIN) -> Session:
-        session = await self.load(session_id, who)
+    async def open_session(self, session_id: str, who: Principal = ADMIN, whole: bool = True) -> Session:
+        session = await self.load(session_id, who, whole)
         if session.closed:
             raise Conflict(f"session {session_id} is closed: open another")
         return session
@@ -175,9 +177,9 @@ class Sessions:
 
     async def generate(self, session_id: str, req: S.SessionGenerate, who: Principal = ADMIN) -> S.SessionTurn:
         async with self.store.locked(session_id):
-            session = await self.open_session(session_id, who)
+            session = await self.open_session(session_id, who, whole=False)
             if (answered := retried(session.head, req)) is not None:
-                return turn_answer(session, answered)
+                return turn_answer(await self.load(session_id, who), answered)
             head = rewritten(session, req)
             tokens = head.token_ids + req.append_token_ids
             if not tokens:
@@ -196,7 +198,7 @@ class Sessions:
         self, session_id: str, req: S.SessionReward, base_url: str, who: Principal = ADMIN
     ) -> S.SessionInfo:
         async with self.store.locked(session_id):
-            session = await self.load(session_id, who)
+            session = await self.load(session_id, who, whole=False)
             if req.turn is None:
                 session.reward = req.reward
             elif req.turn < len(session.head.turns):
@@ -208,7 +210,7 @@ class Sessions:
 
     async def close(self, session_id: str, base_url: str, who: Principal = ADMIN) -> S.SessionInfo:
         async with self.store.locked(session_id):
-            session = await self.load(session_id, who)
+            session = await self.load(session_id, who, whole=False)
             session.closed = True
             await self.store.save(session)
             return info(session, base_url)

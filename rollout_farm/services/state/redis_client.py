@@ -64,3 +64,16 @@ class Owner:
 
     async def holds(self, key: str) -> bool:
         return await self.r.get(key) == self.me
+
+
+def binary(r: aioredis.Redis) -> aioredis.Redis:
+    """A client like `r` (same server, settings and retries) whose replies are bytes, not text: for packed values
+    (a session's token columns, rollout_farm/services/episodes/session_store.py). Its own pool: a transaction runs
+    on one client's connection."""
+    pool = r.connection_pool
+    kwargs = {**pool.connection_kwargs, "decode_responses": False}
+    return aioredis.Redis(
+        connection_pool=type(pool)(
+            connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+        )
+    )
