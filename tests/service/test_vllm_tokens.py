@@ -82,3 +82,39 @@ def test_what_the_farm_cannot_honour_is_refused_naming_the_field(service, body, 
     r = generate(service, body)
     assert r.status_code in (404, 422), r.text
     assert any(d["field"] == field for d in r.json()["detail"]), r.text
+
+
+def test_on_a_session_the_whole_prompt_each_turn_appends_forks_and_retries(service):
+    """A vLLM client with a session's base URL sends the whole prompt every turn (renderers posts to the base URL
+    less /v1, plus /inference/v1/generate). What follows the session's tokens appends (one segment); a prompt that
+    leaves them forks where they part; an answered turn's prompt again gets that turn; the stored ids and logprobs
+    are the answers', the loss mask 1 exactly on them. Negative control: a rewritten prompt is not taken as an
+    append (its own segment, its parent's tokens up to the cut)."""
+    s = httpx.post(f"{service}/v1/sessions", json={}, timeout=30).json()
+    url = f"{s['base_url']}/inference/v1/generate"
+
+    def turn(ids: list[int]) -> dict:
+        r = httpx.post(url, json={"token_ids": ids, "sampling_params": {**SEEDED, "logprobs": 1}}, timeout=120)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert [e["token_id"] for e in choice["logprobs"]["content"]] == choice["token_ids"]
+        return choice
+
+    first = turn([40, 41, 42])
+    prompt2 = [40, 41, 42, *first["token_ids"], 43, 44]
+    second = turn(prompt2)
+    assert (second["farm"]["segment_id"], second["farm"]["turn"]) == (first["farm"]["segment_id"], 1)
+    assert turn(prompt2) == second  # a retry: the stored turn, not a new sample
+    trajectory = httpx.get(f"{s['base_url']}/trajectory", timeout=30).json()
+    (seg,) = trajectory["segments"]
+    assert seg["token_ids"] == prompt2 + second["token_ids"]
+    sampled = [*range(3, 3 + len(first["token_ids"])), *range(len(prompt2), len(seg["token_ids"]))]
+    assert [i for i, m in enumerate(seg["loss_mask"]) if m] == sampled
+    assert seg["logprobs"][len(prompt2) :] == pytest.approx([e["logprob"] for e in second["logprobs"]["content"]])
+    rewritten = turn([40, 41, 99])  # leaves the session's tokens after two: a fork
+    assert rewritten["farm"]["segment_id"] != first["farm"]["segment_id"]
+    forked = httpx.get(f"{s['base_url']}/trajectory", timeout=30).json()["segments"][-1]
+    assert (forked["parent"], forked["parent_tokens"]) == (seg["segment_id"], 2)
+    assert forked["token_ids"][:3] == [40, 41, 99] and forked["loss_mask"][:3] == [0, 0, 0]
+    r = httpx.post(url, json={"token_ids": [1], "sampling_params": {**SEEDED, "n": 2}}, timeout=30)
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "sampling_params.n"

@@ -23,3 +23,16 @@ async def generate(req: GenerateTokensRequest, who: Principal = Depends(caller),
         out = await farm.vllm_tokens.generate(req, who)
         took(out["usage"]["completion_tokens"])
     return out
+
+
+@router.post("/v1/sessions/{session_id}/inference/v1/generate", responses={**ERRORS, 409: {"model": P.ErrorResponse}})
+async def session_generate(
+    session_id: str, req: GenerateTokensRequest, who: Principal = Depends(caller), farm=Depends(ingress)
+):
+    """The same route on a session (a vLLM client with the session's base URL): the whole prompt's ids each turn; the
+    session appends what follows its tokens, forks where the prompt leaves them, and answers an answered turn's
+    prompt again with that turn. One sample (`n` 1); the choice's `farm` names the session, segment and turn."""
+    async with farm.tenants.admitted(who, 1) as took:
+        out = await farm.vllm_tokens.session_turn(farm.sessions, session_id, req, who)
+        took(out["usage"]["completion_tokens"])
+    return out

@@ -24,6 +24,8 @@ from rollout_farm.services.tenants.registry import ANYONE, Principal
 
 if TYPE_CHECKING:
     from rollout_farm.services.compat.openai_api import OpenAICompat
+    from rollout_farm.services.episodes.sessions import Sessions
+    from rollout_farm.services.protocol.sessions import SessionTurn
 
 
 class VLLMTokens:
@@ -38,24 +40,30 @@ class VLLMTokens:
         rollout = await self.openai.generate([prompt], req.sampling_params.n, params, adapter)
         (group,) = rollout.groups
         choices = [choice(i, s, req.sampling_params) for i, s in enumerate(group.samples)]
-        completion = sum(len(s.token_ids) for s in group.samples)
-        return {
-            "request_id": f"generate-tokens-{req.request_id or uuid.uuid4().hex}",
-            "model": self.openai.served_as(rollout.adapter),
-            "created": int(time.time()),
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(req.token_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(req.token_ids) + completion,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(req.token_ids) if req.return_token_ids else None,
-            "mm_placeholders": None,
-            "kv_transfer_params": None,
-        }
+        return answer(req, self.openai.served_as(rollout.adapter), choices)
+
+    async def session_turn(
+        self, sessions: Sessions, session_id: str, req: GenerateTokensRequest, who: Principal
+    ) -> dict:
+        """A session's turn from the whole prompt, as a vLLM client sends it: the session's head and more appends,
+        a prompt that leaves the head forks where they part, an answered turn's prompt again is a retry
+        (Sessions.tokens_turn). One sample; `model` is any name (the session's policy draws, as on its other doors)."""
+        if req.sampling_params.n != 1:
+            raise Invalid(
+                [
+                    {
+                        "field": "sampling_params.n",
+                        "message": "a session's turn samples one completion: give n=1 (a "
+                        "group is a session per sample)",
+                    }
+                ]
+            )
+        prompt = P.Prompt(token_ids=req.token_ids)
+        params = farm_params(req.sampling_params, await self.max_tokens(prompt, req.sampling_params))
+        turn = await sessions.tokens_turn(session_id, list(req.token_ids), params, who)
+        drew = (turn.policies or [None])[-1]
+        model = f"{drew.adapter}@v{drew.adapter_version}" if drew and drew.adapter else self.openai.served_as(None)
+        return answer(req, model, [turn_choice(turn, req.sampling_params)])
 
     async def max_tokens(self, prompt: P.Prompt, sp: VLLMSamplingParams) -> int:
         """max_tokens, or (vLLM's default) what the context leaves after the prompt; 422s name token_ids or
@@ -74,6 +82,28 @@ class VLLMTokens:
         except Invalid as e:
             raise Invalid([{**d, "field": renamed(d["field"])} for d in e.detail], e.message) from None
         return wanted
+
+
+def answer(req: GenerateTokensRequest, model: str, choices: list[dict]) -> dict:
+    """vLLM's answer around the choices (every field present, as vLLM dumps it without exclude_none)."""
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {
+        "request_id": f"generate-tokens-{req.request_id or uuid.uuid4().hex}",
+        "model": model,
+        "created": int(time.time()),
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(req.token_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(req.token_ids) + completion,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(req.token_ids) if req.return_token_ids else None,
+        "mm_placeholders": None,
+        "kv_transfer_params": None,
+    }
 
 
 def renamed(field: str) -> str:
@@ -101,23 +131,41 @@ def farm_params(sp: VLLMSamplingParams, max_tokens: int) -> P.SamplingParams:
 
 def choice(index: int, s: P.Sample, sp: VLLMSamplingParams) -> dict:
     """One sample as vLLM's choice: its ids, the stop token included; logprobs in both of vLLM's entry shapes."""
-    stopped_by = s.token_ids[-1] if s.token_ids and s.token_ids[-1] in (sp.stop_token_ids or []) else None
+    farm = {
+        "weight_version": s.weight_version,
+        "token_weight_versions": s.token_weight_versions,
+        "policy": s.policy.model_dump() if s.policy else None,
+    }
+    return choice_of(index, s.token_ids, s.logprobs, s.finish_reason, sp, farm)
+
+
+def turn_choice(turn: SessionTurn, sp: VLLMSamplingParams) -> dict:
+    """A session's turn as vLLM's choice; `farm` also names the session, segment and turn (its trajectory's)."""
+    farm = {
+        "session_id": turn.session_id,
+        "segment_id": turn.segment_id,
+        "turn": turn.turn,
+        "weight_version": turn.weight_version,
+        "token_weight_versions": turn.token_weight_versions,
+        "policies": [p.model_dump() for p in turn.policies or []],
+    }
+    return choice_of(0, turn.token_ids, turn.logprobs, turn.finish_reason, sp, farm)
+
+
+def choice_of(index: int, ids: list[int], lps: list[float], finish: str, sp: VLLMSamplingParams, farm: dict) -> dict:
+    stopped_by = ids[-1] if ids and ids[-1] in (sp.stop_token_ids or []) else None
     logprobs = None
     if sp.logprobs is not None:
-        logprobs = {"content": [entry(t, lp, top=True) for t, lp in zip(s.token_ids, s.logprobs)]}
+        logprobs = {"content": [entry(t, lp, top=True) for t, lp in zip(ids, lps)]}
     return {
         "index": index,
-        "token_ids": list(s.token_ids),
-        "finish_reason": s.finish_reason,
+        "token_ids": list(ids),
+        "finish_reason": finish,
         "stop_reason": stopped_by,
         "logprobs": logprobs,
         "routed_experts": None,
         "sampling_mask": None,
-        "farm": {
-            "weight_version": s.weight_version,
-            "token_weight_versions": s.token_weight_versions,
-            "policy": s.policy.model_dump() if s.policy else None,
-        },
+        "farm": farm,
     }
 
 

@@ -180,19 +180,42 @@ class Sessions:
             session = await self.open_session(session_id, who, whole=False)
             if (answered := retried(session.head, req)) is not None:
                 return turn_answer(await self.load(session_id, who), answered)
-            head = rewritten(session, req)
-            tokens = head.token_ids + req.append_token_ids
-            if not tokens:
-                raise invalid("append_token_ids", "the session holds no tokens yet: send the prompt's ids")
-            sample = await self.sample(
-                session, tokens, req.sampling_params or P.SamplingParams(**session.sampling_params)
+            return await self.token_turn(session, req)
+
+    async def tokens_turn(
+        self, session_id: str, prompt: list[int], params: P.SamplingParams, who: Principal = ADMIN
+    ) -> S.SessionTurn:
+        """A token turn from the whole prompt, as a vLLM client sends it (POST {base_url}/inference/v1/generate): the
+        prompt of a turn the head answered gets that turn again; else what follows the head's tokens is appended, or
+        the head forks where the prompt leaves its tokens and the rest goes on in the new segment."""
+        async with self.store.locked(session_id):
+            session = await self.open_session(session_id, who, whole=False)
+            head = session.head
+            for index, t in enumerate(head.turns):
+                if t.start == len(prompt) and head.token_ids[: t.start] == prompt:
+                    return turn_answer(await self.load(session_id, who), index)
+            shared = common_prefix(head.token_ids, prompt)
+            offset = None if shared == len(head.token_ids) else shared
+            return await self.token_turn(
+                session, S.SessionGenerate(append_token_ids=prompt[shared:], offset=offset), params
             )
-            head.add_context(req.append_token_ids, [])
-            head.from_token_ids = True  # its messages no longer say its tokens: a chat turn on it is a 409
-            append_sample(head, sample, ParsedTurn(sample.text))
-            metrics.SESSION_TURNS.labels("generate").inc()
-            await self.store.save(session)
-            return turn_answer(session, len(head.turns) - 1)
+
+    async def token_turn(
+        self, session: Session, req: S.SessionGenerate, params: P.SamplingParams | None = None
+    ) -> S.SessionTurn:
+        """Append the ids (in a fork at `offset` if given), sample one completion of the segment, append it verbatim."""
+        head = rewritten(session, req)
+        tokens = head.token_ids + req.append_token_ids
+        if not tokens:
+            raise invalid("append_token_ids", "the session holds no tokens yet: send the prompt's ids")
+        params = params or req.sampling_params or P.SamplingParams(**session.sampling_params)
+        sample = await self.sample(session, tokens, params)
+        head.add_context(req.append_token_ids, [])
+        head.from_token_ids = True  # its messages no longer say its tokens: a chat turn on it is a 409
+        append_sample(head, sample, ParsedTurn(sample.text))
+        metrics.SESSION_TURNS.labels("generate").inc()
+        await self.store.save(session)
+        return turn_answer(session, len(head.turns) - 1)
 
     async def reward(
         self, session_id: str, req: S.SessionReward, base_url: str, who: Principal = ADMIN
@@ -256,6 +279,16 @@ def append_sample(head: Segment, sample: P.Sample, parsed: ParsedTurn, trained: 
         sampling_known=q is not None,
         policies=[p.model_dump() for p in sample.policies or [sample.policy] if p is not None] or None,
     )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids the two share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def retried(head: Segment, req: S.SessionGenerate) -> int | None:
