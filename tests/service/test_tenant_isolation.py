@@ -70,6 +70,7 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/sessions/{session_id}/anthropic/v1/messages/count_tokens"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/v1/responses"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/responses"): (SESSION,),
+    ("POST", "/v1/sessions/{session_id}/inference/v1/generate"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/reward"): (SESSION,),
     ("POST", "/v1/sessions/{session_id}/close"): (SESSION,),
     ("GET", "/v1/sessions/{session_id}/trajectory"): (SESSION, EPISODE),
@@ -256,6 +257,8 @@ def test_another_tenants_session_is_unknown_on_every_route(http, tenants):
         refused(as_(who, "POST", "/v1/sessions/{session_id}/anthropic/v1/messages/count_tokens", counted), secret)
         for door in ("/v1/sessions/{session_id}/v1/responses", "/v1/sessions/{session_id}/responses"):
             refused(as_(who, "POST", door, {"input": "hi", "max_output_tokens": 2}), secret)
+        tokens = {"token_ids": [40, 41, 42], "sampling_params": {"max_tokens": 2}}
+        refused(as_(who, "POST", "/v1/sessions/{session_id}/inference/v1/generate", tokens), secret)
         refused(as_(who, "POST", "/v1/sessions/{session_id}/reward", {"reward": 1.0}), secret)
         refused(as_(who, "POST", "/v1/sessions/{session_id}/close"), secret)
         refused(as_(who, "GET", "/v1/sessions/{session_id}/trajectory"), secret)
