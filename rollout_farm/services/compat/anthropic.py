@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from rollout_farm.services.chat.template import for_template, prompt_ids, render
-from rollout_farm.services.episodes.chat_turns import door_tools, invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import door_tools, function_tool, invalid, renamed, thinking_and_text
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import anthropic as A
 from rollout_farm.services.protocol import common as C
@@ -116,17 +116,7 @@ def user(role: str, blocks: list, calls: set[str], i: int) -> list[dict]:
 def function_tools(tools: list[A.Tool] | None) -> list[dict] | None:
     if tools is None:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.name,
-                **({"description": t.description} if t.description is not None else {}),
-                "parameters": t.input_schema,
-            },
-        }
-        for t in tools
-    ]
+    return [function_tool(t.name, t.description, t.input_schema) for t in tools]
 
 
 def tool_choice(req: A.CountTokensRequest):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from rollout_farm.services.episodes.chat_turns import door_tools, invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import door_tools, function_tool, invalid, renamed, thinking_and_text
 from rollout_farm.services.episodes.session_store import Session
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import responses as R
@@ -109,17 +109,7 @@ def chat_messages(req: R.ResponsesRequest, history: list[dict]) -> list[dict]:
 def function_tools(tools: list[R.FunctionTool] | None) -> list[dict] | None:
     if tools is None:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.name,
-                **({"description": t.description} if t.description is not None else {}),
-                "parameters": t.parameters or {"type": "object", "properties": {}},
-            },
-        }
-        for t in tools
-    ]
+    return [function_tool(t.name, t.description, t.parameters or {"type": "object", "properties": {}}) for t in tools]
 
 
 def tool_choice(req: R.ResponsesRequest):

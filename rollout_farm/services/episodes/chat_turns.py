@@ -213,3 +213,9 @@ def door_tools(tools: list[dict] | None, schema: str) -> list[dict] | None:
             ]
         )
     return tools
+
+
+def function_tool(name: str, description: str | None, parameters: dict) -> dict:
+    """A front door's tool as an OpenAI function tool."""
+    described = {"description": description} if description is not None else {}
+    return {"type": "function", "function": {"name": name, **described, "parameters": parameters}}
