@@ -11,9 +11,16 @@ The folders are the kinds of test, each marked by its conftest.py:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Ray Serve keeps a replica behind HAProxy (direct ingress, the default front) draining at least 30 s before it stops,
+# so that HAProxy takes it out of rotation first: every app a test deletes, and every service a test stops, waited
+# those 30 s (a sixth of the suite's time). The tests delete apps and stop services they no longer send to, so 2 s of
+# draining are enough; the processes Ray starts (and `farm serve` in tests/e2e) inherit it. A deployment keeps 30 s.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 # FARM_CACHE is left as the user has it: by default rollout_farm/services/models.py's ~/.cache/rollout-farm, outside
 # the checkout, shared by every test session and checkout (and by the user's own `farm` commands), so what is built

@@ -256,6 +256,9 @@ def config(service: str, seed: int, examples: int, stateful_examples: int, state
                 # an open GET and a token-guarded POST would say `Allow: GET`), so rollout_farm/services/api/errors.py
                 # leaves it out
                 "unsupported_method": {"enabled": False},
+                # DELETE /v1/adapters/{name} retires every version and keeps the record, so that no version is ever
+                # reused (docs/adapters.md): GET and DELETE answer 200 for it afterwards, by design
+                "use_after_free": {"enabled": False},
             },
             "operations": [
                 {

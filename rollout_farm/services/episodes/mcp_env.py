@@ -21,7 +21,6 @@ step by the request's tool_timeout_s (a call it cancels is forgotten: the sessio
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
@@ -39,9 +38,6 @@ from rollout_farm.services.episodes.allowed_hosts import Address, NotAllowed, Pi
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
 from rollout_farm.services.episodes.mcp_tools import ToolRefused, call_arguments, openai_tools, result_text
 from rollout_farm.services.extensions.rewards import REWARDS
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup  # anyio's dependency there
 
 SERVERS_SETTING = "FARM_MCP_SERVERS"
 HTTP_TIMEOUT = httpx2.Timeout(30.0, read=300.0)  # the SDK's; the runner's tool_timeout_s bounds each step anyway
@@ -154,7 +150,7 @@ class McpConnection:
 
 def described(e: BaseException) -> str:
     """An error as one line: the first leaf of an exception group, a JSON-RPC error's code and message."""
-    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+    while getattr(e, "exceptions", None):  # an exception group (a builtin from Python 3.11, anyio's backport before)
         e = e.exceptions[0]
     if isinstance(e, MCPError):
         return f"MCPError {e.code}: {e.message}"
