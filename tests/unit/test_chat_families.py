@@ -214,3 +214,18 @@ def test_only_a_prompt_that_opens_a_think_block_makes_the_text_before_think_end_
         assert opens_thinking(f.tok, prompt) is opens, name
     parsed = parsed_turn(TOOL_FORMATS.get("hermes")(), "Hmm.\n</think>\n\nHi.", 0, "auto")
     assert (parsed.reasoning, parsed.content) == ("", "Hmm.\n</think>\n\nHi.")
+
+
+@pytest.mark.parametrize(
+    "name, stop, cut", [("llama3.1", "<|eom_id|>", "<|python_tag|>"), ("gpt-oss", "<|call|>", "<|message|>")]
+)
+def test_a_turn_that_stops_on_another_end_token_is_closed_one_cut_after_a_marker_is_not(name, stop, cut):
+    """A turn that ended on one of the family's end tokens other than the template's ending needs no closing token;
+    one cut short (max_tokens) right after another special token, a call's marker, still gets the template's ending
+    (negative control: closing it with nothing would store a prompt the template never renders)."""
+    tok = FAMILIES[name].tok
+    text = tok.encode("Hi", add_special_tokens=False)
+    ending = chat_delta.close(tok, text, None)
+    assert len(ending) == 1
+    assert chat_delta.close(tok, text + tok.convert_tokens_to_ids([stop]), None) == []
+    assert chat_delta.close(tok, text + tok.convert_tokens_to_ids([cut]), None) == ending

@@ -18,6 +18,7 @@ from rollout_farm.services.compat import responses as cr
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import anthropic as A
 from rollout_farm.services.protocol import responses as R
+from rollout_farm.services.protocol import sessions as S
 
 CALL = {"id": "call_0_0", "type": "function", "function": {"name": "calc", "arguments": '{"x": "1+1"}'}}
 FARM = {"session_id": "s1", "segment_id": "0", "turn": 2, "token_ids": [1, 2, 3], "weight_version": 0}
@@ -212,6 +213,18 @@ def test_a_previous_response_of_another_session_or_none_is_refused(rid):
 
 def test_a_previous_response_of_the_session_gives_its_history():
     assert cr.previous(Session(), "resp_s1_0_0") == Session.segments[0].messages  # the negative control's positive
+
+
+def test_a_previous_messages_text_parts_are_sent_again_as_parts():
+    """A message that came as text parts is stored with them (`content_parts`, for the history match); the history a
+    previous response gives back sends them as parts again: a valid session message that matches the stored one."""
+    stored = [{"role": "user", "content": "ab", "content_parts": ["a", "b"]}, {"role": "assistant", "content": "c"}]
+
+    class Parted(Session):
+        segments = [Segment("0", stored, [Turn(1)])]
+
+    (user, answer_) = cr.previous(Parted(), "resp_s1_0_0")
+    assert S.SessionMessage(**user).as_chat() == stored[0] and answer_ == stored[1]
 
 
 def test_an_answer_becomes_a_response_and_its_stream_assembles_to_it():

@@ -127,6 +127,19 @@ def test_a_merge_is_accepted_only_as_the_stored_results_in_order():
     two_ways = copy.deepcopy(stored)
     two_ways[2]["content"], two_ways[3]["content"] = "a\n", "b"  # "a\n\nb" also splits as "a", "\nb"
     assert match(two_ways, given({"role": "tool", "content": "a\n\nb"})).stored == 2
+    # a merged result then one of its results again: a rewrite (it would store the second result twice), not a merge
+    again = stored[:2] + [{"role": "tool", "tool_call_id": "c0", "content": "a\nb"}, stored[3]] + stored[4:]
+    assert match(stored, again).stored == 2
+
+
+def test_a_think_block_in_the_content_beside_reasoning_content_is_content():
+    """Reasoning is set aside from `reasoning_content`, or else from a leading <think> block: with both, the block is
+    text the template renders (Qwen3's renders the content verbatim then), so a changed one is another history."""
+    stored = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Hello", "reasoning_content": "R"}]
+    same = [stored[0], {"role": "assistant", "content": "<think>\nR\n</think>\n\nHello"}]  # the reasoning inline
+    other = [stored[0], {"role": "assistant", "content": "<think>other</think>Hello", "reasoning_content": "R"}]
+    assert match(stored, same).stored == 2 and match(stored, same).rules == {"reasoning"}
+    assert match(stored, other).stored == 1
 
 
 def test_call_ids_map_one_to_one():

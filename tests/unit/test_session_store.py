@@ -184,6 +184,8 @@ async def test_bytes_past_the_header_are_never_read_and_a_missing_key_is_refused
     await redis.delete(key + "logprobs")  # a key evicted
     with pytest.raises(Conflict, match="incomplete in Redis"):
         await store.load(session.id)
+    with pytest.raises(Conflict, match="logprobs"):  # a turn, which reads no logprobs, is refused too: its save's
+        await store.load(session.id, whole=False)  # SETRANGE would refill the lost column with zeros
 
 
 async def test_a_session_stored_as_one_json_value_loads_and_is_stored_anew(redis):

@@ -137,9 +137,29 @@ def close(tokenizer, sampled: list[int], tools: list[dict] | None) -> list[int]:
         raise NotAppendOnly("the chat template does not render an assistant turn's content as its own tokens")
     ending = closed[at + len(content) :]
     done = next((k for k in range(len(ending), 0, -1) if sampled[-k:] == ending[:k]), 0)
-    if not done and len(ending) == 1 and sampled and special(tokenizer, sampled[-1]) and special(tokenizer, ending[0]):
+    if (
+        not done
+        and len(ending) == 1
+        and sampled
+        and ends_turn(tokenizer, sampled[-1])
+        and special(tokenizer, ending[0])
+    ):
         return []  # the turn ended with another of the template's end tokens (Llama's <|eom_id|>, gpt-oss's <|call|>)
     return ending[done:]
+
+
+# The tokens that end a model's turn (a turn that stops on one is closed): a turn cut short after another special
+# token (Llama's <|python_tag|>, harmony's <|message|>) still gets the template's ending.
+TURN_ENDS = frozenset(
+    ("<|eot_id|>", "<|eom_id|>", "<|end|>", "<|call|>", "<|return|>", "<|im_end|>", "<|endoftext|>", "</s>")
+    + ("<｜end▁of▁sentence｜>",)
+)
+
+
+def ends_turn(tokenizer, token: int) -> bool:
+    """Whether `token` is a special token that ends a turn (TURN_ENDS, or the tokenizer's end of sequence)."""
+    found = getattr(tokenizer, "added_tokens_decoder", {}).get(token)
+    return bool(found and found.special and (found.content in TURN_ENDS or token == tokenizer.eos_token_id))
 
 
 def special(tokenizer, token: int) -> bool:

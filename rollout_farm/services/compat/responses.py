@@ -43,7 +43,16 @@ def previous(session: Session, response: str) -> list[dict]:
     segment = next((s for s in session.segments if s.id == segment_id), None)
     if segment is None or not (turn or "").isdigit() or int(turn) >= len(segment.turns):
         raise invalid("previous_response_id", f"session {session.id} gave no response {response!r}")
-    return [dict(m) for m in segment.messages[: segment.turns[int(turn)].prompt_messages + 1]]
+    return [as_sent(m) for m in segment.messages[: segment.turns[int(turn)].prompt_messages + 1]]
+
+
+def as_sent(message: dict) -> dict:
+    """A stored message as a client sends it: text parts (kept as `content_parts` beside the joined content, for the
+    history match) as parts again."""
+    out = {k: v for k, v in message.items() if k != "content_parts"}
+    if "content_parts" in message:
+        out["content"] = [{"type": "text", "text": p} for p in message["content_parts"]]
+    return out
 
 
 def chat_request(req: R.ResponsesRequest, history: list[dict]) -> S.SessionChatRequest:

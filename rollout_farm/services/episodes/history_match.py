@@ -46,13 +46,15 @@ def normal(message: dict) -> tuple:
 
 
 def reasoning_split(message: dict) -> tuple[str, str]:
-    """An assistant message's (reasoning, content): the reasoning as `reasoning_content` or a leading <think> block of
-    its content (as reasoning models write it and their templates split it), each stripped of surrounding newlines."""
+    """An assistant message's (reasoning, content): the reasoning as `reasoning_content`, or else a leading <think>
+    block of its content (as reasoning models write it and their templates split it), each stripped of surrounding
+    newlines. With `reasoning_content` given, the content is compared as sent: a think block in it as well is text the
+    template renders (Qwen3's renders the content verbatim then), not reasoning to set aside."""
     content = message.get("content") or ""
     reasoning = message.get("reasoning_content") or ""
     head, sep, rest = content.partition(THINK_END)
-    if sep and head.lstrip().startswith(THINK):
-        reasoning, content = reasoning or head.lstrip().removeprefix(THINK), rest
+    if not reasoning and sep and head.lstrip().startswith(THINK):
+        reasoning, content = head.lstrip().removeprefix(THINK), rest
     return reasoning.strip("\n"), content.lstrip("\n")
 
 
@@ -204,7 +206,10 @@ def results_step(stored: list[dict], i: int, given: list[dict], j: int, ids: Cal
         return None
     if step := reordered(run, given[j : j + k], ids):
         return k, k, step
-    if j < len(given) and (step := merged(run, given[j], ids)):
+    # a merge is the run's last word: a tool message after it would answer the run's calls again (a merged result
+    # followed by one of the results it holds is a rewrite, not a merge)
+    after = given[j + 1]["role"] if j + 1 < len(given) else None
+    if j < len(given) and after != "tool" and (step := merged(run, given[j], ids)):
         return k, 1, step
     return None
 

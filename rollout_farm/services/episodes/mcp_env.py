@@ -36,7 +36,7 @@ from rollout_farm.services.config.settings import McpServer
 from rollout_farm.services.episodes import allowed_hosts
 from rollout_farm.services.episodes.allowed_hosts import Address, NotAllowed, PinnedTransport
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
-from rollout_farm.services.episodes.mcp_tools import ToolRefused, call_arguments, openai_tools, result_text
+from rollout_farm.services.episodes.mcp_tools import MAX_TOOLS, ToolRefused, call_arguments, openai_tools, result_text
 from rollout_farm.services.extensions.rewards import REWARDS
 
 SERVERS_SETTING = "FARM_MCP_SERVERS"
@@ -235,15 +235,17 @@ class McpEnvironment(Environment):
         return lambda: pinned_http(self.params.url, at)
 
     async def listed_tools(self) -> list[dict]:
-        """Every tool of tools/list, its pages followed."""
+        """Every tool of tools/list, its pages followed: at most MAX_TOOLS + 1 pages, and no page once more tools than
+        the model is shown came (openai_tools refuses them), so a server that pages on forever ends."""
         tools, cursor = [], None
-        while True:
+        for _ in range(MAX_TOOLS + 1):
             params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
             page = await self.connection.request("tools/list", self.session.list_tools(params=params))
             tools += [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in page.tools]
             cursor = page.next_cursor
-            if not cursor:
+            if not cursor or len(tools) > MAX_TOOLS:
                 return tools
+        raise McpFailed(f"{self.where}: tools/list gave more than {MAX_TOOLS + 1} pages")
 
     async def step(self, turn: AssistantTurn) -> Step:
         if not turn.tool_calls:

@@ -125,14 +125,23 @@ class SessionStore:
         del data["layout"]
         names = [*(COLUMNS if whole else ["token_ids"]), *LINES]
         reads = [(m, name) for m in metas for name in names if stored_bytes(m, name)]
+        # the columns a turn does not read are measured: one lost (evicted, deleted) must not be refilled with zeros
+        # by the next save's SETRANGE at its offset
+        measured = [(m, name) for m in metas for name in COLUMNS if name not in names and stored_bytes(m, name)]
         async with self.raw.pipeline(transaction=True) as pipe:
             for m, name in reads:  # up to the header's offsets only
                 pipe.getrange(part(key, m["id"], name), 0, stored_bytes(m, name) - 1)
+            for m, name in measured:
+                pipe.strlen(part(key, m["id"], name))
             for m in metas:
                 pipe.hgetall(part(key, m["id"], "rewards"))
             replies = await pipe.execute()
         got = {(m["id"], name): value for (m, name), value in zip(reads, replies)}
-        rewards = dict(zip([m["id"] for m in metas], replies[len(reads) :]))
+        lengths = replies[len(reads) : len(reads) + len(measured)]
+        for (m, name), length in zip(measured, lengths):
+            if length < stored_bytes(m, name):
+                raise incomplete(session_id, f"segment {m['id']}'s {name}")
+        rewards = dict(zip([m["id"] for m in metas], replies[len(reads) + len(measured) :]))
         session = Session(**data)
         session.held = Held(rev)
         for m in metas:

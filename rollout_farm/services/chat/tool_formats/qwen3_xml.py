@@ -16,7 +16,7 @@ from rollout_farm.services.chat.tool_formats.base import TOOL_FORMATS, checked
 from rollout_farm.services.chat.tool_formats.hermes import Hermes
 
 FUNCTION = re.compile(r"^\s*<function=([^>\n]*)>(.*?)</function>\s*$", re.DOTALL)
-PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
+PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
 
 
 def value(text: str):
@@ -34,9 +34,7 @@ def read_xml(body: str) -> tuple[str, str] | str:
         return "not <function=NAME>...</function>"
     name, params = match.groups()
     arguments, at = {}, 0
-    for p in PARAMETER.finditer(params):
-        if params[at : p.start()].strip():
-            break
+    while p := PARAMETER.match(params, at):  # anchored where the last one ended: one scan of the text in all
         arguments[p.group(1)], at = value(p.group(2)), p.end()
     if params[at:].strip():
         return f"the parameters of {name[:80]!r} are not <parameter=P>value</parameter> blocks"
