@@ -10,9 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api.deps import caller, ingress
+from rollout_farm.services.api.sessions import chat_turn
 from rollout_farm.services.compat import anthropic
 from rollout_farm.services.compat.anthropic_stream import events
-from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import anthropic as A
 from rollout_farm.services.tenants.registry import Principal
 
@@ -29,12 +29,7 @@ async def messages(session_id: str, req: A.MessagesRequest, who: Principal = WHO
     """One turn of the session as an Anthropic Message (`stream`: Anthropic's server-sent events); the farm's token
     view of the turn under `farm`."""
     chat = anthropic.chat_request(req)
-    async with farm.tenants.admitted(who, 1) as took:
-        try:
-            out = await farm.sessions.chat(session_id, chat, who=who)
-        except Invalid as e:
-            raise anthropic.renamed_error(e) from None
-        took(out["usage"]["completion_tokens"])
+    out = await chat_turn(farm, session_id, chat, who, anthropic.renamed_error)
     answer = anthropic.message(out, req)
     return StreamingResponse(events(answer), media_type="text/event-stream") if req.stream else answer
 

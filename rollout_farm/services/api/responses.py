@@ -10,9 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api.deps import caller, ingress
+from rollout_farm.services.api.sessions import chat_turn
 from rollout_farm.services.compat import responses
 from rollout_farm.services.compat.responses_stream import events
-from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import responses as R
 from rollout_farm.services.tenants.registry import Principal
 
@@ -32,11 +32,6 @@ async def create_response(session_id: str, req: R.ResponsesRequest, who: Princip
     if req.previous_response_id is not None:
         history = responses.previous(await farm.sessions.load(session_id, who), req.previous_response_id)
     chat = responses.chat_request(req, history)
-    async with farm.tenants.admitted(who, 1) as took:
-        try:
-            out = await farm.sessions.chat(session_id, chat, who=who)
-        except Invalid as e:
-            raise responses.renamed_error(e) from None
-        took(out["usage"]["completion_tokens"])
+    out = await chat_turn(farm, session_id, chat, who, responses.renamed_error)
     answer = responses.response(out, req)
     return StreamingResponse(events(answer), media_type="text/event-stream") if req.stream else answer

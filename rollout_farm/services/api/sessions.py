@@ -3,12 +3,15 @@ with the token. The work is rollout_farm/services/episodes/sessions.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Depends, Request
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.api.adapters import may_sample
 from rollout_farm.services.api.deps import caller, ingress
 from rollout_farm.services.api.openai import answer
+from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import sessions as S
 from rollout_farm.services.tenants.registry import Principal
 
@@ -53,10 +56,25 @@ async def session_chat(session_id: str, req: S.SessionChatRequest, who: Principa
     """OpenAI chat with tools on the session's tokens: only the new messages are rendered, the sampled ids are kept
     verbatim, tool calls come back as `tool_calls`; a rewritten history forks. The session's base_url is an OpenAI
     base URL; `stream` answers in server-sent events."""
+    return answer(await chat_turn(farm, session_id, req, who), req)
+
+
+async def chat_turn(
+    farm,
+    session_id: str,
+    req: S.SessionChatRequest,
+    who: Principal,
+    renamed: Callable[[Invalid], Invalid] | None = None,
+) -> dict:
+    """A session's chat turn, the caller's tenant admitted for it; a door's 422s with its own field names
+    (`renamed`). The chat route's and every other door's (api/anthropic.py, api/responses.py)."""
     async with farm.tenants.admitted(who, 1) as took:
-        out = await farm.sessions.chat(session_id, req, who=who)
+        try:
+            out = await farm.sessions.chat(session_id, req, who=who)
+        except Invalid as e:
+            raise (renamed(e) if renamed else e) from None
         took(out["usage"]["completion_tokens"])
-    return answer(out, req)
+    return out
 
 
 @router.post("/v1/sessions/{session_id}/reward", response_model=S.SessionInfo, responses=ERRORS)

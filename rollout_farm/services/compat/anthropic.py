@@ -19,7 +19,14 @@ from __future__ import annotations
 import json
 
 from rollout_farm.services.chat.template import for_template, prompt_ids, render
-from rollout_farm.services.episodes.chat_turns import door_tools, function_tool, invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import (
+    door_tools,
+    function_tool,
+    invalid,
+    renamed,
+    the_one_tool,
+    thinking_and_text,
+)
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import anthropic as A
 from rollout_farm.services.protocol import common as C
@@ -129,13 +136,7 @@ def tool_choice(req: A.CountTokensRequest):
         return "none"
     name = choice.name if choice.type == "tool" else None
     if choice.type == "any":
-        if len(names) != 1:
-            raise invalid(
-                "tool_choice.type",
-                f"any with {len(names)} tools: the farm forces a call by writing its opening, which names the tool; "
-                "give {type: tool, name} (or one tool)",
-            )
-        name = names[0]
+        name = the_one_tool(names, "tool_choice.type", "any", "{type: tool, name}")
     if name not in names:
         raise invalid("tool_choice.name", f"{name!r} is not one of the request's tools")
     return {"type": "function", "function": {"name": name}}

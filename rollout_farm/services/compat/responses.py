@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import time
 
-from rollout_farm.services.episodes.chat_turns import door_tools, function_tool, invalid, renamed, thinking_and_text
+from rollout_farm.services.episodes.chat_turns import (
+    door_tools,
+    function_tool,
+    invalid,
+    renamed,
+    the_one_tool,
+    thinking_and_text,
+)
 from rollout_farm.services.episodes.session_store import Session
 from rollout_farm.services.errors import Invalid
 from rollout_farm.services.protocol import responses as R
@@ -126,13 +133,7 @@ def tool_choice(req: R.ResponsesRequest):
     if req.tool_choice in ("auto", "none"):
         return req.tool_choice
     if req.tool_choice == "required":
-        if len(names) != 1:
-            raise invalid(
-                "tool_choice",
-                f"required with {len(names)} tools: the farm forces a call by writing its opening, which names the "
-                "tool; give {type: function, name} (or one tool)",
-            )
-        name = names[0]
+        name = the_one_tool(names, "tool_choice", "required", "{type: function, name}")
     else:
         name = req.tool_choice.name
     if name not in names:

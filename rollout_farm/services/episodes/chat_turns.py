@@ -219,3 +219,15 @@ def function_tool(name: str, description: str | None, parameters: dict) -> dict:
     """A front door's tool as an OpenAI function tool."""
     described = {"description": description} if description is not None else {}
     return {"type": "function", "function": {"name": name, **described, "parameters": parameters}}
+
+
+def the_one_tool(names: list[str], field: str, asked: str, instead: str) -> str:
+    """The tool a door's "call some tool" choice (Anthropic's any, Responses' required) forces: the farm forces a call
+    by writing its opening, which names the tool, so there must be one tool; else a 422 naming `field`."""
+    if len(names) != 1:
+        raise invalid(
+            field,
+            f"{asked} with {len(names)} tools: the farm forces a call by writing its opening, which names the tool; "
+            f"give {instead} (or one tool)",
+        )
+    return names[0]
