@@ -76,7 +76,11 @@ def test_sglang_tensor_parallelism_follows_the_gpu_share():
     "gpu, settings, message",
     [
         ({"perReplica": 0.5}, {}, "gpu.perReplica=0.5 with engine sglang puts several engines on one GPU"),
-        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.6}, "sglang_mem_fraction_static=0.6 is more than"),
+        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.6}, "sglang_mem_fraction_static=0.6 is not below"),
+        # equal to the share: SGLang's static pool alone fills it, and the engine's activations and CUDA context need
+        # memory outside the pool (issue 40)
+        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.5}, "sglang_mem_fraction_static=0.5 is not below"),
+        ({"perReplica": 0.25}, {"sglang_mem_fraction_static": 0.25}, "set it below the share, e.g. 0.21"),
         ({"perWorker": 2, "perReplica": 1.5}, {}, "gpu.perReplica=1.5 with engine sglang"),
     ],
 )
@@ -84,6 +88,13 @@ def test_sglang_gpu_shares_that_cannot_work_are_refused(gpu, settings, message):
     """Old: two SGLang engines on one GPU rendered without a memory fraction (the second one ran out of memory), and
     1.5 GPUs per replica rendered too."""
     assert message in render_error(merged(BASE, merged(SGLANG, {"gpu": gpu, "settings": settings})))
+
+
+@pytest.mark.parametrize("share, fraction", [(0.5, 0.45), (0.5, 0.49), (0.25, 0.2)])
+def test_a_memory_fraction_below_the_gpu_share_is_accepted(share, fraction):
+    """The control of the refusals above: a fraction with headroom below the share renders, and reaches SGLang."""
+    values = merged(SGLANG, {"gpu": {"perReplica": share}, "settings": {"sglang_mem_fraction_static": fraction}})
+    assert serve_env(rayservice(values))["FARM_SGLANG_MEM_FRACTION_STATIC"] == str(fraction)
 
 
 # -- Blocker 3: weights survive an upgrade ------------------------------------------------------------------------
@@ -188,6 +199,25 @@ def test_redis_password_reaches_the_service_the_gcs_and_the_server():
     assert "ROLLOUT_FARM_REDIS_PASSWORD" not in env(ray_containers(rendered({}))["head"]), "external Redis without auth"
     both = merged(BASE, {"redis": {"url": "redis://:pw@r:6379/0", "auth": {"existingSecret": "s"}}})
     assert "give the password only in the Secret" in render_error(both)
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        (
+            "rediss://redis.db:6380/2?ssl_cert_reqs=required&socket_timeout=5",
+            "rediss://:$(ROLLOUT_FARM_REDIS_PASSWORD)@redis.db:6380/2?ssl_cert_reqs=required&socket_timeout=5",
+        ),
+        ("redis://redis.db:6379/0", "redis://:$(ROLLOUT_FARM_REDIS_PASSWORD)@redis.db:6379/0"),  # no query: no "?"
+    ],
+)
+def test_a_redis_url_keeps_its_query_string_with_a_password_secret(url, expected):
+    """Old (issue 40): with redis.auth.existingSecret the URL was rebuilt from scheme, host and path, so redis-py's
+    options in the query string (TLS verification, timeouts) were dropped."""
+    docs = rendered({"redis": {"url": url, "auth": {"existingSecret": "redis-pw"}}})
+    assert {env(c)["FARM_REDIS_URL"] for c in ray_containers(docs).values()} == {expected}
+    without_secret = ray_containers(rendered({"redis": {"url": url}}))["head"]
+    assert env(without_secret)["FARM_REDIS_URL"] == url, "without a Secret the URL is passed as given"
 
 
 def test_generation_needs_the_token_by_default():

@@ -115,7 +115,8 @@ refuses that name on a head with GCS fault tolerance, and sets it itself). */}}
 {{- define "rollout-farm.redisPasswordVar" -}}ROLLOUT_FARM_REDIS_PASSWORD{{- end }}
 
 {{/* FARM_REDIS_URL: redis.url, or the in-chart Redis; exactly one. With a password Secret, the password goes in as
-$(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable before it. */}}
+$(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable before it; the URL's query string
+(redis-py's options, e.g. ?ssl_cert_reqs=required&socket_timeout=5) is kept. */}}
 {{- define "rollout-farm.redisUrl" -}}
 {{- $base := "" }}
 {{- if and .Values.redis.url .Values.redis.inChart.enabled }}
@@ -132,7 +133,7 @@ $(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable 
 {{- if $u.userinfo }}
 {{- fail (printf "redis.url has credentials and redis.auth.existingSecret is set: give the password only in the Secret (the URL is visible in the RayService)") }}
 {{- end }}
-{{- printf "%s://:$(%s)@%s%s" $u.scheme (include "rollout-farm.redisPasswordVar" .) $u.host $u.path }}
+{{- printf "%s://:$(%s)@%s%s%s" $u.scheme (include "rollout-farm.redisPasswordVar" .) $u.host $u.path (ternary (printf "?%s" $u.query) "" (ne $u.query "")) }}
 {{- else }}
 {{- $base }}
 {{- end }}
@@ -187,8 +188,10 @@ committed record is a path on the shared volume, inside FARM_WEIGHTS_DIR. */}}
 {{- end }}
 
 {{/* An engine replica's GPUs as SGLang's tensor parallelism, checked (engine sglang only): a whole number is
-FARM_SGLANG_TP_SIZE; a fraction below 1 needs settings.sglang_mem_fraction_static, at most the fraction. Prints the
-tp size, or nothing. */}}
+FARM_SGLANG_TP_SIZE; a fraction below 1 needs settings.sglang_mem_fraction_static, below the fraction: that is the
+static pool (weights and KV cache) alone, and each engine also needs memory outside it (its CUDA context,
+activations, CUDA graphs), so engines sharing a GPU at exactly their share would together ask for more than the
+GPU's memory. Prints the tp size, or nothing. */}}
 {{- define "rollout-farm.sglangTp" -}}
 {{- if and (eq .Values.engine "sglang") .Values.gpu.enabled }}
 {{- $share := float64 .Values.gpu.perReplica }}
@@ -200,8 +203,8 @@ tp size, or nothing. */}}
 {{- $share | int }}
 {{- else if kindIs "invalid" $fraction }}
 {{- fail (printf "gpu.perReplica=%v with engine sglang puts several engines on one GPU, and each SGLang engine takes 0.9 of its memory by default: set settings.sglang_mem_fraction_static to at most %v (e.g. --set-json settings.sglang_mem_fraction_static=%v), leaving room for each engine's activations" .Values.gpu.perReplica .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
-{{- else if gt (float64 $fraction) $share }}
-{{- fail (printf "settings.sglang_mem_fraction_static=%v is more than gpu.perReplica=%v: the engines sharing a GPU would ask for more than its memory; set it to at most %v" $fraction .Values.gpu.perReplica .Values.gpu.perReplica) }}
+{{- else if ge (float64 $fraction) $share }}
+{{- fail (printf "settings.sglang_mem_fraction_static=%v is not below gpu.perReplica=%v: it is SGLang's static pool (weights and KV cache) alone, and each engine sharing the GPU also needs memory outside it (its CUDA context, activations, CUDA graphs), so with no headroom the engines together ask for more than the GPU's memory; set it below the share, e.g. %s" $fraction .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
 {{- end }}
 {{- end }}
 {{- end }}
