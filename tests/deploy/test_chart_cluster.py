@@ -14,8 +14,10 @@ from rollout_farm.services.serving.app import engine_scaling
 from tests.deploy.chart_render import (
     BASE,
     FULLNAME,
+    admits,
     env,
     merged,
+    notes,
     one,
     pod_specs,
     ray_containers,
@@ -144,7 +146,6 @@ def test_network_policies_are_on_by_default():
     }
     release = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "farm"}}}
     rules = ray["spec"]["ingress"]
-    assert {"from": [release]} in rules, "the release's own Pods reach every Ray port"
     ports = {tuple(p["port"] for p in r.get("ports", [])): r["from"] for r in rules}
     operator = ports[(8265, 8000)]
     assert operator == [
@@ -154,9 +155,6 @@ def test_network_policies_are_on_by_default():
         }
     ]
     assert ports[(8000,)] == [{"podSelector": {}}], "the API to the namespace by default"
-    assert not [
-        r for r in rules if r.get("ports") and 8265 in [p["port"] for p in r["ports"]] and r["from"] != operator
-    ]
     assert redis["spec"]["ingress"] == [{"from": [release], "ports": [{"port": 6379, "protocol": "TCP"}]}]
     # every Ray Pod is selected by the policy
     labels = [
@@ -171,6 +169,52 @@ def test_network_policies_are_on_by_default():
         for r in kinds(wider, "NetworkPolicy")[0]["spec"]["ingress"]
     )
     assert not kinds(rendered({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+RELEASE_POD = {"app.kubernetes.io/instance": "farm"}
+RAY_WORKER = RELEASE_POD | {"app.kubernetes.io/part-of": "rollout-farm", "rollout-farm/component": "worker"}
+RAY_HEAD = RAY_WORKER | {"rollout-farm/component": "head"}
+TRAINER = RELEASE_POD | {"app.kubernetes.io/component": "trainer"}
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+# Where Ray takes code: the dashboard (job submission), the GCS and the client server (a driver)
+CODE_PORTS = (8265, 6379, 10001)
+
+
+def ray_policy(docs: list[dict]) -> dict:
+    return next(d for d in kinds(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-ray"))
+
+
+def test_only_the_ray_pods_and_the_operator_reach_the_dashboard():
+    """Old (issue 40): any Pod with the release's instance label (the trainer, the helm test Pod, or any Pod a tenant
+    labels so) reached every Ray port, the dashboard's job submission (code execution) included."""
+    policy = ray_policy(rendered({}))
+    for labels in (RAY_HEAD, RAY_WORKER):  # Ray's own traffic: every port
+        assert all(admits(policy, port, labels) for port in (*CODE_PORTS, 8000, 8080, 30000, 52365))
+    assert admits(policy, 8265, OPERATOR, "kuberay-system") and admits(policy, 8000, OPERATOR, "kuberay-system")
+    assert not admits(policy, 8265, OPERATOR, "ml"), "the operator's labels in another namespace are not the operator"
+    assert not admits(policy, 6379, OPERATOR, "kuberay-system"), "the operator needs only the dashboard and serve port"
+    for labels in (TRAINER, RELEASE_POD, {}):
+        assert not any(admits(policy, port, labels) for port in CODE_PORTS), labels
+        assert admits(policy, 8000, labels), "the API: serveFrom's default is the namespace"
+    # the release's other Pods keep the rest (an NCCL weight push from the trainer opens connections to the engines)
+    assert all(admits(policy, port, TRAINER) for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 65535))
+    assert not admits(policy, 29500, {}), "a Pod outside the release: the serve port only"
+    moved = ray_policy(rendered({"networkPolicy": {"operator": {"namespace": "ray", "podLabels": {"app": "op"}}}}))
+    assert admits(moved, 8265, OPERATOR | {"app": "op"}, "ray"), "an operator elsewhere (podLabels merge with Helm's)"
+    assert not admits(moved, 8265, OPERATOR, "kuberay-system") and not admits(moved, 8265, OPERATOR, "ray")
+    # every Ray Pod of the chart carries the labels the policy admits by
+    cluster = one(rendered({}), "RayService")["spec"]["rayClusterConfig"]
+    for group, expected in ((cluster["headGroupSpec"], RAY_HEAD), (cluster["workerGroupSpecs"][0], RAY_WORKER)):
+        assert expected.items() <= group["template"]["metadata"]["labels"].items()
+
+
+def test_the_policy_check_catches_an_open_dashboard():
+    """Negative control of admits(): the policy as it was (every port to the release's Pods) lets the trainer reach
+    the dashboard, and the test above would fail on it."""
+    policy = ray_policy(rendered({}))
+    old = {**policy, "spec": {**policy["spec"], "ingress": [{"from": [{"podSelector": {"matchLabels": RELEASE_POD}}]}]}}
+    assert admits(old, 8265, TRAINER) and not admits(old, 8265, {})
+    assert admits({**old, "spec": {**old["spec"], "ingress": [{}]}}, 8265, {}), "a rule without `from`: everyone"
 
 
 def test_redis_password_reaches_the_service_the_gcs_and_the_server():
@@ -229,12 +273,40 @@ def test_generation_needs_the_token_by_default():
     )
 
 
-def test_kuberay_token_auth_is_an_option():
-    """Old: no way to turn on KubeRay's authOptions (the value did not exist)."""
-    rs = rayservice({"rayAuth": {"enabled": True, "secretName": "ray-token"}})
+def test_kuberay_token_auth_is_on_by_default():
+    """Old: no way to turn on KubeRay's authOptions (the value did not exist); then (issue 40) off by default, so the
+    dashboard, GCS and client server took anyone the NetworkPolicy let through (or everyone, without a CNI that
+    enforces it)."""
+    default = rayservice({})
+    assert default["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}, "KubeRay makes the token Secret"
+    assert rayservice_error(default) is None
+    rs = rayservice({"rayAuth": {"secretName": "ray-token"}})
     assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
     assert rayservice_error(rs) is None
-    assert "authOptions" not in rayservice({})["spec"]["rayClusterConfig"]
+    assert "authOptions" not in rayservice({"rayAuth": {"enabled": False}})["spec"]["rayClusterConfig"]
+    assert "get rayservice farm-rollout-farm -o jsonpath='{.status.activeServiceStatus.rayClusterName}'" in notes(
+        merged(BASE, {})
+    ), "NOTES say where the dashboard's token is"
+    assert "get secret ray-token -o jsonpath='{.data.auth_token}'" in notes(
+        merged(BASE, {"rayAuth": {"secretName": "ray-token"}})
+    )
+
+
+def test_token_auth_on_a_ray_without_it_is_refused():
+    """Ray's token auth starts at 2.52: the chart says so instead of KubeRay refusing the cluster later (its message,
+    from the ported validation.go, is the control that such a RayService is wrong)."""
+    old_ray = {"rayVersion": "2.51.0"}
+    assert "rayAuth.enabled: Ray's token authentication needs Ray 2.52.0 or later, and rayVersion is 2.51.0" in (
+        render_error(merged(BASE, old_ray))
+    )
+    without = rayservice(merged(old_ray, {"rayAuth": {"enabled": False}}))  # the control: without auth it renders
+    assert without["spec"]["rayClusterConfig"]["rayVersion"] == "2.51.0"
+    with_auth = rayservice({})
+    with_auth["spec"]["rayClusterConfig"]["rayVersion"] = "2.51.0"
+    assert rayservice_error(with_auth) == (
+        "The RayService spec is invalid: authOptions.mode is 'token' but minimum Ray version is 2.52.0, got 2.51.0"
+    )
+    assert rayservice(merged(old_ray, {"rayVersion": "2.52.0"}))["spec"]["rayClusterConfig"]["authOptions"]
 
 
 # -- Head sizing and the ingress's place ---------------------------------------------------------------------------
