@@ -6,6 +6,9 @@ the templates before issue 27 did that it catches (run with ROLLOUT_FARM_TEST_CH
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ from rollout_farm.services.serving.app import engine_scaling
 from tests.deploy.chart_render import (
     BASE,
     FULLNAME,
+    ROOT,
     admits,
     env,
     merged,
@@ -613,3 +617,99 @@ def test_a_gpu_fleet_adds_up():
 def test_gpu_values_that_do_not_add_up_are_refused(override, message):
     """Old: these rendered, and the extra engine replicas waited forever for a GPU or CPU no worker had."""
     assert message in render_error(merged(BASE, merged(GPU_FLEET, override)))
+
+
+# -- Issue 40: GPU nodes: the NVIDIA runtime and the driver CUDA 13.0 needs ----------------------------------------
+
+
+def init_containers(spec: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in spec.get("initContainers", [])}
+
+
+def test_gpu_pods_get_the_runtime_class_and_the_driver_check():
+    """Old (issue 40): no way to name NVIDIA's RuntimeClass where the cluster's default runtime is another, and a
+    node with a driver older than CUDA 13.0's (580) took the GPU Pods, which failed later inside CUDA."""
+    docs = rendered(merged(GPU, {"gpu": {"runtimeClassName": "nvidia"}, "trainer": {"enabled": True, "gpus": 1}}))
+    specs = pod_specs(one(docs, "RayService"))
+    trainer = one(docs, "Job")["spec"]["template"]["spec"]
+    assert specs["worker"]["runtimeClassName"] == trainer["runtimeClassName"] == "nvidia"
+    assert "runtimeClassName" not in specs["head"], "the head uses no GPU"
+    for spec, gpus, image in ((specs["worker"], 2, "rollout-farm:0.1.0-gpu"), (trainer, 1, "rollout-farm:0.1.0-gpu")):
+        check = init_containers(spec)["check-driver"]
+        assert check["image"] == image and check["command"][-1] == "580"
+        # the Pod's own GPUs (the kubelet hands an init container's devices on to the main container)
+        assert (
+            check["resources"]["limits"]["nvidia.com/gpu"] == check["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        )
+    assert "check-driver" not in init_containers(specs["head"])
+    plain = rendered({"trainer": {"enabled": True, "gpus": 0}})  # no GPU anywhere: neither
+    for spec in [*pod_specs(one(plain, "RayService")).values(), one(plain, "Job")["spec"]["template"]["spec"]]:
+        assert "runtimeClassName" not in spec and "check-driver" not in init_containers(spec)
+    assert "runtimeClassName" not in pod_specs(rayservice(GPU))["worker"], "empty: the cluster's default runtime"
+    skipped = pod_specs(rayservice(merged(GPU, {"gpu": {"driverCheck": {"enabled": False}}})))["worker"]
+    assert "check-driver" not in init_containers(skipped)
+    newer = init_containers(pod_specs(rayservice(merged(GPU, {"gpu": {"driverCheck": {"minVersion": 590}}})))["worker"])
+    assert newer["check-driver"]["command"][-1] == "590"
+
+
+FAKE_SMI = """#!/bin/sh
+[ "$*" = "--query-gpu=driver_version --format=csv,noheader" ] || { echo "unexpected arguments: $*" >&2; exit 2; }
+{output}
+"""
+
+
+@pytest.mark.parametrize(
+    "smi, passes, message",
+    [
+        ('printf "580.65.06\\n580.65.06\\n"', True, "NVIDIA driver 580.65.06 (>= 580, as CUDA 13.0 needs)"),
+        ('echo "590.44.01"', True, "NVIDIA driver 590.44.01"),
+        # the negative controls: an old driver on one of the GPUs, no driver, no nvidia-smi at all
+        ('printf "580.82.07\\n575.57.08\\n"', False, "NVIDIA driver 575.57.08 on this node is older than 580"),
+        (
+            'echo "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver." >&2; exit 9',
+            False,
+            "nvidia-smi failed (exit 9): NVIDIA-SMI has failed",
+        ),
+        (None, False, "nvidia-smi is not in this container"),
+    ],
+)
+def test_the_driver_check_passes_only_on_a_new_enough_driver(tmp_path, smi, passes, message):
+    """The check-driver script as rendered, run here with a stand-in nvidia-smi on PATH (no GPU or NVIDIA driver on
+    this machine: the stand-in prints what nvidia-smi prints for that query)."""
+    worker = pod_specs(rayservice(GPU))["worker"]
+    command = init_containers(worker)["check-driver"]["command"]
+    if smi is not None:
+        (tmp_path / "nvidia-smi").write_text(FAKE_SMI.replace("{output}", smi))
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    done = subprocess.run(
+        [sys.executable, *command[1:]], capture_output=True, text=True, timeout=60, env={"PATH": path}
+    )
+    assert (done.returncode == 0) == passes, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr
+    if not passes:
+        assert "gpu.driverCheck.enabled=false" in done.stderr, "the way to skip it is named"
+
+
+# -- Issue 40: the head's image and its disk -----------------------------------------------------------------------
+
+
+def test_the_head_asks_for_the_disk_ray_spills_to():
+    """Old (issue 40): no ephemeral-storage request on the head, where Ray spills the object store (uploads pass
+    through it) to /tmp/ray on the container's writable layer: the scheduler could place it on a node without room,
+    and the kubelet evicts the Pod that fills the node's disk first among those over their requests."""
+    head = ray_containers(rendered({}))["head"]["resources"]
+    assert head["requests"]["ephemeral-storage"] == "16Gi"
+    assert "ephemeral-storage" not in head["limits"], "a limit would evict the head, and the cluster with it"
+    spilled = 2 * ServiceSettings.model_fields["max_weights_bytes"].default  # the committed upload and the next
+    assert 16 << 30 >= spilled, "two of the largest uploads fit in the request"
+
+
+def test_the_head_runs_the_gpu_image_while_the_images_pythons_differ():
+    """The CPU image is built on Python 3.11 and the GPU image on its SGLang base's (3.12), and Ray refuses a node on
+    another Python, so with GPU workers the head stays on the GPU image unless head.cpuImage says they match."""
+    cpu_dockerfile = (ROOT / "deploy/Dockerfile").read_text()
+    gpu_dockerfile = (ROOT / "deploy/Dockerfile.gpu").read_text()
+    assert "python:3.11-slim" in cpu_dockerfile and "lmsysorg/sglang:" in gpu_dockerfile
+    assert ray_containers(rendered(GPU))["head"]["image"] == "rollout-farm:0.1.0-gpu"
+    assert ray_containers(rendered(merged(GPU, {"head": {"cpuImage": True}})))["head"]["image"] == "rollout-farm:0.1.0"

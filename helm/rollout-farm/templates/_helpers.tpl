@@ -338,6 +338,56 @@ rollout-farm/volume: {{ .Release.Name | quote }}
 {{- end }}
 
 {{/*
+With gpu.driverCheck: an init container of a Pod that uses GPUs, (dict "root" $ "image" ... "gpus" N), which reads
+the node's NVIDIA driver with nvidia-smi (the container runtime mounts it with the Pod's GPUs: the init container
+asks for the same GPUs, which the kubelet hands on to the main container) and stops the Pod, with what to do, below
+gpu.driverCheck.minVersion: the GPU image is CUDA 13.0, which needs driver 580 or newer.
+*/}}
+{{- define "rollout-farm.checkDriver" -}}
+{{- $gpu := .root.Values.gpu }}
+{{- if $gpu.driverCheck.enabled }}
+- name: check-driver
+  image: {{ .image }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command:
+    - python3
+    - -c
+    - |
+      import re, shutil, subprocess, sys
+      minimum = int(sys.argv[1])
+      skip = "or set gpu.driverCheck.enabled=false to skip this check"
+      if not shutil.which("nvidia-smi"):
+          sys.exit("nvidia-smi is not in this container: the Pod does not run under NVIDIA's container runtime, so no "
+                   f"GPU driver is visible. Set gpu.runtimeClassName (e.g. nvidia) where it is not the default, {skip}.")
+      done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True)
+      versions = done.stdout.split()
+      if done.returncode or not versions:
+          sys.exit(f"nvidia-smi failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()}; {skip}.")
+      for version in versions:
+          branch = re.match(r"\d+", version)
+          if not branch or int(branch.group()) < minimum:
+              sys.exit(f"NVIDIA driver {version} on this node is older than {minimum}: the GPU image is built on CUDA "
+                       f"13.0, which needs driver {minimum} or newer. Upgrade the node's driver (the GPU Operator's "
+                       f"driver.version), run the GPU Pods on newer nodes (gpu.nodeSelector), {skip}.")
+      print(f"NVIDIA driver {versions[0]} (>= {minimum}, as CUDA 13.0 needs)")
+    - {{ $gpu.driverCheck.minVersion | int | quote }}
+  {{- with .root.Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 64Mi
+      {{ $gpu.resourceName }}: {{ .gpus | int }}
+    limits:
+      memory: 128Mi
+      {{ $gpu.resourceName }}: {{ .gpus | int }}
+{{- end }}
+{{- end }}
+
+{{/*
 Scheduling shared by Pods: (dict "root" $ "nodeSelector" ... "tolerations" ... "affinity" ... "spread" ...
 "volume" true). priorityClassName for all; with storage.singleNode, every Pod that mounts the volume must run on the
 node of the others (a required podAffinity on their common label; the first one matches itself).
