@@ -180,3 +180,43 @@ def documented_values(text: str) -> tuple[dict[str, str], list[str]]:
         stack.append((indent, key, bool(comment)))
         comment = []
     return docs, missing
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes LabelSelector (matchLabels and matchExpressions) against a label set; {} selects everything."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if not {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]:
+            return False
+    return True
+
+
+def admits(policy: dict, port: int, labels: dict[str, str], namespace: str = NAMESPACE) -> bool:
+    """Whether a NetworkPolicy's ingress rules let a Pod with `labels` in `namespace` reach `port` (TCP) of the Pods it
+    selects, by the API's rules: a peer with only a podSelector means the policy's own namespace, one with a
+    namespaceSelector the namespaces it selects (by their kubernetes.io/metadata.name label here); no ports: all."""
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    for rule in policy["spec"].get("ingress") or []:
+        ports = rule.get("ports") or [{}]
+        if not any(
+            p.get("protocol", "TCP") == "TCP" and ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"]))
+            for p in ports
+        ):
+            continue
+        if "from" not in rule:  # every source
+            return True
+        for peer in rule["from"]:
+            if "namespaceSelector" in peer:
+                in_namespace = selects(peer["namespaceSelector"], namespace_labels)
+            else:
+                in_namespace = namespace == policy["metadata"].get("namespace", NAMESPACE)
+            if in_namespace and selects(peer.get("podSelector") or {}, labels):
+                return True
+    return False

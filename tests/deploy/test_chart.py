@@ -60,7 +60,10 @@ DOCS_GPU_INSTALL = README_GPU_INSTALL | {
 }
 VALUE_SETS = {
     "default": {},
-    "gpu-workers": {"gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5}, "dtype": "bfloat16"},
+    "gpu-workers": {
+        "gpu": {"enabled": True, "perWorker": 2, "perReplica": 0.5, "runtimeClassName": "nvidia"},
+        "dtype": "bfloat16",
+    },
     "autoscaling": {
         "replicas": 2,
         "autoscaling": {"enabled": True, "maxReplicas": 8, "targetOngoingRequests": 1.5},
@@ -302,8 +305,8 @@ def test_token_secret_created_or_referenced():
 def test_trainer_job():
     job = one(RENDERED["trainer"], "Job")
     spec = job["spec"]["template"]["spec"]
-    (check, wait), (trainer,) = spec["initContainers"], spec["containers"]
-    assert check["name"] == "check-volume"
+    (check, driver, wait), (trainer,) = spec["initContainers"], spec["containers"]
+    assert (check["name"], driver["name"]) == ("check-volume", "check-driver"), "a GPU trainer checks the driver"
     url = f"http://{FULLNAME}-serve-svc:8000"
     assert wait["command"][-2] == url and "/readyz" in wait["command"][2]
     args = trainer["args"]

@@ -6,6 +6,9 @@ the templates before issue 27 did that it catches (run with ROLLOUT_FARM_TEST_CH
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,8 +17,11 @@ from rollout_farm.services.serving.app import engine_scaling
 from tests.deploy.chart_render import (
     BASE,
     FULLNAME,
+    ROOT,
+    admits,
     env,
     merged,
+    notes,
     one,
     pod_specs,
     ray_containers,
@@ -76,7 +82,11 @@ def test_sglang_tensor_parallelism_follows_the_gpu_share():
     "gpu, settings, message",
     [
         ({"perReplica": 0.5}, {}, "gpu.perReplica=0.5 with engine sglang puts several engines on one GPU"),
-        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.6}, "sglang_mem_fraction_static=0.6 is more than"),
+        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.6}, "sglang_mem_fraction_static=0.6 is not below"),
+        # equal to the share: SGLang's static pool alone fills it, and the engine's activations and CUDA context need
+        # memory outside the pool (issue 40)
+        ({"perReplica": 0.5}, {"sglang_mem_fraction_static": 0.5}, "sglang_mem_fraction_static=0.5 is not below"),
+        ({"perReplica": 0.25}, {"sglang_mem_fraction_static": 0.25}, "set it below the share, e.g. 0.21"),
         ({"perWorker": 2, "perReplica": 1.5}, {}, "gpu.perReplica=1.5 with engine sglang"),
     ],
 )
@@ -84,6 +94,13 @@ def test_sglang_gpu_shares_that_cannot_work_are_refused(gpu, settings, message):
     """Old: two SGLang engines on one GPU rendered without a memory fraction (the second one ran out of memory), and
     1.5 GPUs per replica rendered too."""
     assert message in render_error(merged(BASE, merged(SGLANG, {"gpu": gpu, "settings": settings})))
+
+
+@pytest.mark.parametrize("share, fraction", [(0.5, 0.45), (0.5, 0.49), (0.25, 0.2)])
+def test_a_memory_fraction_below_the_gpu_share_is_accepted(share, fraction):
+    """The control of the refusals above: a fraction with headroom below the share renders, and reaches SGLang."""
+    values = merged(SGLANG, {"gpu": {"perReplica": share}, "settings": {"sglang_mem_fraction_static": fraction}})
+    assert serve_env(rayservice(values))["FARM_SGLANG_MEM_FRACTION_STATIC"] == str(fraction)
 
 
 # -- Blocker 3: weights survive an upgrade ------------------------------------------------------------------------
@@ -133,7 +150,6 @@ def test_network_policies_are_on_by_default():
     }
     release = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "farm"}}}
     rules = ray["spec"]["ingress"]
-    assert {"from": [release]} in rules, "the release's own Pods reach every Ray port"
     ports = {tuple(p["port"] for p in r.get("ports", [])): r["from"] for r in rules}
     operator = ports[(8265, 8000)]
     assert operator == [
@@ -143,9 +159,6 @@ def test_network_policies_are_on_by_default():
         }
     ]
     assert ports[(8000,)] == [{"podSelector": {}}], "the API to the namespace by default"
-    assert not [
-        r for r in rules if r.get("ports") and 8265 in [p["port"] for p in r["ports"]] and r["from"] != operator
-    ]
     assert redis["spec"]["ingress"] == [{"from": [release], "ports": [{"port": 6379, "protocol": "TCP"}]}]
     # every Ray Pod is selected by the policy
     labels = [
@@ -160,6 +173,52 @@ def test_network_policies_are_on_by_default():
         for r in kinds(wider, "NetworkPolicy")[0]["spec"]["ingress"]
     )
     assert not kinds(rendered({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+RELEASE_POD = {"app.kubernetes.io/instance": "farm"}
+RAY_WORKER = RELEASE_POD | {"app.kubernetes.io/part-of": "rollout-farm", "rollout-farm/component": "worker"}
+RAY_HEAD = RAY_WORKER | {"rollout-farm/component": "head"}
+TRAINER = RELEASE_POD | {"app.kubernetes.io/component": "trainer"}
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+# Where Ray takes code: the dashboard (job submission), the GCS and the client server (a driver)
+CODE_PORTS = (8265, 6379, 10001)
+
+
+def ray_policy(docs: list[dict]) -> dict:
+    return next(d for d in kinds(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-ray"))
+
+
+def test_only_the_ray_pods_and_the_operator_reach_the_dashboard():
+    """Old (issue 40): any Pod with the release's instance label (the trainer, the helm test Pod, or any Pod a tenant
+    labels so) reached every Ray port, the dashboard's job submission (code execution) included."""
+    policy = ray_policy(rendered({}))
+    for labels in (RAY_HEAD, RAY_WORKER):  # Ray's own traffic: every port
+        assert all(admits(policy, port, labels) for port in (*CODE_PORTS, 8000, 8080, 30000, 52365))
+    assert admits(policy, 8265, OPERATOR, "kuberay-system") and admits(policy, 8000, OPERATOR, "kuberay-system")
+    assert not admits(policy, 8265, OPERATOR, "ml"), "the operator's labels in another namespace are not the operator"
+    assert not admits(policy, 6379, OPERATOR, "kuberay-system"), "the operator needs only the dashboard and serve port"
+    for labels in (TRAINER, RELEASE_POD, {}):
+        assert not any(admits(policy, port, labels) for port in CODE_PORTS), labels
+        assert admits(policy, 8000, labels), "the API: serveFrom's default is the namespace"
+    # the release's other Pods keep the rest (an NCCL weight push from the trainer opens connections to the engines)
+    assert all(admits(policy, port, TRAINER) for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 65535))
+    assert not admits(policy, 29500, {}), "a Pod outside the release: the serve port only"
+    moved = ray_policy(rendered({"networkPolicy": {"operator": {"namespace": "ray", "podLabels": {"app": "op"}}}}))
+    assert admits(moved, 8265, OPERATOR | {"app": "op"}, "ray"), "an operator elsewhere (podLabels merge with Helm's)"
+    assert not admits(moved, 8265, OPERATOR, "kuberay-system") and not admits(moved, 8265, OPERATOR, "ray")
+    # every Ray Pod of the chart carries the labels the policy admits by
+    cluster = one(rendered({}), "RayService")["spec"]["rayClusterConfig"]
+    for group, expected in ((cluster["headGroupSpec"], RAY_HEAD), (cluster["workerGroupSpecs"][0], RAY_WORKER)):
+        assert expected.items() <= group["template"]["metadata"]["labels"].items()
+
+
+def test_the_policy_check_catches_an_open_dashboard():
+    """Negative control of admits(): the policy as it was (every port to the release's Pods) lets the trainer reach
+    the dashboard, and the test above would fail on it."""
+    policy = ray_policy(rendered({}))
+    old = {**policy, "spec": {**policy["spec"], "ingress": [{"from": [{"podSelector": {"matchLabels": RELEASE_POD}}]}]}}
+    assert admits(old, 8265, TRAINER) and not admits(old, 8265, {})
+    assert admits({**old, "spec": {**old["spec"], "ingress": [{}]}}, 8265, {}), "a rule without `from`: everyone"
 
 
 def test_redis_password_reaches_the_service_the_gcs_and_the_server():
@@ -190,6 +249,25 @@ def test_redis_password_reaches_the_service_the_gcs_and_the_server():
     assert "give the password only in the Secret" in render_error(both)
 
 
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        (
+            "rediss://redis.db:6380/2?ssl_cert_reqs=required&socket_timeout=5",
+            "rediss://:$(ROLLOUT_FARM_REDIS_PASSWORD)@redis.db:6380/2?ssl_cert_reqs=required&socket_timeout=5",
+        ),
+        ("redis://redis.db:6379/0", "redis://:$(ROLLOUT_FARM_REDIS_PASSWORD)@redis.db:6379/0"),  # no query: no "?"
+    ],
+)
+def test_a_redis_url_keeps_its_query_string_with_a_password_secret(url, expected):
+    """Old (issue 40): with redis.auth.existingSecret the URL was rebuilt from scheme, host and path, so redis-py's
+    options in the query string (TLS verification, timeouts) were dropped."""
+    docs = rendered({"redis": {"url": url, "auth": {"existingSecret": "redis-pw"}}})
+    assert {env(c)["FARM_REDIS_URL"] for c in ray_containers(docs).values()} == {expected}
+    without_secret = ray_containers(rendered({"redis": {"url": url}}))["head"]
+    assert env(without_secret)["FARM_REDIS_URL"] == url, "without a Secret the URL is passed as given"
+
+
 def test_generation_needs_the_token_by_default():
     """Old: FARM_REQUIRE_TOKEN_FOR_GENERATION was not set: anyone who reached the API could generate."""
     assert serve_env(rayservice({}))["FARM_REQUIRE_TOKEN_FOR_GENERATION"] == "true"
@@ -199,12 +277,40 @@ def test_generation_needs_the_token_by_default():
     )
 
 
-def test_kuberay_token_auth_is_an_option():
-    """Old: no way to turn on KubeRay's authOptions (the value did not exist)."""
-    rs = rayservice({"rayAuth": {"enabled": True, "secretName": "ray-token"}})
+def test_kuberay_token_auth_is_on_by_default():
+    """Old: no way to turn on KubeRay's authOptions (the value did not exist); then (issue 40) off by default, so the
+    dashboard, GCS and client server took anyone the NetworkPolicy let through (or everyone, without a CNI that
+    enforces it)."""
+    default = rayservice({})
+    assert default["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}, "KubeRay makes the token Secret"
+    assert rayservice_error(default) is None
+    rs = rayservice({"rayAuth": {"secretName": "ray-token"}})
     assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
     assert rayservice_error(rs) is None
-    assert "authOptions" not in rayservice({})["spec"]["rayClusterConfig"]
+    assert "authOptions" not in rayservice({"rayAuth": {"enabled": False}})["spec"]["rayClusterConfig"]
+    assert "get rayservice farm-rollout-farm -o jsonpath='{.status.activeServiceStatus.rayClusterName}'" in notes(
+        merged(BASE, {})
+    ), "NOTES say where the dashboard's token is"
+    assert "get secret ray-token -o jsonpath='{.data.auth_token}'" in notes(
+        merged(BASE, {"rayAuth": {"secretName": "ray-token"}})
+    )
+
+
+def test_token_auth_on_a_ray_without_it_is_refused():
+    """Ray's token auth starts at 2.52: the chart says so instead of KubeRay refusing the cluster later (its message,
+    from the ported validation.go, is the control that such a RayService is wrong)."""
+    old_ray = {"rayVersion": "2.51.0"}
+    assert "rayAuth.enabled: Ray's token authentication needs Ray 2.52.0 or later, and rayVersion is 2.51.0" in (
+        render_error(merged(BASE, old_ray))
+    )
+    without = rayservice(merged(old_ray, {"rayAuth": {"enabled": False}}))  # the control: without auth it renders
+    assert without["spec"]["rayClusterConfig"]["rayVersion"] == "2.51.0"
+    with_auth = rayservice({})
+    with_auth["spec"]["rayClusterConfig"]["rayVersion"] = "2.51.0"
+    assert rayservice_error(with_auth) == (
+        "The RayService spec is invalid: authOptions.mode is 'token' but minimum Ray version is 2.52.0, got 2.51.0"
+    )
+    assert rayservice(merged(old_ray, {"rayVersion": "2.52.0"}))["spec"]["rayClusterConfig"]["authOptions"]
 
 
 # -- Head sizing and the ingress's place ---------------------------------------------------------------------------
@@ -511,3 +617,99 @@ def test_a_gpu_fleet_adds_up():
 def test_gpu_values_that_do_not_add_up_are_refused(override, message):
     """Old: these rendered, and the extra engine replicas waited forever for a GPU or CPU no worker had."""
     assert message in render_error(merged(BASE, merged(GPU_FLEET, override)))
+
+
+# -- Issue 40: GPU nodes: the NVIDIA runtime and the driver CUDA 13.0 needs ----------------------------------------
+
+
+def init_containers(spec: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in spec.get("initContainers", [])}
+
+
+def test_gpu_pods_get_the_runtime_class_and_the_driver_check():
+    """Old (issue 40): no way to name NVIDIA's RuntimeClass where the cluster's default runtime is another, and a
+    node with a driver older than CUDA 13.0's (580) took the GPU Pods, which failed later inside CUDA."""
+    docs = rendered(merged(GPU, {"gpu": {"runtimeClassName": "nvidia"}, "trainer": {"enabled": True, "gpus": 1}}))
+    specs = pod_specs(one(docs, "RayService"))
+    trainer = one(docs, "Job")["spec"]["template"]["spec"]
+    assert specs["worker"]["runtimeClassName"] == trainer["runtimeClassName"] == "nvidia"
+    assert "runtimeClassName" not in specs["head"], "the head uses no GPU"
+    for spec, gpus, image in ((specs["worker"], 2, "rollout-farm:0.1.0-gpu"), (trainer, 1, "rollout-farm:0.1.0-gpu")):
+        check = init_containers(spec)["check-driver"]
+        assert check["image"] == image and check["command"][-1] == "580"
+        # the Pod's own GPUs (the kubelet hands an init container's devices on to the main container)
+        assert (
+            check["resources"]["limits"]["nvidia.com/gpu"] == check["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        )
+    assert "check-driver" not in init_containers(specs["head"])
+    plain = rendered({"trainer": {"enabled": True, "gpus": 0}})  # no GPU anywhere: neither
+    for spec in [*pod_specs(one(plain, "RayService")).values(), one(plain, "Job")["spec"]["template"]["spec"]]:
+        assert "runtimeClassName" not in spec and "check-driver" not in init_containers(spec)
+    assert "runtimeClassName" not in pod_specs(rayservice(GPU))["worker"], "empty: the cluster's default runtime"
+    skipped = pod_specs(rayservice(merged(GPU, {"gpu": {"driverCheck": {"enabled": False}}})))["worker"]
+    assert "check-driver" not in init_containers(skipped)
+    newer = init_containers(pod_specs(rayservice(merged(GPU, {"gpu": {"driverCheck": {"minVersion": 590}}})))["worker"])
+    assert newer["check-driver"]["command"][-1] == "590"
+
+
+FAKE_SMI = """#!/bin/sh
+[ "$*" = "--query-gpu=driver_version --format=csv,noheader" ] || { echo "unexpected arguments: $*" >&2; exit 2; }
+{output}
+"""
+
+
+@pytest.mark.parametrize(
+    "smi, passes, message",
+    [
+        ('printf "580.65.06\\n580.65.06\\n"', True, "NVIDIA driver 580.65.06 (>= 580, as CUDA 13.0 needs)"),
+        ('echo "590.44.01"', True, "NVIDIA driver 590.44.01"),
+        # the negative controls: an old driver on one of the GPUs, no driver, no nvidia-smi at all
+        ('printf "580.82.07\\n575.57.08\\n"', False, "NVIDIA driver 575.57.08 on this node is older than 580"),
+        (
+            'echo "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver." >&2; exit 9',
+            False,
+            "nvidia-smi failed (exit 9): NVIDIA-SMI has failed",
+        ),
+        (None, False, "nvidia-smi is not in this container"),
+    ],
+)
+def test_the_driver_check_passes_only_on_a_new_enough_driver(tmp_path, smi, passes, message):
+    """The check-driver script as rendered, run here with a stand-in nvidia-smi on PATH (no GPU or NVIDIA driver on
+    this machine: the stand-in prints what nvidia-smi prints for that query)."""
+    worker = pod_specs(rayservice(GPU))["worker"]
+    command = init_containers(worker)["check-driver"]["command"]
+    if smi is not None:
+        (tmp_path / "nvidia-smi").write_text(FAKE_SMI.replace("{output}", smi))
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    done = subprocess.run(
+        [sys.executable, *command[1:]], capture_output=True, text=True, timeout=60, env={"PATH": path}
+    )
+    assert (done.returncode == 0) == passes, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr
+    if not passes:
+        assert "gpu.driverCheck.enabled=false" in done.stderr, "the way to skip it is named"
+
+
+# -- Issue 40: the head's image and its disk -----------------------------------------------------------------------
+
+
+def test_the_head_asks_for_the_disk_ray_spills_to():
+    """Old (issue 40): no ephemeral-storage request on the head, where Ray spills the object store (uploads pass
+    through it) to /tmp/ray on the container's writable layer: the scheduler could place it on a node without room,
+    and the kubelet evicts the Pod that fills the node's disk first among those over their requests."""
+    head = ray_containers(rendered({}))["head"]["resources"]
+    assert head["requests"]["ephemeral-storage"] == "16Gi"
+    assert "ephemeral-storage" not in head["limits"], "a limit would evict the head, and the cluster with it"
+    spilled = 2 * ServiceSettings.model_fields["max_weights_bytes"].default  # the committed upload and the next
+    assert 16 << 30 >= spilled, "two of the largest uploads fit in the request"
+
+
+def test_the_head_runs_the_gpu_image_while_the_images_pythons_differ():
+    """The CPU image is built on Python 3.11 and the GPU image on its SGLang base's (3.12), and Ray refuses a node on
+    another Python, so with GPU workers the head stays on the GPU image unless head.cpuImage says they match."""
+    cpu_dockerfile = (ROOT / "deploy/Dockerfile").read_text()
+    gpu_dockerfile = (ROOT / "deploy/Dockerfile.gpu").read_text()
+    assert "python:3.11-slim" in cpu_dockerfile and "lmsysorg/sglang:" in gpu_dockerfile
+    assert ray_containers(rendered(GPU))["head"]["image"] == "rollout-farm:0.1.0-gpu"
+    assert ray_containers(rendered(merged(GPU, {"head": {"cpuImage": True}})))["head"]["image"] == "rollout-farm:0.1.0"

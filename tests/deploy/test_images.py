@@ -282,8 +282,12 @@ def test_the_gpu_image_leaves_no_build_cache_its_user_cannot_read():
 def test_the_gpu_image_is_the_sglang_the_extra_pins():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
     pinned = next(re.search(r"sglang\[srt\]==(\S+)", d).group(1) for d in extra if d.startswith("sglang"))
-    text = DOCKERFILES[1].read_text()
-    assert f"ARG SGLANG_VERSION={pinned}" in text and "FROM lmsysorg/sglang:v${SGLANG_VERSION}-" in text
+    steps = instructions(DOCKERFILES[1])
+    assert ("ARG", f"SGLANG_VERSION={pinned}") in steps
+    assert ("ARG", "BASE_IMAGE=lmsysorg/sglang:v${SGLANG_VERSION}-cu130") in steps, "the public default, unchanged"
+    assert steps.index(("FROM", "${BASE_IMAGE}")) > steps.index(("ARG", f"SGLANG_VERSION={pinned}"))
+    # whatever the base, the build stops unless it holds the pinned SGLang
+    assert any(k == "RUN" and "assert sglang.__version__ == '${SGLANG_VERSION}'" in a for k, a in steps)
 
 
 def test_gpu_constraints_keep_the_base_images_packages():

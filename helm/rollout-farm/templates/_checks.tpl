@@ -9,6 +9,9 @@
 {{- if and .Values.gpu.enabled (gt (float64 .Values.gpu.perReplica) (float64 .Values.gpu.perWorker)) }}
 {{- fail (printf "gpu.perReplica (%v) must not exceed gpu.perWorker (%v): an engine replica would fit on no worker" .Values.gpu.perReplica .Values.gpu.perWorker) }}
 {{- end }}
+{{- if and .Values.rayAuth.enabled (semverCompare "<2.52.0" .Values.rayVersion) }}
+{{- fail (printf "rayAuth.enabled: Ray's token authentication needs Ray 2.52.0 or later, and rayVersion is %s (KubeRay refuses authOptions.mode token below it and creates no cluster): set rayVersion to the image's Ray, or rayAuth.enabled=false" .Values.rayVersion) }}
+{{- end }}
 {{- if and (eq .Values.engine "sglang") (not .Values.gpu.enabled) }}
 {{- fail "engine: sglang runs on GPUs: set gpu.enabled=true (its replicas would wait for a GPU forever)" }}
 {{- end }}

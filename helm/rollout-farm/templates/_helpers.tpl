@@ -115,7 +115,8 @@ refuses that name on a head with GCS fault tolerance, and sets it itself). */}}
 {{- define "rollout-farm.redisPasswordVar" -}}ROLLOUT_FARM_REDIS_PASSWORD{{- end }}
 
 {{/* FARM_REDIS_URL: redis.url, or the in-chart Redis; exactly one. With a password Secret, the password goes in as
-$(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable before it. */}}
+$(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable before it; the URL's query string
+(redis-py's options, e.g. ?ssl_cert_reqs=required&socket_timeout=5) is kept. */}}
 {{- define "rollout-farm.redisUrl" -}}
 {{- $base := "" }}
 {{- if and .Values.redis.url .Values.redis.inChart.enabled }}
@@ -132,7 +133,7 @@ $(ROLLOUT_FARM_REDIS_PASSWORD), which Kubernetes fills in from the env variable 
 {{- if $u.userinfo }}
 {{- fail (printf "redis.url has credentials and redis.auth.existingSecret is set: give the password only in the Secret (the URL is visible in the RayService)") }}
 {{- end }}
-{{- printf "%s://:$(%s)@%s%s" $u.scheme (include "rollout-farm.redisPasswordVar" .) $u.host $u.path }}
+{{- printf "%s://:$(%s)@%s%s%s" $u.scheme (include "rollout-farm.redisPasswordVar" .) $u.host $u.path (ternary (printf "?%s" $u.query) "" (ne $u.query "")) }}
 {{- else }}
 {{- $base }}
 {{- end }}
@@ -187,8 +188,10 @@ committed record is a path on the shared volume, inside FARM_WEIGHTS_DIR. */}}
 {{- end }}
 
 {{/* An engine replica's GPUs as SGLang's tensor parallelism, checked (engine sglang only): a whole number is
-FARM_SGLANG_TP_SIZE; a fraction below 1 needs settings.sglang_mem_fraction_static, at most the fraction. Prints the
-tp size, or nothing. */}}
+FARM_SGLANG_TP_SIZE; a fraction below 1 needs settings.sglang_mem_fraction_static, below the fraction: that is the
+static pool (weights and KV cache) alone, and each engine also needs memory outside it (its CUDA context,
+activations, CUDA graphs), so engines sharing a GPU at exactly their share would together ask for more than the
+GPU's memory. Prints the tp size, or nothing. */}}
 {{- define "rollout-farm.sglangTp" -}}
 {{- if and (eq .Values.engine "sglang") .Values.gpu.enabled }}
 {{- $share := float64 .Values.gpu.perReplica }}
@@ -200,8 +203,8 @@ tp size, or nothing. */}}
 {{- $share | int }}
 {{- else if kindIs "invalid" $fraction }}
 {{- fail (printf "gpu.perReplica=%v with engine sglang puts several engines on one GPU, and each SGLang engine takes 0.9 of its memory by default: set settings.sglang_mem_fraction_static to at most %v (e.g. --set-json settings.sglang_mem_fraction_static=%v), leaving room for each engine's activations" .Values.gpu.perReplica .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
-{{- else if gt (float64 $fraction) $share }}
-{{- fail (printf "settings.sglang_mem_fraction_static=%v is more than gpu.perReplica=%v: the engines sharing a GPU would ask for more than its memory; set it to at most %v" $fraction .Values.gpu.perReplica .Values.gpu.perReplica) }}
+{{- else if ge (float64 $fraction) $share }}
+{{- fail (printf "settings.sglang_mem_fraction_static=%v is not below gpu.perReplica=%v: it is SGLang's static pool (weights and KV cache) alone, and each engine sharing the GPU also needs memory outside it (its CUDA context, activations, CUDA graphs), so with no headroom the engines together ask for more than the GPU's memory; set it below the share, e.g. %s" $fraction .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -331,6 +334,56 @@ rollout-farm/volume: {{ .Release.Name | quote }}
       memory: 128Mi
   volumeMounts:
     {{- include "rollout-farm.volumeMounts" .root | nindent 4 }}
+{{- end }}
+{{- end }}
+
+{{/*
+With gpu.driverCheck: an init container of a Pod that uses GPUs, (dict "root" $ "image" ... "gpus" N), which reads
+the node's NVIDIA driver with nvidia-smi (the container runtime mounts it with the Pod's GPUs: the init container
+asks for the same GPUs, which the kubelet hands on to the main container) and stops the Pod, with what to do, below
+gpu.driverCheck.minVersion: the GPU image is CUDA 13.0, which needs driver 580 or newer.
+*/}}
+{{- define "rollout-farm.checkDriver" -}}
+{{- $gpu := .root.Values.gpu }}
+{{- if $gpu.driverCheck.enabled }}
+- name: check-driver
+  image: {{ .image }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command:
+    - python3
+    - -c
+    - |
+      import re, shutil, subprocess, sys
+      minimum = int(sys.argv[1])
+      skip = "or set gpu.driverCheck.enabled=false to skip this check"
+      if not shutil.which("nvidia-smi"):
+          sys.exit("nvidia-smi is not in this container: the Pod does not run under NVIDIA's container runtime, so no "
+                   f"GPU driver is visible. Set gpu.runtimeClassName (e.g. nvidia) where it is not the default, {skip}.")
+      done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True)
+      versions = done.stdout.split()
+      if done.returncode or not versions:
+          sys.exit(f"nvidia-smi failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()}; {skip}.")
+      for version in versions:
+          branch = re.match(r"\d+", version)
+          if not branch or int(branch.group()) < minimum:
+              sys.exit(f"NVIDIA driver {version} on this node is older than {minimum}: the GPU image is built on CUDA "
+                       f"13.0, which needs driver {minimum} or newer. Upgrade the node's driver (the GPU Operator's "
+                       f"driver.version), run the GPU Pods on newer nodes (gpu.nodeSelector), {skip}.")
+      print(f"NVIDIA driver {versions[0]} (>= {minimum}, as CUDA 13.0 needs)")
+    - {{ $gpu.driverCheck.minVersion | int | quote }}
+  {{- with .root.Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 64Mi
+      {{ $gpu.resourceName }}: {{ .gpus | int }}
+    limits:
+      memory: 128Mi
+      {{ $gpu.resourceName }}: {{ .gpus | int }}
 {{- end }}
 {{- end }}
 
