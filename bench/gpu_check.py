@@ -143,7 +143,7 @@ def _follow(
         except queue.Empty:
             _stop(child)
             if running:
-                return results, running, f"over its {timeout[running]:.0f} s timeout"
+                return results, running, f"over its {timeout[running]:g} s timeout"
             if len(results) < len(checks):
                 return results, None, f"no next check within {STOP_S} s"
             results.append(Result("FAIL", "stop", f"the service did not stop within {STOP_S} s: killed"))
