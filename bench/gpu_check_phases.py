@@ -33,6 +33,7 @@ from bench.gpu_check import PREFIX  # noqa: E402
 
 TOKEN = "gpu-check-token-0123456789"
 TOLERANCE = {"rel": 1e-3, "abs": 1e-5}  # tests/gpu/test_cuda.py's, for the CUDA trainer against the CPU one
+TRAINER_DEVICES = ("cpu", "cuda")  # trainer_step's two trainers: the reference first
 PROMPTS = ["Q: 12+3\nA:", "Q: 7*6\nA:", "hello there", "Q: 100-1\nA:", "Q: 5+5\nA:", "Q: 9*9\nA:", "abc", "Q: 1+1\nA:"]
 
 
@@ -229,17 +230,17 @@ def trainer_step(farm: Farm) -> str:
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step: both sides from the same weights
         "trainer.resume_mode=disable",
     ]
-    runs = {d: TrainingRun(load(None, [*overrides, f"trainer.device={d}"]), TOKEN) for d in ("cpu", "cuda")}
-    batch = rollouts.pull(runs["cpu"])
+    runs = [TrainingRun(load(None, [*overrides, f"trainer.device={d}"]), TOKEN) for d in TRAINER_DEVICES]
+    batch = rollouts.pull(runs[0])
     batch = replace(batch, rewards=torch.linspace(0, 1, len(batch)))
-    rows = {}
-    for device, run in runs.items():
+    rows = []
+    for run in runs:
         torch.manual_seed(0)  # the mini-batches' order
-        rows[device] = train_step(run, batch.to(run.device))
-    keys = [k for k in ("pg_loss", "grad_norm", "entropy") if k in rows["cpu"]]
-    off = {k: abs(rows["cuda"][k] - rows["cpu"][k]) for k in keys}
-    bad = [k for k in keys if off[k] > max(TOLERANCE["abs"], TOLERANCE["rel"] * abs(rows["cpu"][k]))]
-    shown = ", ".join(f"{k} {rows['cpu'][k]:.6g} / {rows['cuda'][k]:.6g}" for k in keys)
+        rows.append(train_step(run, batch.to(run.device)))
+    cpu, cuda = rows
+    keys = ("pg_loss", "grad_norm", "entropy")
+    bad = [k for k in keys if abs(cuda[k] - cpu[k]) > max(TOLERANCE["abs"], TOLERANCE["rel"] * abs(cpu[k]))]
+    shown = ", ".join(f"{k} {cpu[k]:.6g} / {cuda[k]:.6g}" for k in keys)
     if bad:
         raise AssertionError(f"CPU / CUDA differ beyond {TOLERANCE} in {bad}: {shown}")
     return f"{len(batch)} samples, CPU / CUDA: {shown} (within rel {TOLERANCE['rel']})"
