@@ -7,8 +7,9 @@ process (bench/gpu_check_phases.py) that starts the farm on SGLang under Ray Ser
     full   serve_full, rollout, session_turn,        one engine replica on the whole GPU
            trainer_step, push_path, push_nccl
 
-The child announces each check (`BEGIN`) and its result (`RESULT`, JSON) on stdout behind PREFIX; everything else it
-prints (Ray's, SGLang's) goes to the phase's log under bench/results/gpu_check/. This process holds each check to its
+The child announces each check (`BEGIN <check>`) and its result (`RESULT <json>`) on a pipe of their own, the file
+descriptor in $GPU_CHECK_FD, so that nothing Ray or SGLang print can split a line; its stdout and stderr go to the
+phase's log under bench/results/gpu_check/. This process holds each check to its
 own timeout: a check that overruns is a FAIL, its phase is stopped (SIGTERM, then SIGKILL to the process group) and
 the phase's remaining checks are SKIPs. The timeouts, with a phase's stop, sum to under 10 minutes (TOTAL_S).
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "bench" / "results" / "gpu_check"  # git-ignored
-PREFIX = "@@gpu_check "  # the child's protocol lines on stdout; Ray forwards its workers' output there too
+PROTOCOL_FD = "GPU_CHECK_FD"  # the environment variable naming the child's end of the protocol pipe
 STOP_S = 20  # after a phase's last result: its service stopping (serve.shutdown, ray.shutdown)
 TOTAL_S = 570  # every check's timeout and each phase's STOP_S together, at most: 10 minutes less the start
 GPU_EXTRA = ("torch", "ray", "sglang")  # what the checks need: pip install -e '.[sglang]' (trainer_step: '.[trainer]')
@@ -53,7 +54,7 @@ CHECKS = [
     Check("serve_half", "half", 165, "the farm on SGLang, 2 engine replicas at 0.5 GPU each: both answer"),
     Check("rollout_half", "half", 30, "a rollout on the shared GPU: 8 prompts x 4 samples, logprobs finite"),
     Check("serve_full", "full", 120, "the farm on SGLang, 1 engine replica on the whole GPU"),
-    Check("rollout", "full", 30, "a rollout; greedy twice gives the same tokens"),
+    Check("rollout", "full", 30, "a rollout; how many tokens two identical greedy rollouts share"),
     Check("session_turn", "full", 30, "two turns of a token session: the second's prompt holds the first turn"),
     Check("trainer_step", "full", 70, "one batch, the trainer's step on CUDA and on the CPU: losses and grad norm"),
     Check("push_path", "full", 40, "push by path (/v1/weights/path): served, greedy tokens change"),
@@ -120,10 +121,14 @@ def run_phase(cmd: list[str], checks: list[Check], log: Path, show: Callable[[Re
     """Run one phase's child `cmd`, its output in `log`, holding each of `checks` to its timeout. Each result is
     passed to `show` as it comes; checks the child never reported become a FAIL (the one running) and SKIPs."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    read, write = os.pipe()
     with open(log, "w") as out:
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
+        env = {**os.environ, PROTOCOL_FD: str(write)}
+        kw = dict(stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,), env=env, start_new_session=True)
+        child = subprocess.Popen(cmd, **kw)
+        os.close(write)  # the child's alone: the pipe ends when it exits
         lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(child.stdout, out, lines), daemon=True).start()
+        threading.Thread(target=_pump, args=(os.fdopen(read), lines), daemon=True).start()
         results, running, why = _follow(child, lines, checks, show)
     return results + _unreported(checks, results, running, f"{why}; see {log}", show)
 
@@ -160,14 +165,11 @@ def _follow(
             running, deadline = None, time.monotonic() + STOP_S
 
 
-def _pump(stream, log, lines: queue.Queue) -> None:
-    """The child's stdout: protocol lines to `lines` (without PREFIX), the rest to its log; None at the end."""
-    for line in stream:
-        if line.startswith(PREFIX):
-            lines.put(line[len(PREFIX) :].rstrip("\n"))
-        else:
-            log.write(line)
-            log.flush()
+def _pump(stream, lines: queue.Queue) -> None:
+    """The protocol pipe's lines to `lines`, then None when it ends."""
+    with stream:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
     lines.put(None)
 
 

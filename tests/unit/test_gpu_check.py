@@ -83,7 +83,8 @@ def stand_in(body: str) -> list[str]:
     """A child running `body` with say(kind, text) and result(status, name, detail) of the phase protocol."""
     head = f"""
         import json, os, signal, sys, time
-        def say(kind, text): print({G.PREFIX!r} + kind + " " + text, flush=True)
+        pipe = os.fdopen(int(os.environ[{G.PROTOCOL_FD!r}]), "w", buffering=1)
+        def say(kind, text): pipe.write(kind + " " + text + "\\n")
         def result(status, name, detail): say("RESULT", json.dumps(dict(status=status, name=name, detail=detail)))
     """
     return [sys.executable, "-c", textwrap.dedent(head) + textwrap.dedent(body)]
@@ -191,3 +192,20 @@ def test_sample_problems_names_errors_mismatches_and_bad_logprobs():
     ]
     problems = sample_problems([group(good, *bad)])
     assert len(problems) == len(bad), json.dumps(problems)
+
+
+def test_a_collective_that_fails_reports_the_farms_refusal_when_there_is_one():
+    """push_nccl's side of the group waits for the engine's; when the farm refused the call that should have brought
+    it, that refusal is the error shown, else the collective's own."""
+    from bench.gpu_check_phases import Call, farm_error_first
+
+    def refused():
+        raise AssertionError("POST /v1/weights/distributed/init: 501 the engine has no NCCL transport")
+
+    with pytest.raises(AssertionError, match="501 the engine has no NCCL"):
+        with farm_error_first(Call(refused)):
+            raise RuntimeError("rendezvous timed out")
+    with pytest.raises(RuntimeError, match="rendezvous timed out"):  # the negative control: the farm said yes
+        with farm_error_first(Call(lambda: {"replicas": 1})):
+            raise RuntimeError("rendezvous timed out")
+    assert Call(lambda: 7).result() == 7
