@@ -34,6 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_check import PROTOCOL_FD  # noqa: E402
 
+# Serve drains a replica behind HAProxy (the default front) at least 30 s before it stops; the checks' traffic is over
+# by then, and the phase's stop has STOP_S (tests/conftest.py does the same). Ray's processes inherit it.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 TOKEN = "gpu-check-token-0123456789"
 TOLERANCE = {"rel": 1e-3, "abs": 1e-5}  # tests/gpu/test_cuda.py's, for the CUDA trainer against the CPU one
 GROUP_TIMEOUT_S = 30  # push_nccl's process group: its join and broadcast fail after this, not after 30 minutes
