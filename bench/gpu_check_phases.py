@@ -14,6 +14,7 @@ engine's NCCL verbs alone; here the farm's routes carry them, as a trainer would
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
@@ -122,6 +123,7 @@ def serve(model: str, share: float, replicas: int) -> tuple[Farm, str]:
         engine_num_gpus=share,
         state_dir=tempfile.mkdtemp(prefix="gpu-check-state-"),
     )
+    atexit.register(shutil.rmtree, settings.state_dir, ignore_errors=True)
     server.start(settings, on_ray_started=stop_on_sigterm)
     url = f"http://127.0.0.1:{settings.port}"
     farm = Farm(url, folder, FarmClient(url, TOKEN), AutoTokenizer.from_pretrained(folder))
