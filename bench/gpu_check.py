@@ -9,9 +9,9 @@ process (bench/gpu_check_phases.py) that starts the farm on SGLang under Ray Ser
 
 The child announces each check (`BEGIN <check>`) and its result (`RESULT <json>`) on a pipe of their own, the file
 descriptor in $GPU_CHECK_FD, so that nothing Ray or SGLang print can split a line; its stdout and stderr go to the
-phase's log under bench/results/gpu_check/. This process holds each check to its
-own timeout: a check that overruns is a FAIL, its phase is stopped (SIGTERM, then SIGKILL to the process group) and
-the phase's remaining checks are SKIPs. The timeouts, with a phase's stop, sum to under 10 minutes (TOTAL_S).
+phase's log under bench/results/gpu_check/. This process holds each check to its own timeout: a check that overruns
+is a FAIL, its phase is stopped (SIGTERM, then SIGKILL to the process group) and the phase's remaining checks are
+SKIPs. The timeouts, with a phase's stop, sum to under 10 minutes (TOTAL_S).
 
 Without a GPU, or without the GPU extra's packages, it prints one SKIP line naming the reason and exits 0. It exits
 1 when a check failed. Not part of `make test`; tests/unit/test_gpu_check.py checks the selection, the lines, the
@@ -203,13 +203,18 @@ def _unreported(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    listed = "\n".join(f"  {c.name:<13} {c.timeout_s:>4.0f} s  {c.what}" for c in CHECKS)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"checks, in run order, with their timeouts:\n{listed}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument(
         "--model",
         default="tiny",
         help="tiny (default: a random 2-layer Llama, head_dim 64, built in seconds), arith-tiny (the embedded "
-        "default; about 2 min to build the first time), smollm2 (bench/common.py: needs gguf and the network the "
-        "first time) or an HF model folder",
+        "default, head_dim 32: build it first with `farm build-model`, or its 2 minutes count in serve_half's "
+        "timeout), smollm2 (bench/common.py: needs gguf and the network the first time) or an HF model folder",
     )
     ap.add_argument("--only", help=f"comma-separated checks, of: {', '.join(c.name for c in CHECKS)}")
     args = ap.parse_args(argv)
