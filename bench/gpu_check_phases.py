@@ -91,19 +91,38 @@ def model_folder(model: str) -> Path:
     return out
 
 
-def gpu_memory() -> str:
-    """The GPU's name and its memory in use, as nvidia-smi reports them (all processes: this one holds none)."""
+def gpu_memory() -> tuple[str, float, float] | None:
+    """GPU 0's name and its memory in use and in all, in GiB, as nvidia-smi reports them (every process's); None
+    without nvidia-smi or an answer it can read."""
     if not shutil.which("nvidia-smi"):
-        return "no nvidia-smi"
+        return None
     query = ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader,nounits", "-i", "0"]
-    name, used, total = (x.strip() for x in subprocess.run(query, capture_output=True, text=True).stdout.split(","))
-    return f"{name}: {float(used) / 1024:.1f} of {float(total) / 1024:.1f} GiB in use"
+    try:
+        name, used, total = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.split(",")
+        return name.strip(), float(used) / 1024, float(total) / 1024
+    except (ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def shown_memory() -> str:
+    memory = gpu_memory()
+    return f"{memory[0]}: {memory[1]:.1f} of {memory[2]:.1f} GiB in use" if memory else "no nvidia-smi"
+
+
+def wait_for_free_gpu(limit_s: float = 30) -> None:
+    """Wait, up to `limit_s`, while over a tenth of the GPU's memory is in use: the processes of the phase before
+    (SGLang's schedulers die with their Ray workers) may still be letting theirs go, and SGLang sizes its KV cache
+    from what is free when it starts."""
+    deadline = time.monotonic() + limit_s
+    while (memory := gpu_memory()) and memory[1] > memory[2] / 10 and time.monotonic() < deadline:
+        time.sleep(1)
 
 
 # serve -----------------------------------------------------------------------------------------------------------
 def serve(model: str, share: float, replicas: int) -> tuple[Farm, str]:
     """The farm on SGLang: `replicas` engine replicas at `share` GPU each, bfloat16, a fresh state folder."""
     began = time.perf_counter()
+    wait_for_free_gpu()
     folder = model_folder(model)
     from transformers import AutoTokenizer
 
@@ -134,7 +153,7 @@ def serve(model: str, share: float, replicas: int) -> tuple[Farm, str]:
     shown = f"mem_fraction_static {fraction}" if fraction is not None else "SGLang's own mem_fraction_static"
     return farm, (
         f"{replicas} replica(s) at {share} GPU ({shown}, tp {tp}) ready in {time.perf_counter() - began:.0f} s; "
-        f"{gpu_memory()}"
+        f"{shown_memory()}"
     )
 
 
