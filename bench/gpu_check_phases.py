@@ -105,8 +105,9 @@ def gpu_memory() -> tuple[str, float, float] | None:
 
 
 def shown_memory() -> str:
-    memory = gpu_memory()
-    return f"{memory[0]}: {memory[1]:.1f} of {memory[2]:.1f} GiB in use" if memory else "no nvidia-smi"
+    if memory := gpu_memory():
+        return f"{memory[0]}: {memory[1]:.1f} of {memory[2]:.1f} GiB in use"
+    return "GPU memory unknown (no nvidia-smi reading)"
 
 
 def wait_for_free_gpu(limit_s: float = 30) -> None:

@@ -209,3 +209,18 @@ def test_a_collective_that_fails_reports_the_farms_refusal_when_there_is_one():
         with farm_error_first(Call(lambda: {"replicas": 1})):
             raise RuntimeError("rendezvous timed out")
     assert Call(lambda: 7).result() == 7
+
+
+def test_gpu_memory_reads_nvidia_smi_and_is_none_when_it_cannot(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on the PATH (none runs here), answering as the real one does for this query."""
+    from bench import gpu_check_phases as phases
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 2048, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert phases.gpu_memory() == ("NVIDIA H100 80GB HBM3", 2.0, pytest.approx(79.647, abs=1e-3))
+    assert phases.shown_memory() == "NVIDIA H100 80GB HBM3: 2.0 of 79.6 GiB in use"
+    phases.wait_for_free_gpu(limit_s=600)  # a tenth is not in use: no wait
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\n")
+    assert phases.gpu_memory() is None and phases.shown_memory() == "GPU memory unknown (no nvidia-smi reading)"
