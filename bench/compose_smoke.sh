@@ -24,6 +24,7 @@ work=${SMOKE_WORK:-/var/tmp/rollout-farm-smoke}  # build logs, the base's root f
 base=${LOCAL_BASE_IMAGE:-rollout-farm-local/base:bookworm-py3.11}
 wheels=${TORCH_WHEELS:-/opt/wheels}
 steps=${TRAIN_STEPS:-4}
+wheel_port=${SMOKE_WHEEL_PORT:-18765}  # fixed: the URL is a build argument, so a new one would rebuild every layer
 python=${SMOKE_PYTHON:-$root/.venv/bin/python}  # the host's Python with httpx and openai (make install)
 mkdir -p "$out" "$work"
 export SMOKE_JSON=$out/compose_smoke.json
@@ -56,9 +57,9 @@ fi
 echo "compose: $("${compose_bin[@]}" version)"
 
 # free ports on loopback for everything the stack listens on (the host's network is shared with whatever else runs)
-read -r FARM_PORT REDIS_PORT FARM_RAY_METRICS_PORT TRAINER_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT wheel_port < <(
+read -r FARM_PORT REDIS_PORT FARM_RAY_METRICS_PORT TRAINER_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT < <(
   "$python" -c 'import socket
-socks = [socket.socket() for _ in range(7)]
+socks = [socket.socket() for _ in range(6)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))')
 env_file=$work/smoke.env
@@ -76,6 +77,7 @@ GRAFANA_PORT=$GRAFANA_PORT
 LOCAL_BASE_IMAGE=$base
 FARM_MODELS_DIR=$work/models
 EOF
+# shellcheck source=/dev/null
 set -a; . "$env_file"; set +a
 export FARM_URL=http://127.0.0.1:$FARM_PORT
 compose=("${compose_bin[@]}" --project-name rollout-farm-smoke --project-directory "$root" --env-file "$env_file"
