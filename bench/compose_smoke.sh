@@ -77,8 +77,10 @@ GRAFANA_PORT=$GRAFANA_PORT
 LOCAL_BASE_IMAGE=$base
 FARM_MODELS_DIR=$work/models
 EOF
+set -a
 # shellcheck source=/dev/null
-set -a; . "$env_file"; set +a
+. "$env_file"
+set +a
 export FARM_URL=http://127.0.0.1:$FARM_PORT
 compose=("${compose_bin[@]}" --project-name rollout-farm-smoke --project-directory "$root" --env-file "$env_file"
          -f "$root/docker-compose.yml" -f "$root/deploy/compose.host.yml")
