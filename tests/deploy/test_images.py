@@ -75,6 +75,33 @@ def test_the_cpu_image_installs_the_locked_torch_then_the_lock():
     assert '-c requirements.lock ".[server,trainer]"' in text and "farm build-model" in text
 
 
+def test_the_cpu_image_takes_its_base_and_torchs_index_as_build_arguments():
+    """The base image and where torch's CPU wheel comes from are build arguments whose defaults are the public
+    ones (python:3.11-slim-bookworm; PyTorch's CPU index), so the same file builds where neither is reachable:
+    bench/compose_smoke.sh gives it a base made from Debian's packages and the wheel on loopback."""
+    steps = instructions(DOCKERFILES[0])
+    assert steps[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim-bookworm"), ("FROM", "${BASE_IMAGE}")]
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in steps and (
+        "ARG",
+        "TORCH_FIND_LINKS=",
+    ) in steps
+    (torch,) = [s for k, a in steps if k == "RUN" for s in a.split("&&") if '"torch==' in s]
+    assert (
+        '--index-url "${TORCH_INDEX_URL}"' in torch and '${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"}' in torch
+    )
+
+
+@pytest.mark.parametrize("dockerfile", sorted((ROOT / "deploy/local").glob("*.Dockerfile")), ids=lambda p: p.name)
+def test_the_local_redis_and_prometheus_images_lint_clean_and_run_as_their_user(dockerfile):
+    """deploy/local/: Redis and Prometheus from Debian's packages, for a machine with no image registry (the
+    compose smoke); hadolint finds nothing, and neither runs as root."""
+    done = subprocess.run([HADOLINT, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+    steps = instructions(dockerfile)
+    assert steps[:2] == [("ARG", "BASE_IMAGE=debian:bookworm-slim"), ("FROM", "${BASE_IMAGE}")]
+    assert [a for k, a in steps if k == "USER"][-1] in ("redis", "prometheus")
+
+
 def canonical(name: str) -> str:
     return constraints.canonical(name)
 
