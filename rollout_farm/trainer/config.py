@@ -114,8 +114,9 @@ class TrainerConfig(_Strict):
         None,
         description="a folder the farm reads at the same path (shared storage: one machine, compose's or the Helm "
         "chart's volume; inside the farm's FARM_WEIGHTS_DIR when that is set): each step's weights are written there "
-        "once, as v<N>/model.safetensors, and pushed by path (POST /v1/weights/path), the newest 3 versions kept. "
-        "None: each step's weights are uploaded over HTTP (trainer.weight_sync)",
+        "once, as v<N>/model.safetensors, and pushed by path (POST /v1/weights/path), the newest 3 versions kept; "
+        "with LoRA, the adapter goes there by path (unless trainer.adapter_push_dir names another folder). None: each "
+        "step's weights are uploaded over HTTP (trainer.weight_sync)",
     )
     device: str = Field(
         "auto",
@@ -251,10 +252,6 @@ class Config(_Strict):
             raise ValueError(
                 f"trainer.weight_sync: {t.weight_sync} diffs full weight pushes; LoRA training pushes only the "
                 "adapter, whole, each step: leave it full"
-            )
-        if t.push_dir is not None:
-            raise ValueError(
-                "trainer.push_dir: LoRA training pushes only the adapter; give its folder as trainer.adapter_push_dir"
             )
         if self.data.env is not None:
             raise ValueError(

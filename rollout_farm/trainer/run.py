@@ -81,7 +81,8 @@ class TrainingRun:
         self.probe = PushProbe.of_run(t, self.tok, self.policy) if self.rank == 0 else None
         if cfg.lora and self.rank == 0:
             base = lora.base_tensors(self.policy)
-            self.adapter = AdapterSync(self.client, cfg.adapter_name, base, t.adapter_push_dir, self.probe)
+            push_dir = t.adapter_push_dir or t.push_dir  # the adapter's versions by path, in <folder>/<name>/v<N>/
+            self.adapter = AdapterSync(self.client, cfg.adapter_name, base, push_dir, self.probe)
         self._start()
 
     def _load_models(self, path: Path) -> None:
