@@ -75,8 +75,13 @@ def sweep(uploads: pathlib.Path, keep: set[str], older_than_s: float = ORPHAN_AG
     unique, however the folder above it is spelled) and that are older than `older_than_s`."""
     now = time.time()
     for folder in uploads.iterdir() if uploads.is_dir() else []:
-        if UPLOAD_NAME.match(folder.name) and folder.name not in keep and now - folder.stat().st_mtime > older_than_s:
-            shutil.rmtree(folder, ignore_errors=True)
+        if not UPLOAD_NAME.match(folder.name) or folder.name in keep:
+            continue
+        try:
+            if now - folder.stat().st_mtime > older_than_s:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # deleted meanwhile (by the store that wrote it)
+            continue
 
 
 def read_back(folder: str) -> list:
