@@ -193,9 +193,9 @@ def ratio_cells(xs: list[float] | None) -> list:
     return ["-", "-", "-"] if not xs else [statistics.median(xs), min(xs), max(xs)]
 
 
-def train_steps(url: str, path, mode: str, args) -> dict:
-    """args.train_steps steps of `farm train` with trainer.weight_sync=mode; each step's time and its
-    push."""
+def train_steps(url: str, path, mode: str, args, overrides: list[str] | None = None) -> dict:
+    """args.train_steps steps of `farm train` with trainer.weight_sync=mode (or `overrides` instead: e.g.
+    bench/push_transport.py's trainer.push_dir); each step's time and its push."""
     from rollout_farm.trainer.demo import DEMO_SETTINGS
 
     out = tempfile.mkdtemp(prefix=f"weight-sync-train-{mode}-")
@@ -203,9 +203,9 @@ def train_steps(url: str, path, mode: str, args) -> dict:
     env = {**os.environ, "FARM_API_TOKEN": TOKEN, "FARM_WEIGHT_SYNC_STATS": stats}
     cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "train", "--service-url", url, "--model", str(path)]
     cmd += ["--steps", str(args.train_steps), "--eval-size", "0", "--out", out, "trainer.resume_mode=disable"]
-    cmd += [f"trainer.weight_sync={mode}"]
+    cmd += [f"trainer.weight_sync={mode}"] if overrides is None else overrides
     cmd += [*DEMO_SETTINGS, *args.train_args.split()]
-    log(f"farm train, {args.train_steps} steps, trainer.weight_sync={mode}")
+    log(f"farm train, {args.train_steps} steps, {mode}")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train_step"' in x]
     pushes = [json.loads(x) for x in open(stats)][-len(steps) :]  # the first line is the start's push
@@ -217,6 +217,8 @@ def train_steps(url: str, path, mode: str, args) -> dict:
         "push_s": spread([p["seconds"] for p in pushes]),
         "share": spread([p["seconds"] / s for p, s in zip(pushes, step_s)]),
         "bytes_per_step": spread([p["bytes"] for p in pushes]),
+        "step_seconds": step_s,
+        "push_seconds": [p["seconds"] for p in pushes],
         "sent_as": [p["mode"] for p in pushes],
         "settings": [*DEMO_SETTINGS, *args.train_args.split()],
     }

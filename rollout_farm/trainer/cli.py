@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--model", help="HF model folder or 'arith-tiny' (FARM_MODEL)")
     s.add_argument("--port", type=int, help="HTTP port (FARM_PORT)")
     s.add_argument("--replicas", type=int, help="engine replicas (FARM_REPLICAS)")
+    s.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start at weight version 0 from the model folder: drop the committed version, the queue and the uploads "
+        "that the embedded Redis's state folder (FARM_STATE_DIR) kept from the last run",
+    )
     _train_parser(sub)
     d = sub.add_parser("demo", help="start the service, train on the embedded model, report held-out accuracy")
     d.add_argument("--model", default="arith-tiny")
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         given = {"model": args.model, "port": args.port, "replicas": args.replicas}
         overrides = {k: v for k, v in given.items() if v is not None}
         try:
-            run_forever(ServiceSettings(**overrides))
+            run_forever(ServiceSettings(**overrides), fresh=args.fresh)
         except ValidationError as e:
             sys.exit(explain(e))
         except SettingsError as e:

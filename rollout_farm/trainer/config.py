@@ -110,6 +110,14 @@ class TrainerConfig(_Strict):
         "bucketed (only the tensors that changed) or delta (changed tensors as compressed XOR: the fewest bytes, "
         "for a slow link); both fall back to full when a replica is not on the version they diff against",
     )
+    push_dir: str | None = Field(
+        None,
+        description="a folder the farm reads at the same path (shared storage: one machine, compose's or the Helm "
+        "chart's volume; inside the farm's FARM_WEIGHTS_DIR when that is set): each step's weights are written there "
+        "once, as v<N>/model.safetensors, and pushed by path (POST /v1/weights/path), the newest 3 versions kept; "
+        "with LoRA, the adapter goes there by path (unless trainer.adapter_push_dir names another folder). None: each "
+        "step's weights are uploaded over HTTP (trainer.weight_sync)",
+    )
     device: str = Field(
         "auto",
         pattern=r"^(auto|cpu|cuda(:\d+)?)$",
@@ -202,6 +210,11 @@ class Config(_Strict):
                 "set actor_rollout_ref.actor.old_logprobs=recompute (or the staleness to 0)"
             )
         stale_samples.check(self)
+        if self.trainer.push_dir is not None and self.trainer.weight_sync != "full":
+            raise ValueError(
+                f"trainer.weight_sync: {self.trainer.weight_sync} diffs HTTP uploads; with trainer.push_dir each step "
+                "is written whole and pushed by path: leave weight_sync full, or drop push_dir to upload"
+            )
         g, groups = self.guards, self.data.train_batch_size
         mini = self.actor_rollout_ref.actor.ppo_mini_batch_size
         if g.enable and updates_per_epoch(groups, g.raised_mini_batch_size) >= updates_per_epoch(groups, mini):

@@ -20,6 +20,7 @@ from verl.trainer.ppo import core_algos
 from rollout_farm.services.client import FarmClient
 from rollout_farm.services.extensions.tasks import TASKS
 from rollout_farm.services.models import resolve_model
+from rollout_farm.services.weights.path_pusher import PathPusher
 from rollout_farm.services.weights.pusher import WeightPusher
 from rollout_farm.trainer import distributed, lora
 from rollout_farm.trainer.config import Config, Optim
@@ -55,8 +56,8 @@ class TrainingRun:
             step_metrics.serve(t.metrics_port)
         self.task = TASKS.get(t.task)()
         self.client = FarmClient(t.service_url, token)
-        # one pusher for the run: its last push is the base of the next (bucketed, delta)
-        self.pusher = WeightPusher(self.client, t.weight_sync)
+        # one pusher for the run: its last push is the base of the next (bucketed, delta); by path with push_dir
+        self.pusher = PathPusher(self.client, t.push_dir) if t.push_dir else WeightPusher(self.client, t.weight_sync)
         self.generated_tokens = 0  # by the service for this trainer, filtered-out work included
         self.leased: list[str] = []  # queue items of the current step, acked once its checkpoint is written
         self.run_id = uuid.uuid4().hex[:12]  # with `batches`, names this run's prompt batches in the queue
@@ -80,7 +81,8 @@ class TrainingRun:
         self.probe = PushProbe.of_run(t, self.tok, self.policy) if self.rank == 0 else None
         if cfg.lora and self.rank == 0:
             base = lora.base_tensors(self.policy)
-            self.adapter = AdapterSync(self.client, cfg.adapter_name, base, t.adapter_push_dir, self.probe)
+            push_dir = t.adapter_push_dir or t.push_dir  # the adapter's versions by path, in <folder>/<name>/v<N>/
+            self.adapter = AdapterSync(self.client, cfg.adapter_name, base, push_dir, self.probe)
         self._start()
 
     def _load_models(self, path: Path) -> None:

@@ -313,10 +313,18 @@ def test_trainer_job():
     assert args[:2] == ["farm", "train"] and args[args.index("--service-url") + 1] == url
     assert args[args.index("--steps") + 1] == "7" and args[args.index("--out") + 1] == "/data/runs/farm"
     assert {"trainer.metrics_port=9100", "actor_rollout_ref.rollout.n=16"} <= set(args)
+    assert "trainer.push_dir=/data/weights/steps" in args  # by path through the shared volume, inside FARM_WEIGHTS_DIR
     assert trainer["ports"] == [{"name": "metrics", "containerPort": 9100}]
     assert env(trainer)["FARM_API_TOKEN"] == {"secretKeyRef": {"name": f"{FULLNAME}-token", "key": "token"}}
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert spec["volumes"] == pod_specs(rayservice("trainer"))["worker"]["volumes"]
+
+
+def test_the_trainer_job_uploads_when_its_overrides_say_so():
+    """Negative control of the default push by path: an override of trainer.push_dir replaces it."""
+    values = merged(BASE, {"trainer": {"enabled": True, "overrides": {"trainer.push_dir": ""}}})
+    (trainer,) = one(render(values), "Job")["spec"]["template"]["spec"]["containers"]
+    assert [a for a in trainer["args"] if a.startswith("trainer.push_dir")] == ["trainer.push_dir="]
 
 
 def test_monitoring():

@@ -37,9 +37,10 @@ def serve_env(model, tmp_path, **farm) -> dict[str, str]:
     return env | {f"FARM_{k.upper()}": v for k, v in farm.items()}
 
 
-def farm_serve(env: dict) -> subprocess.Popen:
-    """`farm serve` (python -m rollout_farm.trainer.cli serve) with this environment; its output in proc.stdout."""
-    cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "serve"]
+def farm_serve(env: dict, *args: str) -> subprocess.Popen:
+    """`farm serve` (python -m rollout_farm.trainer.cli serve), then `args`, with this environment; its output in
+    proc.stdout."""
+    cmd = [sys.executable, "-m", "rollout_farm.trainer.cli", "serve", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -1,13 +1,17 @@
 """A whole-service restart (`farm serve` stopped, Ray down, then up again on the same state folder): the queue and
-the committed version pushed by path survive in the embedded redis-server's append-only file, and the replicas
-serve that version."""
+the committed version survive in the embedded redis-server's append-only file, and the replicas serve that version,
+whether it was pushed by path or uploaded (kept under the state folder); `farm serve --fresh` starts at version 0."""
 
-from safetensors.torch import load_file, save_file
+import signal
+import threading
+
+from safetensors.torch import load_file, save, save_file
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, serve_env, stop
+from tests.service.helpers import wait_until
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:")], n=1, sampling_params=P.SamplingParams(temperature=0, max_new_tokens=8)
@@ -67,3 +71,74 @@ def test_the_queue_and_the_committed_version_survive_a_restart_of_the_whole_serv
     finally:
         out = stop(proc)
         assert proc.returncode == 0, out[-3000:]
+
+
+class Serving:
+    """A `farm serve` whose output is read as it comes, so a test awaits its lines ("rollout service ready") instead
+    of racing them."""
+
+    def __init__(self, env: dict, *args: str):
+        self.proc, self.lines = farm_serve(env, *args), []
+        self.url = f"http://127.0.0.1:{env['FARM_PORT']}"
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def said(self, words: str) -> bool:
+        return any(words in line for line in self.lines)
+
+    def wait_for(self, words: str) -> None:
+        wait_until(lambda: self.said(words) or self.proc.poll() is not None, f"farm serve printing {words!r}", 300)
+        assert self.said(words), "".join(self.lines)[-3000:]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+        self.reader.join(timeout=30)
+        assert self.proc.returncode == 0, "".join(self.lines)[-3000:]
+
+
+def test_a_restarted_farm_serves_the_version_it_committed_by_upload_and_fresh_starts_at_version_0(tiny_model, tmp_path):
+    """The issue's new user: `farm serve`, push weights over HTTP (the trainer's default transport), stop, `farm serve`
+    again on the same model. The upload is kept under the state folder by default, so the farm serves it again, and
+    says it is ready only then (a farm that cannot load its committed version says why instead:
+    tests/unit/test_serve_readiness.py); `--fresh` starts at version 0."""
+    env = serve_env(tiny_model, tmp_path)
+    uploads = tmp_path / "state" / "uploads"  # FARM_UPLOADS_DIR's default with the embedded Redis
+    trained = {k: v * 1.05 for k, v in load_file(tiny_model / "model.safetensors").items()}
+    ready = "rollout service ready on"
+
+    farm = Serving(env)
+    try:
+        farm.wait_for(ready)
+        with FarmClient(farm.url, TOKEN) as c:
+            base = c.rollouts(GREEDY).groups[0].samples[0]
+            assert c.push_weights(save(trained), 3).version == 3
+            served = c.rollouts(GREEDY).groups[0].samples[0]
+            assert served.weight_version == 3 and served.logprobs != base.logprobs
+    finally:
+        farm.stop()
+    assert len(list(uploads.iterdir())) == 1
+
+    farm = Serving(env)
+    try:
+        farm.wait_for(ready)
+        with FarmClient(farm.url, TOKEN) as c:
+            again = c.rollouts(GREEDY).groups[0].samples[0]
+            assert again.weight_version == 3 and again.token_ids == served.token_ids
+            assert again.logprobs == served.logprobs
+    finally:
+        farm.stop()
+
+    farm = Serving(env, "--fresh")
+    try:
+        farm.wait_for(ready)
+        assert list(uploads.iterdir()) == []  # --fresh dropped the kept upload with the state
+        with FarmClient(farm.url, TOKEN) as c:
+            fresh = c.rollouts(GREEDY).groups[0].samples[0]
+            assert fresh.weight_version == 0 and (fresh.token_ids, fresh.logprobs) == (base.token_ids, base.logprobs)
+    finally:
+        farm.stop()

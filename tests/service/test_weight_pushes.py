@@ -7,9 +7,16 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmError
+from rollout_farm.services.weights.path_pusher import PathPusher
+from rollout_farm.services.weights.pusher import compute_probe
+from rollout_farm.services.weights.state_dict import canonical_state_dict
+from rollout_farm.trainer.config import load
+from rollout_farm.trainer.sync.probe import PushProbe, probe_refused
+from rollout_farm.trainer.sync.weights import push_weights
 from tests.conftest import MAX_WEIGHTS_BYTES, TOKEN
 from tests.service.helpers import greedy, perturbed, push, push_path, request, rollout, tokens, versions
 
@@ -188,3 +195,32 @@ def test_non_finite_weights_are_refused_with_422_naming_the_tensor(service, fres
     sampled = rollout(service, request(n=2))  # temperature 1: would fail on NaN weights
     assert sampled.status_code == 200, sampled.text
     assert {s["weight_version"] for g in sampled.json()["groups"] for s in g["samples"]} == {fresh_weights}
+
+
+def test_the_trainers_push_by_path_writes_each_step_once_keeps_three_and_carries_its_probe(
+    client, fresh_weights, tiny_model, tmp_path
+):
+    """trainer.push_dir: each step's weights are written to the folder once and loaded from there by every replica,
+    with the step's probe scored on them; the folder keeps the newest 3 versions."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    probe = PushProbe.of_run(load().trainer, AutoTokenizer.from_pretrained(tiny_model), model)
+    steps, pusher = tmp_path / "steps", PathPusher(client, tmp_path / "steps")
+    torch.manual_seed(0)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        version = push_weights(pusher, model, "finish", probe)
+    assert version == fresh_weights + 4 and pusher.last["mode"] == "path"
+    assert sorted(p.name for p in steps.iterdir()) == [f"v{version - 2}", f"v{version - 1}", f"v{version}"]
+    written = load_file(steps / f"v{version}" / "model.safetensors")
+    assert all(torch.equal(written[n], t) for n, t in canonical_state_dict(model).items())
+    assert set(client.weights_version().replicas.values()) == {version}
+    greedy_one = P.RolloutRequest.model_validate(request(n=1, temperature=0))
+    assert {s.weight_version for g in client.rollouts(greedy_one).groups for s in g.samples} == {version}
+    # negative control: the probe of other weights (the model folder's) is refused on every replica, so the probe
+    # travelled with the path; the version stays
+    other = compute_probe(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), probe.sequences)
+    with pytest.raises(FarmError) as e:
+        pusher.push(canonical_state_dict(model), version + 1, probe=other)
+    assert probe_refused(e.value) and client.weights_version().version == version

@@ -99,6 +99,8 @@ def test_a_cluster_without_the_committed_weights_is_not_ready_and_generates_noth
         "readyz naming the lost version",
     )
     assert "committed weight version 7 cannot be loaded" in json.dumps(r.json())
+    lost = [d for d in r.json()["detail"] if d["field"] == "weights"]  # what `farm serve` prints at once, with the fix
+    assert len(lost) == 1 and "version 7 cannot be loaded" in lost[0]["message"]
     out = httpx.post(f"{lost_app}/v1/rollouts", json=greedy([[40, 41]]), timeout=60)
     assert out.status_code == 503 and "version 7 cannot be loaded" in out.json()["error"], out.text
     assert push_path(lost_app, tiny_model, 7).status_code == 200  # the trainer pushes it again

@@ -42,6 +42,7 @@ SERVICE_BASE = {
     "rollout_farm.services.observability.logs",
     "rollout_farm.services.net",
     "rollout_farm.services.weights.pusher",
+    "rollout_farm.services.weights.path_pusher",  # the client's push by path (a safetensors file, then a call)
     "rollout_farm.services.weights.state_dict",
     "rollout_farm.services.client.peft_files",  # a peft folder's files (stdlib only)
     "rollout_farm.services.adapters.digest",  # the policy digest a trainer checks its samples against

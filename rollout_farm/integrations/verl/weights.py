@@ -6,10 +6,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
+from rollout_farm.services.weights.path_pusher import PathPusher
 
 
 def push_state_dict(
@@ -23,8 +24,9 @@ def push_state_dict(
     names) as `version` (default: the served one + 1; verl's global_steps keeps the two numbers one). Returns the
     version every replica now serves. Without shared_dir the safetensors bytes are uploaded (POST /v1/weights,
     checksummed); with it they are written to shared_dir/v<version>/ and loaded from there (POST /v1/weights/path:
-    a folder every replica can read). The farm checks names, shapes and dtypes against its model and refuses a
-    mismatch whole (FarmError 422), serving the old version."""
+    a folder every replica can read; the newest 3 are kept: rollout_farm/services/weights/path_pusher.py). The farm
+    checks names, shapes and dtypes against its model and refuses a mismatch whole (FarmError 422), serving the
+    old version."""
     pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
     tensors = {name: t.detach().cpu().contiguous() for name, t in pairs}
     if len(tensors) != len(pairs):
@@ -34,8 +36,5 @@ def push_state_dict(
     if shared_dir is None:
         pushed = client.push_weights(save(tensors), version, policy)
     else:
-        folder = Path(shared_dir) / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, folder / "model.safetensors")
-        pushed = client.push_weights_path(str(folder.resolve()), version, policy)
+        pushed = PathPusher(client, shared_dir).push(tensors, version, policy)
     return pushed.version

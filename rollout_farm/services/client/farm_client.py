@@ -109,10 +109,16 @@ class _Api:
         )
 
     def push_weights_path(
-        self, path: str, version: int, policy: P.InFlightPolicy = "finish", force: bool = False
+        self,
+        path: str,
+        version: int,
+        policy: P.InFlightPolicy = "finish",
+        force: bool = False,
+        probe: dict | None = None,
     ) -> P.WeightsPushResponse:
-        """Load a folder of safetensors files that every replica can read, as `version` (`force`: as push_weights)."""
-        body = P.WeightsFromPath(path=str(path), version=version, policy=policy, force=force).model_dump()
+        """Load a folder of safetensors files that every replica can read, as `version` (`force`: as push_weights;
+        `probe`: compute_probe's, scored by every replica on the staged weights)."""
+        body = P.WeightsFromPath(path=str(path), version=version, policy=policy, force=force, probe=probe).model_dump()
         return self._send(_Call("POST", "/v1/weights/path", P.WeightsPushResponse, json=body))
 
     def weights_version(self) -> P.WeightsVersion:

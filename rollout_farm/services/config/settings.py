@@ -285,9 +285,13 @@ class ServiceSettings(BaseSettings):
     weights_dir: str | None = Field(None, description="If set, POST /v1/weights/path only loads folders inside it.")
     uploads_dir: str | None = Field(
         None,
-        description="If set, each weight upload is written under it (one folder per push, the older ones deleted) "
-        "before it is committed, so a new cluster on the same Redis (an upgrade, a restart of Ray) loads the trained "
-        "weights; unset, an upload lives in Ray's object store only. Put it on storage every node shares.",
+        description="Where each weight upload is written (one folder per push) before it is committed, so that a "
+        "restarted farm, or a new cluster on the same Redis (an upgrade, a restart of Ray), serves the committed "
+        "version. It holds that version only: its upload and the deltas pushed on it since, at most about twice the "
+        "model's bytes; each commit deletes the folders the committed version no longer needs. Default: "
+        "FARM_STATE_DIR/uploads when `farm serve` runs its embedded Redis, else unset; empty: none (an upload lives "
+        "in Ray's object store only, and a restarted farm serves no rollouts until the next push). On a cluster, put "
+        "it on storage every node shares.",
     )
     log_level: Annotated[str, BeforeValidator(str.upper)] = Field(
         "INFO",

@@ -227,11 +227,11 @@ class Replicas:
         weights cannot be loaded."""
         found = await self.states(expected=expected)
         problems = found.problems() + [f"replica {s.replica} is paused" for s in found.answers if s.paused]
-        problems += sorted({s.weights_lost for s in found.answers if s.weights_lost})
         if len({s.weight_version for s in found.answers}) > 1:
             problems.append("replicas serve different weight versions")
-        if problems:
-            raise Unavailable("not ready", details(problems))
+        lost = sorted({s.weights_lost for s in found.answers if s.weights_lost})  # field "weights": until a push
+        if problems or lost:
+            raise Unavailable("not ready", details(problems) + [{"field": "weights", "message": m} for m in lost])
         return P.Readiness(ready=True, replicas=found.answers)
 
 

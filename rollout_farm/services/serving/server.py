@@ -10,13 +10,16 @@ import threading
 from pathlib import Path
 
 import ray
+import redis
 from ray import serve
 
 from rollout_farm.services.config.settings import ServiceSettings, SettingsError
 from rollout_farm.services.models import CACHE, resolve_model
 from rollout_farm.services.net import free_port
 from rollout_farm.services.serving.app import build_app, engine_class
+from rollout_farm.services.serving.readiness import announce
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
+from rollout_farm.services.weights.store import sweep
 
 log = logging.getLogger("farm.service")
 EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, stopped by stop()
@@ -32,17 +35,31 @@ def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
         raise SettingsError(f"FARM_MODEL={settings.model!r}: {e}") from None
 
 
-def with_state(settings: ServiceSettings) -> ServiceSettings:
+def with_state(settings: ServiceSettings, fresh: bool = False) -> ServiceSettings:
     """The settings with FARM_REDIS_URL: as given, or an embedded redis-server's, persisting in FARM_STATE_DIR
-    (default: one folder per app and model, so another model never finds this one's committed weights)."""
+    (default: one folder per app and model, so another model never finds this one's committed weights), with
+    FARM_UPLOADS_DIR defaulting to its `uploads` folder, so that the version committed by an upload is served again
+    after a restart. `fresh`: the embedded Redis's state (the committed version, the queue, request records,
+    tenants) and the uploads it kept are dropped first: the farm starts at version 0, from the model folder."""
     if settings.redis_url:
+        if fresh:
+            raise SettingsError(
+                "--fresh starts the embedded Redis empty, but FARM_REDIS_URL names a Redis this farm does not own: "
+                "drop --fresh, or delete the farm's keys there yourself (the committed version is farm:<app>:weights)"
+            )
         return settings
     model_hash = hashlib.sha256(settings.model.encode()).hexdigest()[:8]
     folder = Path(settings.state_dir or CACHE / "state" / f"{settings.app_name}-{model_hash}")
+    uploads = str(folder / "uploads") if settings.uploads_dir is None else settings.uploads_dir
     embedded = EmbeddedRedis(folder)
     url = embedded.start()
     EMBEDDED.append(embedded)
-    return settings.model_copy(update={"redis_url": url, "state_dir": str(folder)})
+    if fresh:
+        redis.Redis.from_url(url).flushdb()
+        for kept in {str(folder / "uploads"), uploads} - {""}:  # the default folder too, if uploads go elsewhere now
+            sweep(Path(kept), keep=set(), older_than_s=0)
+        log.info("state_dropped", extra={"state": str(folder), "uploads": uploads})
+    return settings.model_copy(update={"redis_url": url, "state_dir": str(folder), "uploads_dir": uploads})
 
 
 HAPROXY_PORTS = (
@@ -68,11 +85,13 @@ def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
     return env
 
 
-def start(settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: str = "/") -> ServiceSettings:
+def start(
+    settings: ServiceSettings, on_ray_started=lambda: None, route_prefix: str = "/", fresh: bool = False
+) -> ServiceSettings:
     """Start Ray (if needed), the state's Redis (if embedded) and the Serve app; returns the settings with the
     model path and the Redis URL resolved. A second app (another FARM_APP_NAME) can run beside the first under its
-    own route prefix."""
-    settings = with_state(with_model_folder(settings))
+    own route prefix. `fresh`: with_state's."""
+    settings = with_state(with_model_folder(settings), fresh)
     if not ray.is_initialized():
         os.environ.update(http_proxy_env(settings))
         cpus = max(os.cpu_count() or 1, int(settings.replicas * settings.engine_num_cpus) + 1)
@@ -105,8 +124,9 @@ def stop() -> None:
         EMBEDDED.pop().stop()
 
 
-def run_forever(settings: ServiceSettings) -> None:
-    """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
+def run_forever(settings: ServiceSettings, fresh: bool = False) -> None:
+    """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly; "rollout service ready" once /readyz
+    says so (rollout_farm/services/serving/readiness.py). `fresh`: start from version 0 (with_state)."""
     done = threading.Event()
 
     def handle_signals() -> None:  # again after ray.init, whose C++ handler would turn SIGTERM into an abort
@@ -114,8 +134,9 @@ def run_forever(settings: ServiceSettings) -> None:
             signal.signal(sig, lambda *_: done.set())
 
     handle_signals()
-    settings = start(settings, on_ray_started=handle_signals)
-    print(f"rollout service ready on http://{settings.host}:{settings.port}", flush=True)
+    settings = start(settings, on_ray_started=handle_signals, fresh=fresh)
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    announce(f"http://{host}:{settings.port}", f"http://{settings.host}:{settings.port}", done)
     done.wait()
     log.info("service_stopping")
     stop()

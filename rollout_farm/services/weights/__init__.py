@@ -8,6 +8,7 @@ push (ingress, every replica) -> stage (each replica) -> store (for replicas tha
 | module | owns |
 | --- | --- |
 | `pusher.py` | client side: `WeightPusher`, full, bucketed or delta pushes, falling back to full; `compute_probe` |
+| `path_pusher.py` | client side: `PathPusher`, each version written once to a folder the farm reads, pushed by path |
 | `buckets.py` | the body's framing: safetensors files back to back, each a bucket of whole tensors; bucket views |
 | `manifest.py` | the push's manifest: per tensor a checksum of its new bytes and how it travels (full, same, xor) |
 | `delta.py` | byte-level deltas: XOR against the served bytes, in byte planes, zlib where it pays |

@@ -22,7 +22,10 @@ weights: it reports the version `lost`, with the reason, and replicas refuse rol
 A folder pushed by path is still there after a restart. An upload lives in Ray's object store and goes with it,
 unless FARM_UPLOADS_DIR is set: then each upload's buckets (each a safetensors file) are written under it before the
 commit, and `steps` in the record lists the folders a new store reads them back from (the Helm chart puts it on the
-shared volume).
+shared volume; `farm serve` with its embedded Redis defaults it to the state folder's `uploads`). The folder holds
+the committed version's steps only: each commit deletes the ones it no longer needs, and a new store deletes what
+no record names (a push that failed after its write, a write cut by a crash) once it is ORPHAN_AGE_S old, so that
+a push another cluster is writing meanwhile keeps its folder.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 import shutil
+import time
 import uuid
 
 import numpy as np
@@ -38,6 +43,8 @@ import ray
 import redis
 
 log = logging.getLogger("farm.service")
+ORPHAN_AGE_S = 3600.0  # a folder under FARM_UPLOADS_DIR that no record names is deleted once this old
+UPLOAD_NAME = re.compile(r"^[0-9a-f]{32}(\.partial)?$")  # what persist() names a folder
 
 # Writes the record unless it holds a newer version; returns the version it holds afterwards.
 COMPARE_AND_SET = """
@@ -63,6 +70,20 @@ def persist(folder: pathlib.Path, refs: list) -> str:
     return str(done)
 
 
+def sweep(uploads: pathlib.Path, keep: set[str], older_than_s: float = ORPHAN_AGE_S) -> None:
+    """Delete the folders persist() wrote under `uploads` whose names are not in `keep` (each a uuid: a name is
+    unique, however the folder above it is spelled) and that are older than `older_than_s`."""
+    now = time.time()
+    for folder in uploads.iterdir() if uploads.is_dir() else []:
+        if not UPLOAD_NAME.match(folder.name) or folder.name in keep:
+            continue
+        try:
+            if now - folder.stat().st_mtime > older_than_s:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # deleted meanwhile (by the store that wrote it)
+            continue
+
+
 def read_back(folder: str) -> list:
     """A persisted upload's buckets, in order, as objects in Ray's object store."""
     files = sorted(pathlib.Path(folder).glob("bucket-*.safetensors"))
@@ -81,6 +102,9 @@ class Store:
         self.lost: str | None = None  # why the recorded version cannot be loaded
         self._cas = self.r.register_script(COMPARE_AND_SET)
         self.follow()
+        if self.uploads:
+            named = json.loads(self.r.hget(self.key, "steps") or "[]")
+            sweep(self.uploads, {pathlib.Path(s[2]).name for s in named if s[2]})
 
     def follow(self) -> None:
         """Take the recorded version if it is newer than the one held: written by this store's earlier life or by

@@ -7,6 +7,8 @@ checksum. The mode is the config key trainer.weight_sync:
   bucketed  only the tensors that changed since the last push
   delta     changed tensors as compressed XOR against the last push: the fewest bytes, for a slow link
 bucketed and delta fall back to a full push by themselves when a replica is not on the version they diff against.
+With trainer.push_dir the pusher is a PathPusher (rollout_farm/services/weights/path_pusher.py) instead: each step
+is written once to that folder, which the farm reads too, and pushed by path (no upload).
 
 Each push carries a probe (rollout_farm/trainer/sync/probe.py, trainer.push_probe_sequences; 0: none): every replica
 scores it on the staged weights, and a farm that refuses the push for it stops the run (ProbeRefused).
@@ -22,6 +24,7 @@ import torch
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient, FarmError
+from rollout_farm.services.weights.path_pusher import PathPusher
 from rollout_farm.services.weights.pusher import WeightPusher, base_refused
 from rollout_farm.services.weights.state_dict import canonical_state_dict
 from rollout_farm.trainer.sync.probe import PushProbe, stop_if_probe_refused
@@ -30,7 +33,7 @@ STATS_ENV = "FARM_WEIGHT_SYNC_STATS"  # a file: one JSON line per push (seconds,
 
 
 def push_weights(
-    pusher: WeightPusher,
+    pusher: WeightPusher | PathPusher,
     model: torch.nn.Module,
     in_flight: P.InFlightPolicy = "finish",
     probe: PushProbe | None = None,
