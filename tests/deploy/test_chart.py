@@ -327,6 +327,15 @@ def test_the_trainer_job_uploads_when_its_overrides_say_so():
     assert [a for a in trainer["args"] if a.startswith("trainer.push_dir")] == ["trainer.push_dir="]
 
 
+def test_the_trainer_job_uploads_with_a_diffing_weight_sync():
+    """The trainer refuses push_dir with bucketed or delta (they diff against the last upload), so the Job's default
+    push by path must step aside for them, or every retry of the Job would fail at its start; full keeps it."""
+    for mode, by_path in (("delta", False), ("bucketed", False), ("full", True)):
+        values = merged(BASE, {"trainer": {"enabled": True, "overrides": {"trainer.weight_sync": mode}}})
+        (trainer,) = one(render(values), "Job")["spec"]["template"]["spec"]["containers"]
+        assert any(a.startswith("trainer.push_dir=") for a in trainer["args"]) == by_path, mode
+
+
 def test_monitoring():
     docs = RENDERED["monitoring"]
     sm = one(docs, "ServiceMonitor")["spec"]

@@ -181,7 +181,7 @@ RAY_HEAD = RAY_WORKER | {"rollout-farm/component": "head"}
 TRAINER = RELEASE_POD | {"app.kubernetes.io/component": "trainer"}
 OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
 # Where Ray takes code: the dashboard (job submission), the GCS and the client server (a driver)
-CODE_PORTS = (8265, 6379, 10001)
+CODE_PORTS = (8265, 52365, 6379, 10001)  # the dashboard, its agent's job API, the GCS, the client server
 
 
 def ray_policy(docs: list[dict]) -> dict:
@@ -193,7 +193,7 @@ def test_only_the_ray_pods_and_the_operator_reach_the_dashboard():
     labels so) reached every Ray port, the dashboard's job submission (code execution) included."""
     policy = ray_policy(rendered({}))
     for labels in (RAY_HEAD, RAY_WORKER):  # Ray's own traffic: every port
-        assert all(admits(policy, port, labels) for port in (*CODE_PORTS, 8000, 8080, 30000, 52365))
+        assert all(admits(policy, port, labels) for port in (*CODE_PORTS, 8000, 8080, 30000))
     assert admits(policy, 8265, OPERATOR, "kuberay-system") and admits(policy, 8000, OPERATOR, "kuberay-system")
     assert not admits(policy, 8265, OPERATOR, "ml"), "the operator's labels in another namespace are not the operator"
     assert not admits(policy, 6379, OPERATOR, "kuberay-system"), "the operator needs only the dashboard and serve port"
@@ -201,7 +201,7 @@ def test_only_the_ray_pods_and_the_operator_reach_the_dashboard():
         assert not any(admits(policy, port, labels) for port in CODE_PORTS), labels
         assert admits(policy, 8000, labels), "the API: serveFrom's default is the namespace"
     # the release's other Pods keep the rest (an NCCL weight push from the trainer opens connections to the engines)
-    assert all(admits(policy, port, TRAINER) for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 65535))
+    assert all(admits(policy, port, TRAINER) for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 52364, 52366, 65535))
     assert not admits(policy, 29500, {}), "a Pod outside the release: the serve port only"
     moved = ray_policy(rendered({"networkPolicy": {"operator": {"namespace": "ray", "podLabels": {"app": "op"}}}}))
     assert admits(moved, 8265, OPERATOR | {"app": "op"}, "ray"), "an operator elsewhere (podLabels merge with Helm's)"
@@ -699,10 +699,10 @@ def test_the_head_asks_for_the_disk_ray_spills_to():
     through it) to /tmp/ray on the container's writable layer: the scheduler could place it on a node without room,
     and the kubelet evicts the Pod that fills the node's disk first among those over their requests."""
     head = ray_containers(rendered({}))["head"]["resources"]
-    assert head["requests"]["ephemeral-storage"] == "16Gi"
+    assert head["requests"]["ephemeral-storage"] == "20Gi"
     assert "ephemeral-storage" not in head["limits"], "a limit would evict the head, and the cluster with it"
     spilled = 2 * ServiceSettings.model_fields["max_weights_bytes"].default  # the committed upload and the next
-    assert 16 << 30 >= spilled, "two of the largest uploads fit in the request"
+    assert (20 << 30) - spilled >= 4 << 30, "two of the largest uploads fit in the request, with 4 GiB for Ray's logs"
 
 
 def test_the_head_runs_the_gpu_image_while_the_images_pythons_differ():

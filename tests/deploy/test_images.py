@@ -1,4 +1,5 @@
-"""The two images' Dockerfiles, without building them (no Docker engine here): hadolint, what they install from,
+"""The two images' Dockerfiles, without building them (CI has no Docker engine; bench/compose_smoke.sh builds the CPU
+image by hand, docs/deploy.md "What was validated here"): hadolint, what they install from,
 who they run as, their health check, the helper scripts they copy in, their layers, and that what they install
 provides every import of the service and the trainer."""
 

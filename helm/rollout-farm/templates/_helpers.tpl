@@ -202,7 +202,7 @@ GPU's memory. Prints the tp size, or nothing. */}}
 {{- end }}
 {{- $share | int }}
 {{- else if kindIs "invalid" $fraction }}
-{{- fail (printf "gpu.perReplica=%v with engine sglang puts several engines on one GPU, and each SGLang engine takes 0.9 of its memory by default: set settings.sglang_mem_fraction_static to at most %v (e.g. --set-json settings.sglang_mem_fraction_static=%v), leaving room for each engine's activations" .Values.gpu.perReplica .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
+{{- fail (printf "gpu.perReplica=%v with engine sglang puts several engines on one GPU, and each SGLang engine takes 0.9 of its memory by default: set settings.sglang_mem_fraction_static below %v (e.g. --set-json settings.sglang_mem_fraction_static=%v), leaving room for each engine's activations" .Values.gpu.perReplica .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
 {{- else if ge (float64 $fraction) $share }}
 {{- fail (printf "settings.sglang_mem_fraction_static=%v is not below gpu.perReplica=%v: it is SGLang's static pool (weights and KV cache) alone, and each engine sharing the GPU also needs memory outside it (its CUDA context, activations, CUDA graphs), so with no headroom the engines together ask for more than the GPU's memory; set it below the share, e.g. %s" $fraction .Values.gpu.perReplica (mulf $share 0.85 | printf "%.2f")) }}
 {{- end }}
