@@ -201,7 +201,10 @@ def test_only_the_ray_pods_and_the_operator_reach_the_dashboard():
         assert not any(admits(policy, port, labels) for port in CODE_PORTS), labels
         assert admits(policy, 8000, labels), "the API: serveFrom's default is the namespace"
     # the release's other Pods keep the rest (an NCCL weight push from the trainer opens connections to the engines)
-    assert all(admits(policy, port, TRAINER) for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 52364, 52366, 65535))
+    assert all(
+        admits(policy, port, TRAINER)
+        for port in (1, 6378, 6380, 8080, 8264, 8266, 10000, 10002, 29500, 52364, 52366, 65535)
+    )
     assert not admits(policy, 29500, {}), "a Pod outside the release: the serve port only"
     moved = ray_policy(rendered({"networkPolicy": {"operator": {"namespace": "ray", "podLabels": {"app": "op"}}}}))
     assert admits(moved, 8265, OPERATOR | {"app": "op"}, "ray"), "an operator elsewhere (podLabels merge with Helm's)"

@@ -220,14 +220,38 @@ def test_prometheus_scrapes_the_service_ray_and_the_trainer_and_loads_the_rules(
     }
 
 
+COMPOSE_FILES = ("docker-compose.yml", "deploy/compose.host.yml")
+
+
+def compose_file(path):
+    """A compose file as YAML, compose's own tags (!reset, !override) read as their plain values."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def plain(loader, _tag, node):
+        if isinstance(node, yaml.SequenceNode):
+            return loader.construct_sequence(node, deep=True)
+        if isinstance(node, yaml.MappingNode):
+            return loader.construct_mapping(node, deep=True)
+        return loader.construct_scalar(node)
+
+    Loader.add_multi_constructor("!", plain)
+    return yaml.load(path.read_text(), Loader=Loader)
+
+
 def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard_folder():
     (ds,) = yaml.safe_load((GRAFANA / "datasources" / "prometheus.yaml").read_text())["datasources"]
     assert (ds["type"], ds["uid"], ds["url"], ds["isDefault"]) == (
         "prometheus",
         "prometheus",
-        "http://prometheus:9090",
+        "${PROMETHEUS_URL}",
         True,
     )
+    # Grafana expands ${VAR} in provisioning files from its environment: compose's name, or loopback on the host network
+    compose, host = (compose_file(ROOT / name)["services"]["grafana"]["environment"] for name in COMPOSE_FILES)
+    assert compose["PROMETHEUS_URL"] == "http://prometheus:9090"
+    assert host["PROMETHEUS_URL"] == "http://127.0.0.1:${PROMETHEUS_PORT:-9090}"
     (provider,) = yaml.safe_load((GRAFANA / "dashboards" / "rollout-farm.yaml").read_text())["providers"]
     assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
 
