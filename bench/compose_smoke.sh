@@ -31,9 +31,7 @@ export SMOKE_JSON=$out/compose_smoke.json
 rm -f "$SMOKE_JSON"
 exec > >(tee "$out/compose_smoke.log") 2>&1
 say() { echo "== $*"; }
-figure() { "$python" -c 'import json, os, sys; p = os.environ["SMOKE_JSON"]
-d = json.load(open(p)) if os.path.exists(p) else {}; d[sys.argv[1]] = json.loads(sys.argv[2])
-json.dump(d, open(p, "w"), indent=2, sort_keys=True); open(p, "a").write("\n")' "$1" "$2"; }
+figure() { "$python" bench/compose_smoke_check.py figure "$1" "$2"; }
 since() { echo $(( $(date +%s) - $1 )); }
 
 [ "$(id -u)" = 0 ] || { echo "run as root: it starts dockerd and debootstraps a base image"; exit 1; }
@@ -91,8 +89,8 @@ cleanup() {
   say "cleanup"
   "${compose[@]}" down --timeout 60 > "$work/down.log" 2>&1 && echo "ok down: the stack's containers removed" \
     || echo "FAILED down: see $work/down.log"
-  [ -n "$wheel_server" ] && kill "$wheel_server" 2> /dev/null
-  docker image prune -f > /dev/null  # the layers a rebuild left dangling
+  [ -n "$wheel_server" ] && { kill "$wheel_server" 2> /dev/null || true; }
+  docker image prune -f --filter label=rollout-farm-smoke > /dev/null || true  # the layers our rebuilds left dangling
   exit $status
 }
 trap cleanup EXIT
@@ -145,6 +143,7 @@ cache=()
 [ -n "${SMOKE_NO_CACHE:-}" ] && cache=(--no-cache)
 start=$(date +%s)
 docker build --network host "${cache[@]}" -f deploy/Dockerfile -t rollout-farm:0.1.0 --build-arg "BASE_IMAGE=$base" \
+  --label rollout-farm-smoke=1 \
   "${torch_args[@]}" . > "$work/build-cpu.log" 2>&1 || { echo "FAILED build: see $work/build-cpu.log"; tail -20 "$work/build-cpu.log"; exit 1; }
 build_s=$(since "$start")
 cached=$(grep -c "Using cache" "$work/build-cpu.log" || true)
@@ -171,7 +170,10 @@ figure trainer_s "$(since "$start")"
 "${compose[@]}" logs --no-color trainer > "$work/trainer.log" 2>&1
 [ "$code" = 0 ] || { echo "FAILED trainer: exit $code; see $work/trainer.log"; tail -20 "$work/trainer.log"; exit 1; }
 docker cp "$trainer:/data/runs/compose/metrics.jsonl" "$work/metrics.jsonl"
-"$python" bench/compose_smoke_check.py trainer-run --metrics "$work/metrics.jsonl" --steps "$steps" --before "$before"
+# the trainer pushed by path (trainer.push_dir on the weights volume): the step folders the service can read
+pushed=$(docker exec "$("${compose[@]}" ps -q service)" ls /data/weights/steps | tr '\n' ' ')
+"$python" bench/compose_smoke_check.py trainer-run --metrics "$work/metrics.jsonl" --steps "$steps" --before "$before" \
+  --step-folders "$pushed"
 "$python" bench/compose_smoke_check.py queue-put
 
 say "5. docker compose down, and up again"

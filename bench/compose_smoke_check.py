@@ -113,8 +113,20 @@ def trainer_run(args) -> None:
     now = committed_version()
     if now <= args.before or now != versions[-1]:
         fail("trainer", f"committed version {now} (before: {args.before}); the trainer's versions {versions}")
-    record(train_steps=len(steps), weight_pushes=now - args.before, committed_version_after_training=now)
-    ok("trainer", f"{len(steps)} GRPO steps, weight versions {versions}: the farm commits {now} (was {args.before})")
+    folders = sorted(args.step_folders.split())
+    if f"v{now}" not in folders:  # compose's trainer pushes by path: trainer.push_dir=/data/weights/steps
+        fail("trainer", f"pushed by path: no v{now} in /data/weights/steps (found {folders})")
+    record(
+        train_steps=len(steps),
+        weight_pushes=now - args.before,
+        committed_version_after_training=now,
+        step_folders_on_volume=folders,
+    )
+    ok(
+        "trainer",
+        f"{len(steps)} GRPO steps, weight versions {versions}: the farm commits {now} (was {args.before}); "
+        f"pushed by path, /data/weights/steps holds {folders}",
+    )
 
 
 def prometheus(args) -> None:
@@ -210,7 +222,12 @@ def main() -> None:
     p.add_argument("--metrics", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--before", type=int, required=True)
+    p.add_argument("--step-folders", default="", help="what /data/weights/steps holds in the service's container")
     p.set_defaults(run=trainer_run)
+    p = sub.add_parser("figure", help="record one figure: KEY and its value as JSON")
+    p.add_argument("key")
+    p.add_argument("value", type=json.loads)
+    p.set_defaults(run=lambda args: record(**{args.key: args.value}))
     p = sub.add_parser("prometheus")
     p.add_argument("--url", required=True)
     p.add_argument("--jobs", default="service,ray,trainer")
