@@ -12,5 +12,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
 [ -x "$python" ] || python=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# the checks' own timeouts end it first; this is the backstop
-exec timeout --kill-after=10 600 "$python" bench/gpu_check.py "$@"
+# the checks' own timeouts end it first (bench/gpu_check.py budgets START_S + TOTAL_S = 570 s at worst); this is the
+# backstop. Its SIGTERM has gpu_check.py stop the running phase's processes and print its summary, well within the
+# 10 s before the SIGKILL; 590 + 10 s keeps even that in 10 minutes.
+exec timeout --kill-after=10 590 "$python" bench/gpu_check.py "$@"

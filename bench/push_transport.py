@@ -16,6 +16,7 @@ docs/data/push_transport.json.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 
@@ -37,10 +38,10 @@ def main() -> None:
     args = ap.parse_args()
 
     path = resolve(args.model)
-    steps_dir = tempfile.mkdtemp(prefix="push-transport-steps-")
     url = start_service(
         model=str(path), replicas=args.replicas, engine_threads=1, front=args.front, http_proxy=args.http_proxy
     )
+    steps_dir = tempfile.mkdtemp(prefix="push-transport-steps-")  # removed with the service, in the finally
     overrides = {"upload": ["trainer.weight_sync=full"], "path": [f"trainer.push_dir={steps_dir}"]}
     runs: dict[str, list[dict]] = {a: [] for a in ARMS}
     try:
@@ -50,6 +51,7 @@ def main() -> None:
                 log(f"round {i + 1}/{args.rounds}, {arm}: push {runs[arm][-1]['push_s']['median']:.2f}s")
     finally:
         stop_service()
+        shutil.rmtree(steps_dir, ignore_errors=True)  # every step's weights: up to 1.6 GB of SmolLM2 checkpoints
     report(args, path, runs)
 
 

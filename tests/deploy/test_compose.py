@@ -224,13 +224,13 @@ def test_generation_needs_the_token_unless_turned_off():
     (and the local `farm serve`, without it, stays open: the negative control)."""
     from rollout_farm.services.config.settings import ServiceSettings
 
-    def reads(env: dict) -> bool:
+    def settings_from(env: dict) -> ServiceSettings:
         return ServiceSettings(api_token=TOKEN, require_token_for_generation=env["FARM_REQUIRE_TOKEN_FOR_GENERATION"])
 
     for services in (plain_stack(), stack("cpu"), stack("gpu")):
-        assert reads(farm_service(services)["environment"]).require_token_for_generation is True
+        assert settings_from(farm_service(services)["environment"]).require_token_for_generation is True
     opened = farm_service(plain_stack(FARM_REQUIRE_TOKEN_FOR_GENERATION="false"))["environment"]
-    assert reads(opened).require_token_for_generation is False
+    assert settings_from(opened).require_token_for_generation is False
     assert ServiceSettings(api_token=TOKEN).require_token_for_generation is False
 
 

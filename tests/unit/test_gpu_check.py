@@ -1,12 +1,13 @@
-"""bench/gpu_check.sh without a GPU: the skip, the check selection, the lines, and the per-check timeouts, held on
-stand-in children (small Python scripts speaking the phase protocol: the real phase needs a GPU) and on the real
-phase child up to its serve check's failure."""
+"""bench/gpu_check.sh without a GPU: the skip, the check selection, the lines, the per-check timeouts and the stop on
+SIGTERM, held on stand-in children (small Python scripts speaking the phase protocol: the real phase needs a GPU)
+and on the real phase child up to its serve check's failure."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,13 +18,14 @@ import pytest
 from bench import gpu_check as G
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "bench/gpu_check.sh"
 LINE = re.compile(r"^(PASS|FAIL|SKIP) \S+ +\S.*$")
 
 
 def test_the_script_without_a_gpu_prints_one_skip_line_with_the_reason_and_exits_0():
     """CUDA_VISIBLE_DEVICES='' hides any GPU, so this holds on a GPU machine too."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and LINE.match(lines[0]), done.stdout
@@ -31,7 +33,7 @@ def test_the_script_without_a_gpu_prints_one_skip_line_with_the_reason_and_exits
 
 
 def test_an_unknown_check_is_refused_with_the_valid_names():
-    done = subprocess.run(["bash", "bench/gpu_check.sh", "--only", "rollout,nope"], cwd=ROOT, capture_output=True)
+    done = subprocess.run(["bash", SCRIPT, "--only", "rollout,nope"], cwd=ROOT, capture_output=True)
     assert done.returncode == 2
     assert b"unknown check nope: choose from serve_half, rollout_half" in done.stderr
 
@@ -66,8 +68,15 @@ def test_selection_keeps_run_order_and_brings_each_phase_its_serve_check():
         G.select(["rollout", "nope", "serve"])
 
 
-def test_every_timeout_together_fits_in_10_minutes():
-    assert G.worst_case_s(G.CHECKS) <= G.TOTAL_S <= 600 - 20  # 20 s: python, torch's import and the preflight
+def test_the_worst_case_with_its_kills_fits_under_the_backstop_and_in_10_minutes():
+    """Every timeout, each phase's stop, SIGTERM and SIGKILL: under gpu_check.sh's `timeout` with a margin; its own
+    SIGTERM leaves the driver time to stop the phase before its SIGKILL; and all that within 10 minutes."""
+    kill_after, backstop = map(
+        int, re.search(r"timeout --kill-after=(\d+) (\d+) ", (ROOT / SCRIPT).read_text()).groups()
+    )
+    assert G.worst_case_s(G.CHECKS) == sum(c.timeout_s for c in G.CHECKS) + 2 * (G.STOP_S + G.TERM_S + G.KILL_S)
+    assert G.worst_case_s(G.CHECKS) <= G.TOTAL_S and G.START_S + G.TOTAL_S <= backstop - 15
+    assert G.TERM_S + G.KILL_S <= kill_after - 2 and backstop + kill_after <= 600
     assert {c.phase for c in G.CHECKS} == set(G.PHASES)
     assert [c.name for c in G.CHECKS if c.name.startswith("serve_")] == ["serve_half", "serve_full"]
     assert [c.phase for c in G.CHECKS] == sorted((c.phase for c in G.CHECKS), key=G.PHASES.index)  # serve first
@@ -96,7 +105,17 @@ def checks(*timeouts: float) -> list[G.Check]:
 
 @pytest.fixture
 def quick_stop(monkeypatch):
-    monkeypatch.setattr(G, "STOP_S", 1)
+    for name, seconds in (("STOP_S", 1), ("TERM_S", 0.5), ("KILL_S", 1)):
+        monkeypatch.setattr(G, name, seconds)
+
+
+def gone(pid: int) -> bool:
+    """Whether process group `pid` has no process left."""
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def test_each_result_is_shown_as_it_comes_and_other_output_goes_to_the_log(tmp_path):
@@ -111,7 +130,7 @@ def test_each_result_is_shown_as_it_comes_and_other_output_goes_to_the_log(tmp_p
 
 
 def test_a_check_over_its_timeout_fails_the_rest_skip_and_the_phase_is_stopped(tmp_path, quick_stop):
-    """The child ignores SIGTERM, so it takes the SIGKILL (after STOP_S); its process group is gone after."""
+    """The child ignores SIGTERM, so it takes the SIGKILL (after TERM_S); its process group is gone after."""
     pid_file = tmp_path / "pid"
     child = stand_in(f"""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -123,8 +142,58 @@ def test_a_check_over_its_timeout_fails_the_rest_skip_and_the_phase_is_stopped(t
     assert [(r.status, r.name) for r in results] == [("PASS", "c0"), ("FAIL", "c1"), ("SKIP", "c2")]
     assert results[1].detail.startswith("over its 0.5 s timeout; see ")
     assert results[2].detail.startswith("not run: over its 0.5 s timeout")
+    assert gone(int(pid_file.read_text()))
+
+
+def test_what_a_phase_started_is_stopped_with_it_when_it_ends(tmp_path, quick_stop):
+    """A child that reports everything and exits, leaving a process of its own behind (Ray's daemons would): its
+    group, that process with it, is gone after the phase."""
+    pid_file = tmp_path / "pid"
+    child = stand_in(f"""
+        import subprocess
+        left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(left.pid))
+        say("BEGIN", "c0"); result("PASS", "c0", "fine")
+    """)
+    assert G.run_phase(child, checks(30), tmp_path / "phase.log", lambda r: None) == [G.Result("PASS", "c0", "fine")]
     with pytest.raises(ProcessLookupError):
-        os.killpg(int(pid_file.read_text()), 0)
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_sigterm_stops_the_running_phase_and_still_prints_the_summary(tmp_path):
+    """The backstop's SIGTERM to the driver mid-phase: the phase child (its own session, so the backstop's signal
+    never reaches it) ignores SIGTERM and takes the SIGKILL; its group is gone, and the summary line counts what ran.
+    The driver is main() itself, with a stand-in for the phase script and the preflight passed (no GPU here)."""
+    pid_file = tmp_path / "pid"
+    phase = tmp_path / "phase.py"
+    phase.write_text(
+        stand_in(f"""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        say("BEGIN", "serve_full"); result("PASS", "serve_full", "started")
+        say("BEGIN", "rollout"); time.sleep(600)
+    """)[-1]
+    )
+    driver = f"""
+        import sys
+        from pathlib import Path
+        from bench import gpu_check as G
+        G.preflight, G.PHASE_SCRIPT, G.LOGS, G.TERM_S = lambda: None, Path({str(phase)!r}), Path({str(tmp_path)!r}), 1
+        sys.exit(G.main(["--only", "rollout,push_path"]))
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.Popen([sys.executable, "-c", textwrap.dedent(driver)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert LINE.match(first := run.stdout.readline()) and first.split()[:2] == ["PASS", "serve_full"], first
+        run.send_signal(signal.SIGTERM)
+        rest = run.stdout.read().splitlines()
+        assert run.wait(30) == 1
+    finally:
+        run.kill()
+    assert gone(int(pid_file.read_text()))
+    assert len(rest) == 1 and re.match(
+        r"^gpu_check: 1 PASS, 0 FAIL, 0 SKIP, stopped by SIGTERM: 2 not run in ", rest[0]
+    )
 
 
 def test_the_first_check_is_timed_from_the_start(tmp_path, quick_stop):
