@@ -23,7 +23,7 @@ out=${SMOKE_OUT:-$root/docs/data}
 work=${SMOKE_WORK:-/var/tmp/rollout-farm-smoke}  # build logs, the base's root file system, the env file
 base=${LOCAL_BASE_IMAGE:-rollout-farm-local/base:bookworm-py3.11}
 wheels=${TORCH_WHEELS:-/opt/wheels}
-steps=${TRAIN_STEPS:-4}
+steps=${TRAIN_STEPS:-6}  # long enough for a few of Prometheus's 15 s scrapes of the trainer
 wheel_port=${SMOKE_WHEEL_PORT:-18765}  # fixed: the URL is a build argument, so a new one would rebuild every layer
 python=${SMOKE_PYTHON:-$root/.venv/bin/python}  # the host's Python with httpx and openai (make install)
 mkdir -p "$out" "$work"

@@ -130,15 +130,20 @@ def trainer_run(args) -> None:
 
 
 def prometheus(args) -> None:
-    """Prometheus's targets API: every job in `--jobs` has a target up; its rules API: the alert rules loaded, with
-    no rule in error. Waits up to --timeout for the first scrapes."""
+    """Prometheus's targets API and its history: every job in `--jobs` was scraped up (the trainer may have finished
+    its few steps and gone since: `max_over_time(up[1h])` remembers its scrapes); its rules API: the alert rules
+    loaded, with no rule in error. Waits up to --timeout for the first scrapes."""
     deadline, jobs, seen = time.monotonic() + args.timeout, set(args.jobs.split(",")), {}
     while time.monotonic() < deadline:
         try:
             with httpx.Client(base_url=args.url, timeout=10) as c:
                 targets = c.get("/api/v1/targets").raise_for_status().json()["data"]["activeTargets"]
+                history = c.get("/api/v1/query", params={"query": "max by (job) (max_over_time(up[1h]))"})
             seen = {t["labels"]["job"]: t["health"] for t in targets}
-            if all(seen.get(job) == "up" for job in jobs):
+            for sample in history.raise_for_status().json()["data"]["result"]:
+                if sample["value"][1] == "1" and seen.get(sample["metric"]["job"]) != "up":
+                    seen[sample["metric"]["job"]] = "up (scraped, since gone)"
+            if all(seen.get(job, "").startswith("up") for job in jobs):
                 break
         except httpx.HTTPError as e:
             seen = {"error": repr(e)}

@@ -8,7 +8,10 @@ other in a rotated order each round (--rounds, --train-steps steps per arm and r
           that a restarted farm serves it)
   path    trainer.push_dir=<a folder the farm reads>: written once as v<N>/model.safetensors, then
           POST /v1/weights/path; each replica reads the folder itself
-Per arm: seconds per push (write and call, until every replica serves it) and its share of the step. The service
+Per arm: seconds per push (write and call, until every replica serves it) and its share of the step. Paired: the
+k-th push of each arm in a round (the same round, so the same load on the machine) gives one ratio upload / path; their
+geometric mean with a 95% t interval, and the verdict on "by path is faster" (holds when the interval is above 1). The
+service
 runs with its own defaults (FARM_FRONT fused, FARM_HTTP_PROXY haproxy) and --replicas engine replicas. Results:
 docs/data/push_transport.json.
 """
@@ -20,7 +23,7 @@ import shutil
 import statistics
 import tempfile
 
-from common import log, resolve, start_service, stop_service, table, write_json
+from common import interval, log, resolve, start_service, stop_service, table, verdict, write_json
 from weight_sync import spread, train_steps
 
 ARMS = ("upload", "path")
@@ -75,10 +78,26 @@ def report(args, path, runs: dict[str, list[dict]]) -> None:
     print(f"weight push transports in farm train: {args.model}, {args.replicas} replicas, {args.train_args}")
     print(table(["arm", "push median s", "min s", "max s", "step median s", "push / step"], rows))
     ratio = arms["path"]["push_s"]["median"] / arms["upload"]["push_s"]["median"]
+    pairs = [  # the k-th push of each arm in the same round
+        u / p for up, pa in zip(runs["upload"], runs["path"]) for u, p in zip(up["push_seconds"], pa["push_seconds"])
+    ]
+    mean, low, high = interval(pairs)
+    faster = {"upload_over_path": mean, "ci95": [low, high], "pairs": len(pairs), "verdict": verdict(low, high, 1.0)}
     print(f"path / upload, median push: {ratio:.2f}")
+    print(
+        f"upload / path, paired by round: {mean:.2f} (95% CI {low:.2f}-{high:.2f}, {len(pairs)} pairs): by path faster "
+        f"{faster['verdict']}"
+    )
     write_json(
         "push_transport",
-        {"model": args.model, "model_path": str(path), "args": vars(args), "arms": arms, "path_over_upload": ratio},
+        {
+            "model": args.model,
+            "model_path": str(path),
+            "args": vars(args),
+            "arms": arms,
+            "path_over_upload": ratio,
+            "path_faster": faster,
+        },
     )
 
 
