@@ -13,7 +13,7 @@ import pytest
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.chat.tool_formats import ToolCall
-from rollout_farm.services.config.settings import McpServer
+from rollout_farm.services.config.remote_environments import McpServer
 from rollout_farm.services.episodes.allowed_hosts import AllowedHosts, use_allowed_hosts
 from rollout_farm.services.episodes.environments import AssistantTurn
 from rollout_farm.services.episodes.mcp_env import RUNNING, McpEnvironment, McpFailed, McpParams

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from rollout_farm.services.config.settings import HOST_PATTERN
+from rollout_farm.services.config.remote_environments import HOST_PATTERN
 
 SETTING = "FARM_ENV_ALLOWED_HOSTS"
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}

@@ -32,7 +32,7 @@ from mcp.client.streamable_http import streamable_http_client
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from rollout_farm.services import protocol as P
-from rollout_farm.services.config.settings import McpServer
+from rollout_farm.services.config.remote_environments import McpServer
 from rollout_farm.services.episodes import allowed_hosts
 from rollout_farm.services.episodes.allowed_hosts import Address, NotAllowed, PinnedTransport
 from rollout_farm.services.episodes.environments import ENVIRONMENTS, AssistantTurn, Environment, Step
