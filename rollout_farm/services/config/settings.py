@@ -58,11 +58,17 @@ class ServiceSettings(BaseSettings):
     )
     engine: str = Field(
         "torch",
-        description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'bench' (no model; service-layer "
+        description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'vllm' (vLLM in its own environment: "
+        "`make vllm-env`), 'bench' (no model; service-layer "
         "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS; checked when "
         "the app is built.",
     )
     bench_token_latency_s: float = Field(0.01, ge=0, description="Seconds per decode step of the 'bench' engine.")
+    vllm_python: str = Field(
+        "", description="The 'vllm' engine's interpreter (vLLM's own environment); empty: the checkout's .venv-vllm."
+    )
+    vllm_kv_cache_gib: int = Field(1, ge=1, description="The 'vllm' engine's KV cache on CPU, GiB per replica.")
+    vllm_compile: bool = Field(False, description="The 'vllm' engine compiles its model (a minute more at each start).")
     replicas: int = Field(1, ge=1, description="Engine replicas (the initial number when autoscaling).")
     max_replicas: int = Field(
         0, ge=0, description="Above `replicas`, Serve autoscales engine replicas up to this many."

@@ -16,7 +16,7 @@ A user engine subclasses Engine and is named by dotted path, `my_pkg.engines:MyE
 in FARM_PLUGINS (or registered by name from a FARM_PLUGINS module with `@ENGINES.register("mine")`).
 """
 
-from rollout_farm.services.engine import bench_engine, sglang_engine, torch  # noqa: F401  (they register themselves)
+from rollout_farm.services.engine import bench_engine, sglang_engine, torch, vllm_engine  # noqa: F401  (they register)
 from rollout_farm.services.engine.base import ENGINES, Engine, EngineOutput
 from rollout_farm.services.errors import EngineVerbMissing
 from rollout_farm.services.weights.checks import WeightsRejected

