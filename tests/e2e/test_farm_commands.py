@@ -112,6 +112,7 @@ def test_the_fused_front_behind_haproxy_serves_and_outlives_its_haproxy_killed(t
             c.wait_ready(timeout_s=180)
             haproxy = haproxies(proc.pid)
             assert haproxy and f":{port}" in (haproxy[0].cwd() + open_config(haproxy[0]))
+            node = node_of(haproxy[0])
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1
             model = AutoModelForCausalLM.from_pretrained(tiny_model)
             assert (
@@ -153,7 +154,7 @@ def test_the_fused_front_behind_haproxy_serves_and_outlives_its_haproxy_killed(t
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in haproxy)
-    assert node_haproxies(node_of(haproxy[0])) == []  # nor another of its node's
+    assert node_haproxies(node) == []  # nor another of its node's
 
 
 def haproxies(pid: int) -> list:
