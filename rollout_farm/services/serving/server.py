@@ -87,7 +87,7 @@ def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
     Serve's own HAProxy, which Serve's controller tells of a stopping replica within a second, and which retries a
     refused connection on another replica: DRAIN_S, unless set, instead of Ray's 30 s. (With 30 s every stop of
     `farm serve` waited 30 s, past serve.shutdown()'s own 30 s, so ray.shutdown() ended the HAProxy manager before it
-    ended its haproxy: haproxy_orphans.py.)"""
+    ended its haproxy: haproxy_orphans.py.) The Helm chart's Ray nodes do not start here: they keep Ray's 30 s."""
     if settings.http_proxy != "haproxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", DRAIN: os.environ.get(DRAIN) or DRAIN_S}
