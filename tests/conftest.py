@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-# Ray Serve keeps a replica behind HAProxy (direct ingress, the default front) draining at least 30 s before it stops,
-# so that HAProxy takes it out of rotation first: every app a test deletes, and every service a test stops, waited
-# those 30 s (a sixth of the suite's time). The tests delete apps and stop services they no longer send to, so 2 s of
-# draining are enough; the processes Ray starts (and `farm serve` in tests/e2e) inherit it. A deployment keeps 30 s.
+# Ray Serve keeps a replica behind HAProxy (direct ingress, the default front) reachable for a drain period before it
+# stops, so that HAProxy takes it out of rotation first: Ray's 30 s, 5 s in the farm (server.py's DRAIN_S), paid by
+# every app a test deletes and every service a test stops. The tests delete apps and stop services they no longer
+# send to, so 2 s are enough; the processes Ray starts (and `farm serve` in tests/e2e: commands.serve_env) inherit it.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 # FARM_CACHE is left as the user has it: by default rollout_farm/services/models.py's ~/.cache/rollout-farm, outside

@@ -98,12 +98,17 @@ def main(argv: list[str] | None = None) -> None:
         from pydantic import ValidationError
 
         from rollout_farm.services.config.settings import ServiceSettings, SettingsError, explain
-        from rollout_farm.services.serving.server import run_forever
 
         given = {"model": args.model, "port": args.port, "replicas": args.replicas}
         overrides = {k: v for k, v in given.items() if v is not None}
         try:
-            run_forever(ServiceSettings(**overrides), fresh=args.fresh)
+            settings = ServiceSettings(**overrides)
+        except ValidationError as e:  # said before the seconds of importing Ray, torch and the engines
+            sys.exit(explain(e))
+        from rollout_farm.services.serving.server import run_forever
+
+        try:
+            run_forever(settings, fresh=args.fresh)
         except ValidationError as e:
             sys.exit(explain(e))
         except SettingsError as e:

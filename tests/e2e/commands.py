@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from rollout_farm.services.net import free_port
+from rollout_farm.services.serving.server import DRAIN
 from tests.conftest import TOKEN
 
 
@@ -30,8 +31,10 @@ def serve_env(model, tmp_path, **farm) -> dict[str, str]:
     folder under tmp_path, no FARM_REDIS_URL (its own embedded Redis), then the FARM_ settings given (names without
     the prefix, e.g. replicas="2"). Nothing of the session service's Ray: its RAY_SERVE_* variables (the ports of its
     HAProxy's stats and metrics and of the proxy HAProxy falls back on, which server.start sets in this process)
-    would make the new service's HAProxy bind the same ports and fail, or fall back on the session service."""
+    would make the new service's HAProxy bind the same ports and fail, or fall back on the session service. Except
+    the replicas' short drain (tests/conftest.py), so that each stop of the service takes seconds."""
     env = {k: v for k, v in os.environ.items() if k != "FARM_REDIS_URL" and not k.startswith("RAY_SERVE_")}
+    env[DRAIN] = os.environ[DRAIN]
     env |= {"FARM_API_TOKEN": TOKEN, "FARM_PORT": str(free_port()), "FARM_MODEL": str(model)}
     env |= {"FARM_ENGINE_THREADS": "1", "FARM_STATE_DIR": str(tmp_path / "state")}
     return env | {f"FARM_{k.upper()}": v for k, v in farm.items()}

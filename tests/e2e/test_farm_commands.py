@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -14,10 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from rollout_farm.services import protocol as P
 from rollout_farm.services.client import FarmClient
+from rollout_farm.services.serving.haproxy_orphans import node_haproxies
 from rollout_farm.services.weights.pusher import WeightPusher
 from rollout_farm.trainer.sync.weights import push_weights
 from tests.conftest import TOKEN
 from tests.e2e.commands import farm_serve, farm_train, serve_env, stop
+from tests.haproxies import listening, stand_in
 
 GREEDY = P.RolloutRequest(
     prompts=[P.Prompt(text="Q: 12+3\nA:", ground_truth="15")],
@@ -51,13 +54,19 @@ def test_trainer_runs_two_steps_and_pushes_two_versions(service, client, fresh_w
 
 
 def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
+    """... and ends every haproxy of its Ray node, the one its HAProxy manager left too (when Serve's shutdown timed
+    out, ray.shutdown() killed the manager before it ended its haproxy): a stand-in, started by this test with a
+    config in the node's folder, must be gone after the stop."""
     env = serve_env(tiny_model, tmp_path)
     port = env["FARM_PORT"]
     proc = farm_serve(env)
+    leftover = None
     try:
         url = f"http://127.0.0.1:{port}"
         with FarmClient(url, TOKEN) as c:
             c.wait_ready(timeout_s=180)
+            (folder,) = {Path(config_path(p)).parent for p in haproxies(proc.pid)}  # the default front's HAProxy
+            leftover, leftover_port = stand_in(folder / "left-behind.cfg")
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1 and c.weights_version().version == 0
             cmd = farm_train(
                 url,
@@ -70,8 +79,14 @@ def test_farm_serve_starts_serves_and_stops_cleanly(tiny_model, tmp_path):
             assert c.weights_version().version == 2  # a fresh service: two steps, two versions
     finally:
         out = stop(proc)
+        if leftover is not None:
+            leftover_ended = leftover.poll() is not None
+            leftover.kill()
+            leftover.wait()
     assert proc.returncode == 0, out[-3000:]
     assert "service_stopping" in out
+    assert leftover_ended and not listening(leftover_port), "farm serve's stop left an haproxy of its node running"
+    assert node_haproxies(folder.name) == []  # nor any other holding a port (services/serving/haproxy_orphans.py)
 
 
 LONG = P.RolloutRequest(
@@ -97,6 +112,7 @@ def test_the_fused_front_behind_haproxy_serves_and_outlives_its_haproxy_killed(t
             c.wait_ready(timeout_s=180)
             haproxy = haproxies(proc.pid)
             assert haproxy and f":{port}" in (haproxy[0].cwd() + open_config(haproxy[0]))
+            node = node_of(haproxy[0])
             assert len(c.rollouts(GREEDY).groups[0].samples) == 1
             model = AutoModelForCausalLM.from_pretrained(tiny_model)
             assert (
@@ -138,6 +154,7 @@ def test_the_fused_front_behind_haproxy_serves_and_outlives_its_haproxy_killed(t
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in haproxy)
+    assert node_haproxies(node) == []  # nor another of its node's
 
 
 def haproxies(pid: int) -> list:
@@ -152,10 +169,20 @@ def haproxies(pid: int) -> list:
     return found
 
 
-def open_config(process) -> str:
-    """The text of the config file an haproxy process was started with (-f FILE)."""
+def config_path(process) -> str:
+    """The config file an haproxy process was started with (-f FILE)."""
     args = process.cmdline()
-    return open(args[args.index("-f") + 1]).read() if "-f" in args else ""
+    return args[args.index("-f") + 1] if "-f" in args else ""
+
+
+def open_config(process) -> str:
+    """The text of the config file an haproxy process was started with."""
+    return open(path).read() if (path := config_path(process)) else ""
+
+
+def node_of(process) -> str:
+    """The Ray node an haproxy of Serve's serves: the folder of its config is named after it."""
+    return Path(config_path(process)).parent.name
 
 
 def serve_fails(tmp_path, **env) -> str:

@@ -106,9 +106,9 @@ def test_engine_replicas_ask_ray_for_gpus_on_cuda(settings, gpus):
 
 def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
     from rollout_farm.services.config.settings import ServiceSettings
-    from rollout_farm.services.serving.server import HAPROXY_PORTS, http_proxy_env
+    from rollout_farm.services.serving.server import DRAIN, DRAIN_S, HAPROXY_PORTS, http_proxy_env
 
-    for name in HAPROXY_PORTS:
+    for name in (*HAPROXY_PORTS, DRAIN):
         monkeypatch.delenv(name, raising=False)
     assert http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="serve")) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     env = http_proxy_env(ServiceSettings(api_token=TOKEN))  # the default: haproxy
@@ -117,12 +117,15 @@ def test_the_http_proxy_setting_becomes_serves_environment(monkeypatch):
         env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
         and len(set(ports)) == 4
         and set(ports).isdisjoint({8404, 9101, 8500, 9500})
+        and env[DRAIN] == DRAIN_S != "30"  # not Ray's 30 s drain, which every stop of the service waited
     )
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # set by the operator: kept
     assert (
         http_proxy_env(ServiceSettings(api_token=TOKEN, http_proxy="haproxy"))["RAY_SERVE_HAPROXY_STATS_PORT"]
         == "18404"
     )
+    monkeypatch.setenv(DRAIN, "12")
+    assert http_proxy_env(ServiceSettings(api_token=TOKEN))[DRAIN] == "12"
     with pytest.raises(ValueError, match="http_proxy"):
         ServiceSettings(api_token=TOKEN, http_proxy="nginx")
 

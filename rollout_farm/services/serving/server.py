@@ -17,12 +17,14 @@ from rollout_farm.services.config.settings import ServiceSettings, SettingsError
 from rollout_farm.services.models import CACHE, resolve_model
 from rollout_farm.services.net import free_port
 from rollout_farm.services.serving.app import build_app, engine_class
+from rollout_farm.services.serving.haproxy_orphans import end_node_haproxies
 from rollout_farm.services.serving.readiness import announce
 from rollout_farm.services.state.embedded_redis import EmbeddedRedis
 from rollout_farm.services.weights.store import sweep
 
 log = logging.getLogger("farm.service")
 EMBEDDED: list[EmbeddedRedis] = []  # the embedded Redis this process started, stopped by stop()
+OWN_NODES: list[str] = []  # the node of the Ray cluster this process started, its leftover haproxy ended by stop()
 
 
 def with_model_folder(settings: ServiceSettings) -> ServiceSettings:
@@ -68,6 +70,8 @@ HAPROXY_PORTS = (
     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
     "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
 )
+DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAIN_S = "5"  # Ray's default is 30 s, for a load balancer outside Ray (an AWS ALB) that must deregister the replica
 
 
 def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
@@ -76,10 +80,17 @@ def http_proxy_env(settings: ServiceSettings) -> dict[str, str]:
     9101 on every interface, and the proxy actor that HAProxy falls back on while no replica is up 8500 and 9500:
     free ports instead, unless set, so that two services (or a trainer's metrics) share a machine. (With the
     fallback's fixed port, a second service's HAProxy sent requests to the first service's proxy actor while its own
-    replicas started: the first service answered them.)"""
+    replicas started: the first service answered them.)
+
+    A replica behind HAProxy (direct ingress) stays reachable for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+    before it stops, then refuses new connections and finishes the requests it holds. The farm's replicas sit behind
+    Serve's own HAProxy, which Serve's controller tells of a stopping replica within a second, and which retries a
+    refused connection on another replica: DRAIN_S, unless set, instead of Ray's 30 s. (With 30 s every stop of
+    `farm serve` waited 30 s, past serve.shutdown()'s own 30 s, so ray.shutdown() ended the HAProxy manager before it
+    ended its haproxy: haproxy_orphans.py.) The Helm chart's Ray nodes do not start here: they keep Ray's 30 s."""
     if settings.http_proxy != "haproxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", DRAIN: os.environ.get(DRAIN) or DRAIN_S}
     for name in HAPROXY_PORTS:
         env[name] = os.environ.get(name) or str(free_port("0.0.0.0"))
     return env
@@ -104,6 +115,7 @@ def start(
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
             _metrics_export_port=settings.ray_metrics_port,
         )
+        OWN_NODES.append(ray.get_runtime_context().get_node_id())
         on_ray_started()
     serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config={"log_level": "WARNING"})
     serve.run(
@@ -118,8 +130,13 @@ def start(
 
 
 def stop() -> None:
+    """Shut Serve and Ray down, end the haproxy that Serve's shutdown may have left running on the node of the Ray
+    cluster this process started (haproxy_orphans.py), then stop the embedded Redis."""
     serve.shutdown()
     ray.shutdown()
+    while OWN_NODES:
+        if ended := end_node_haproxies(OWN_NODES.pop()):
+            log.info("haproxy_orphans_ended", extra={"pids": ended})
     while EMBEDDED:
         EMBEDDED.pop().stop()
 
