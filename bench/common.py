@@ -187,6 +187,16 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def write_section(path: Path, begin: str, end: str, body: str) -> None:
+    """Replace what lies between a doc's `begin` line and its `end` marker with `body` (a table rebuilt from data)."""
+    text = path.read_text()
+    before, _, rest = text.partition(begin + "\n")
+    _, _, after = rest.partition(end)
+    if not rest:
+        raise SystemExit(f"{path}: no {begin} line")
+    path.write_text(before + begin + "\n" + body + end + after)
+
+
 def shown_path(path: Path) -> str:
     """A data path as the docs name it: from the repository root, or whole where it lies outside."""
     path = path.resolve()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from scipy import stats
@@ -95,13 +96,10 @@ def render(data: dict) -> str:
 
 
 def main() -> None:
-    data = json.loads(DATA.read_text())
-    text = README.read_text()
-    before, _, rest = text.partition(BEGIN + "\n")
-    _, _, after = rest.partition(END)
-    if not rest:
-        raise SystemExit(f"{README}: no {BEGIN} line")
-    README.write_text(before + BEGIN + "\n" + render(data) + END + after)
+    sys.path.insert(0, str(ROOT))
+    from bench.common import write_section
+
+    write_section(README, BEGIN, END, render(json.loads(DATA.read_text())))
     print(f"wrote the table into {README.relative_to(ROOT)}")
 
 
