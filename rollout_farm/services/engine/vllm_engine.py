@@ -140,6 +140,9 @@ class VLLMEngine(VLLMWeights, Engine):
 
     def close(self) -> None:
         """Stop the vLLM server (its whole process group). Idempotent."""
+        http, self._http = self.__dict__.get("_http"), None
+        if http is not None:
+            self._loop.submit(http.close()).result(5)
         self.server.stop()
 
     def __del__(self):
@@ -154,10 +157,11 @@ class VLLMEngine(VLLMWeights, Engine):
 
     async def _apost(self, path: str, body: dict | None = None, **params) -> dict:
         """On the engine's loop."""
-        r = await self._http.post(path, json=body if body is not None else {}, params=params or None)
-        if r.status_code != 200:
-            raise VLLMError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
-        return r.json() if r.content else {}
+        async with self._http.post(path, json=body if body is not None else {}, params=params or None) as r:
+            text = await r.text()
+        if r.status != 200:
+            raise VLLMError(f"vLLM {path} answered {r.status}: {text[:500]}")
+        return json.loads(text) if text else {}
 
     # lifecycle -------------------------------------------------------------
     def abort(self) -> None:
@@ -282,11 +286,11 @@ class VLLMEngine(VLLMWeights, Engine):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        async with self._http.stream("POST", "/inference/v1/generate", json=body) as r:
-            if r.status_code != 200:
-                raise VLLMError(f"vLLM /inference/v1/generate answered {r.status_code}: {(await r.aread())[:500]}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
+        async with self._http.post("/inference/v1/generate", json=body) as r:
+            if r.status != 200:
+                raise VLLMError(f"vLLM /inference/v1/generate answered {r.status}: {(await r.text())[:500]}")
+            async for line in r.content:
+                if line.startswith(b"data: {"):
                     into.add(json.loads(line[6:]))
         cached = ((into.usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         self.stats.prefill(len(prompt) - cached, cached)

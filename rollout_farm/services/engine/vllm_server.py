@@ -95,13 +95,13 @@ class VLLMServer:
         transport = httpx.HTTPTransport(uds=str(self.socket))
         return httpx.Client(transport=transport, base_url="http://vllm", timeout=timeout)
 
-    def async_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-        return httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(self.socket), limits=limits),
-            base_url="http://vllm",
-            timeout=None,
-        )
+    def async_client(self):
+        """An aiohttp session on the socket, made on the loop that uses it. (httpx's pool, with streams cancelled
+        mid-response, came to block its loop for seconds in its bookkeeping: tests/vllm's abort test.)"""
+        import aiohttp
+
+        connector = aiohttp.UnixConnector(path=str(self.socket), limit=0)
+        return aiohttp.ClientSession("http://vllm", connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
     @property
     def alive(self) -> bool:
