@@ -30,4 +30,5 @@ def test_auto_takes_vllm_for_a_real_model_on_cpu_and_torch_for_a_toy_or_without_
     no_vllm = {**with_vllm, "vllm_python": str(tmp_path / "missing" / "python")}
     assert engine_name(ServiceSettings(**no_vllm, model=big)) == "torch"
     assert engine_name(ServiceSettings(**{**with_vllm, "device": "cuda"}, model=big)) == "sglang"
-    assert engine_name(ServiceSettings(engine="torch", model=big, api_token="test-token-auto")) == "torch"  # only "auto" is resolved
+    only_auto = ServiceSettings(engine="torch", model=big, api_token="test-token-auto")
+    assert engine_name(only_auto) == "torch"  # only "auto" is resolved

@@ -27,6 +27,11 @@ COMMAND = "python -m rollout_farm.services.config.settings_doc > docs/settings.m
 
 # FARM_* variables read outside ServiceSettings: variable -> (who reads it, default, what it is).
 READ_ELSEWHERE = {
+    "FARM_VLLM_PARENT_PID": (
+        "rollout_farm/services/engine/vllm_side/farm_vllm_launch.py",
+        "set by the vLLM engine",
+        "Internal: the replica a vLLM server belongs to; the server's process group ends once it is gone.",
+    ),
     "FARM_CACHE": (
         "rollout_farm/services/models.py",
         "~/.cache/rollout-farm",
