@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements.lock
 install: $(STAMP)
 
 $(VLLM_STAMP): requirements-vllm.lock
-	rm -f $(VLLM_VENV)/.failed
+	rm -f $(VLLM_STAMP) $(VLLM_VENV)/.failed
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=25"
 	$(VLLM_VENV)/bin/pip install -q --require-hashes --no-deps -r requirements-vllm.lock

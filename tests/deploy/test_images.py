@@ -27,8 +27,10 @@ HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent))
 PACKAGES = ("rollout_farm",)  # what pyproject.toml ships, all in both images
 CODE = {"README.md", *PACKAGES}  # what the code layer copies; the dependency layer copies none of it
 # modules that an image's extras need not provide: the GPU image gets SGLang from its base (SGLang's own image, the
-# version asserted at build); the CPU image has no SGLang engine (imported lazily, so the rest imports without it)
-NOT_FROM_EXTRAS = {"Dockerfile": {"sglang"}, "Dockerfile.gpu": {"sglang"}}
+# version asserted at build); the CPU image has no SGLang engine (imported lazily, so the rest imports without it).
+# vLLM runs in an environment of its own (engine/vllm_side/'s modules run there, not in the images'): the images do
+# not ship it (FARM_ENGINE=vllm needs FARM_VLLM_PYTHON)
+NOT_FROM_EXTRAS = {"Dockerfile": {"sglang", "vllm"}, "Dockerfile.gpu": {"sglang", "vllm"}}
 
 
 def lock_pin(name: str) -> str:

@@ -13,9 +13,9 @@ def test_engines_are_registered_and_unknown_ones_are_refused_at_start_up(tiny_mo
     from rollout_farm.services.engine import ENGINES
     from rollout_farm.services.serving.app import engine_class
 
-    assert {"torch", "sglang", "bench"} <= set(ENGINES.names())
-    with pytest.raises(SettingsError, match="FARM_ENGINE.*valid names: bench, sglang, torch"):
-        engine_class(ServiceSettings(api_token=TOKEN, engine="vllm"))
+    assert {"torch", "sglang", "vllm", "bench"} <= set(ENGINES.names())
+    with pytest.raises(SettingsError, match="FARM_ENGINE.*valid names: bench, sglang, torch, vllm"):
+        engine_class(ServiceSettings(api_token=TOKEN, engine="tensorrt"))
     with pytest.raises(SettingsError, match="FARM_ENGINE.*FARM_PLUGINS"):  # a module not listed is never imported
         engine_class(ServiceSettings(api_token=TOKEN, engine="tests.farm_plugins:EchoEngine"))
     with pytest.raises(SettingsError, match="not a Engine subclass"):

@@ -131,7 +131,7 @@ def test_a_sessions_next_turn_finds_its_earlier_turns_cached(engine):
 
 
 def test_abort_and_cancel_end_calls_with_their_tokens_so_far(engine):
-    """Sixteen rows of 500 tokens: seconds of work, cut at 0.3 s (with room for a loaded machine's delays)."""
+    """Sixteen rows of 500 tokens: seconds of work, cut at 0.6 s (with room for a loaded machine's delays)."""
     p = [ids(engine, f"long {i}") for i in range(16)]
     long = SamplingParams(max_new_tokens=500, ignore_eos=True, seed=0)
     full = engine.generate(p, long)
@@ -147,13 +147,13 @@ def test_abort_and_cancel_end_calls_with_their_tokens_so_far(engine):
     t.start()
     while not engine.busy and t.is_alive():
         time.sleep(0.005)
-    time.sleep(0.3)
+    time.sleep(0.6)
     engine.abort()
     t.join(60)
     assert "out" in results, "the call failed (its error is in the thread's output)"
     check(results["out"])
     cancel = threading.Event()
-    threading.Timer(0.3, cancel.set).start()
+    threading.Timer(0.6, cancel.set).start()
     check(engine.generate(p, long, cancel))
     assert not engine.busy
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_farm.services.engine import WeightsRejected
-from rollout_farm.services.engine.vllm_server import SIDE, group_alive, vllm_python
+from rollout_farm.services.engine.vllm_server import SIDE, group_alive
 from rollout_farm.services.protocol import SamplingParams
 from tests.vllm.reference import forward_logprobs, load, worst
 
@@ -128,17 +128,24 @@ def test_a_commit_lets_running_calls_finish_on_the_old_weights_or_aborts_them(wi
     assert wide_engine.weight_version == version + 1
 
 
-def test_the_launcher_ends_its_group_when_its_parent_is_gone(tmp_path):
+def test_the_launchers_watcher_ends_its_whole_group_when_its_parent_is_gone():
+    """The launcher's watcher (farm_vllm_launch._watch), in a process leading its group with a child that ignores
+    SIGTERM (as a hung vLLM process would): SIGTERM to the others, then SIGKILL to the whole group, the watcher's own
+    process included. (A watcher that sent SIGTERM to its own group first died with it, and the child lived on.)"""
     parent = subprocess.Popen([sys.executable, "-c", "pass"])
-    parent.wait()
-    proc = subprocess.Popen(
-        [str(vllm_python()), str(SIDE / "farm_vllm_launch.py"), "--help"],
-        env={**os.environ, "FARM_VLLM_PARENT_PID": str(parent.pid), "PYTHONPATH": str(SIDE)},
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    parent.wait()  # gone: the watcher acts at once
+    script = (
+        "import subprocess, farm_vllm_launch as launch; launch.GRACE_S = 1; "
+        "subprocess.Popen(['bash', '-c', 'trap \"\" TERM; sleep 600']); "
+        f"launch._watch({parent.pid})"
     )
-    assert proc.wait(60) in (-signal.SIGTERM, -signal.SIGKILL, 0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(SIDE)}, start_new_session=True
+    )
+    assert proc.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not group_alive(proc.pid)
 
 

