@@ -210,7 +210,7 @@ def test_serve_errors_name_the_variable_and_the_fix(tiny_model, tmp_path):
     assert "FARM_PORT='eighty': Input should be a valid integer" in short
     missing = serve_fails(tmp_path, FARM_MODEL=str(tmp_path / "nowhere"), FARM_API_TOKEN=TOKEN)
     assert "FARM_MODEL=" in missing and "no model folder" in missing
-    engine = serve_fails(tmp_path, FARM_MODEL=str(tiny_model), FARM_API_TOKEN=TOKEN, FARM_ENGINE="vllm")
+    engine = serve_fails(tmp_path, FARM_MODEL=str(tiny_model), FARM_API_TOKEN=TOKEN, FARM_ENGINE="tensorrt")
     assert "FARM_ENGINE" in engine and "valid names" in engine
 
 

@@ -111,7 +111,7 @@ def test_a_commit_lets_running_calls_finish_on_the_old_weights_or_aborts_them(wi
 
     def call():
         try:
-            results["out"] = wide_engine.generate([SEQ + [i] for i in range(16)], long)  # seconds of work
+            results["out"] = wide_engine.generate([SEQ + [i] for i in range(64)], long)  # seconds of work
         except Exception as e:  # shown by the assertion below
             results["error"] = repr(e)
 
